@@ -1,0 +1,110 @@
+"""Blocks, ref counts, the LRU free queue and the hash -> block map that makes the prefix cache.
+
+A free block keeps its hash and stays findable until it is evicted to serve an allocation.
+Eviction takes the front of the free queue; pinned blocks (persona prefixes) sit in their own
+queue and go only when no unpinned free block is left.
+"""
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+def block_hash(parent: bytes | None, token_ids, extra_key: str) -> bytes:
+    """Names a whole prefix: the parent's hash chains every earlier block in."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(extra_key.encode())
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Block:
+    id: int
+    ref_cnt: int = 0
+    hash: bytes | None = None
+    token_ids: tuple = ()
+    pinned: bool = False
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError("a block pool needs at least one block")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
+        self.pinned_queue: OrderedDict[int, Block] = OrderedDict()
+        self.cached: dict[bytes, Block] = {}
+        self.evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue) + len(self.pinned_queue)
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return sum(1 for q in (self.free_queue, self.pinned_queue) for b in q.values() if b.hash)
+
+    def allocate(self) -> Block:
+        queue = self.free_queue or self.pinned_queue
+        if not queue:
+            raise PoolExhausted("KV cache is full")
+        _, block = queue.popitem(last=False)
+        self._forget(block)
+        block.ref_cnt = 1
+        return block
+
+    def lookup(self, hash_: bytes, token_ids) -> Block | None:
+        block = self.cached.get(hash_)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Take a reference to a cached block, pulling it out of a free queue if it sat there."""
+        if block.ref_cnt == 0:
+            self.free_queue.pop(block.id, None)
+            self.pinned_queue.pop(block.id, None)
+        block.ref_cnt += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference from each; the tail goes first into the queue so it is evicted first."""
+        for block in reversed(blocks):
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (self.pinned_queue if block.pinned else self.free_queue)[block.id] = block
+
+    def cache(self, block: Block, hash_: bytes, token_ids) -> None:
+        if block.hash is not None:
+            return
+        if hash_ in self.cached:  # the same prefix computed twice: keep the older copy findable
+            return
+        block.hash, block.token_ids = hash_, tuple(token_ids)
+        self.cached[hash_] = block
+
+    def set_pinned(self, block: Block, pinned: bool) -> None:
+        if block.pinned == pinned:
+            return
+        block.pinned = pinned
+        if block.ref_cnt == 0:
+            src, dst = (self.free_queue, self.pinned_queue) if pinned else (self.pinned_queue, self.free_queue)
+            src.pop(block.id, None)
+            dst[block.id] = block
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None:
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            self.evictions += 1
+        block.hash, block.token_ids, block.pinned = None, (), False

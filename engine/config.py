@@ -1,0 +1,72 @@
+"""Validated settings: the engine's, a request's sampling parameters, the KV precision."""
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ConfigError(ValueError):
+    """A setting or request that cannot be served; the message is shown to the user as is."""
+
+
+class Precision(str, Enum):
+    FP16 = "fp16"  # the model's own dtype (fp32 on CPU)
+    INT8 = "int8"
+    K8V4 = "k8v4"
+    INT4 = "int4"
+
+
+@dataclass
+class EngineConfig:
+    model: str = "starter"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    weights: str = "none"  # none | int8 | nf4 (bitsandbytes, CUDA only)
+    kv_precision: Precision = Precision.FP16
+    block_size: int = 16
+    max_context: int = 8192
+    kv_budget_bytes: int | None = None  # None: room for max_context tokens plus a prefix-cache reserve
+    prefill_chunk: int = 512
+    threads: int | None = None
+
+    def __post_init__(self):
+        self.kv_precision = Precision(self.kv_precision)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.weights not in ("none", "int8", "nf4"):
+            raise ConfigError(f"weights must be none, int8 or nf4, not {self.weights!r}")
+        for name in ("block_size", "max_context", "prefill_chunk"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 512
+    temperature: float = 0.7
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+
+    def __post_init__(self):
+        checks = [
+            (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
+             "max_new_tokens must be a positive integer"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

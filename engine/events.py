@@ -1,0 +1,80 @@
+"""What a request hands back: events, and the handle that carries them across threads."""
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from .config import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """A request the engine could not serve; the message is one line for the user."""
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    decode_tok_s: float = 0.0
+    kv_precision: str = "fp16"
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class TokenDelta:
+    text: str
+    token_id: int
+
+
+@dataclass
+class Finished:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | cancelled
+    stats: Stats
+
+
+@dataclass
+class Error:
+    message: str
+
+
+@dataclass
+class Request:
+    messages: list[dict] | None = None
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+class RequestHandle:
+    def __init__(self, request: Request):
+        self.request = request
+        self.events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            yield event
+            if isinstance(event, (Finished, Error)):
+                return
+
+    def result(self, timeout: float | None = None) -> Finished:
+        """Wait for the end; raises EngineError if the request failed."""
+        while True:
+            event = self.events.get(timeout=timeout)
+            if isinstance(event, Error):
+                raise EngineError(event.message)
+            if isinstance(event, Finished):
+                return event

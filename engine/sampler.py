@@ -1,0 +1,46 @@
+"""Next-token choice from one row of logits: greedy, temperature, top-k/p, min-p, repetition penalty."""
+import torch
+
+from .config import SamplingParams
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, device="cpu"):
+        self.params = params
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, seen_ids: torch.Tensor | None = None) -> int:
+        p = self.params
+        logits = logits.float()
+        if p.repetition_penalty != 1.0 and seen_ids is not None and seen_ids.numel():
+            logits = apply_repetition_penalty(logits, seen_ids, p.repetition_penalty)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        probs = filtered_probs(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style, as transformers does it: a seen token's logit is divided by the penalty when
+    positive and multiplied when negative."""
+    logits = logits.clone()
+    seen = logits[seen_ids]
+    logits[seen_ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= top_p * sorted_probs.sum(), 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return probs / probs.sum()

@@ -1,0 +1,1 @@
+"""Compute kernels: a torch reference for every op, and (later) Triton kernels behind one dispatch."""
