@@ -16,6 +16,7 @@ class StepMeta:
     slots: torch.Tensor  # [T], one per new token
     block_table: torch.Tensor  # [num_blocks of the sequence]
     context_len: int  # tokens in the sequence after this step
+    first_block: int | None = None  # set when the block table is one run of consecutive ids
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -30,7 +31,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     layer = module.layer_idx
     kv_meta.kv.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), kv_meta.slots)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = kv_meta.kv.attend(layer, query[0].transpose(0, 1), kv_meta.block_table, kv_meta.context_len, scale)
+    out = kv_meta.kv.attend(layer, query[0].transpose(0, 1), kv_meta.block_table, kv_meta.context_len, scale,
+                            kv_meta.first_block)
     return out.unsqueeze(0), None
 
 

@@ -110,7 +110,7 @@ class Engine:
             handle.events.put(Error(str(e)))
         except Exception as e:
             log.exception("request failed")
-            handle.events.put(Error(f"internal error: {type(e).__name__}: {e}"))
+            handle.events.put(Error(f"internal error: {type(e).__name__}: {e}", internal=True))
         finally:
             if seq is not None:
                 self.manager.free(seq)

@@ -41,6 +41,7 @@ class Finished:
 @dataclass
 class Error:
     message: str
+    internal: bool = False  # a bug or a device failure, not the request's fault
 
 
 @dataclass

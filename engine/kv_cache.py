@@ -53,5 +53,6 @@ class KVCache:
         reference.write_kv(self.k[layer], self.v[layer], key, value, slots)
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
-               scale: float) -> torch.Tensor:
-        return reference.paged_attention(query, self.k[layer], self.v[layer], block_table, context_len, scale)
+               scale: float, first_block: int | None = None) -> torch.Tensor:
+        return reference.paged_attention(query, self.k[layer], self.v[layer], block_table, context_len, scale,
+                                         first_block)

@@ -1,6 +1,8 @@
 """One forward step of one sequence through the model, with its K/V in our pool."""
 import torch
 
+from kvchat.kernels.reference import consecutive_start
+
 from .attention import ATTN_NAME, StepMeta
 from .kv_cache import KVCache
 from .kv_manager import KVCacheManager, Sequence
@@ -21,11 +23,13 @@ class ModelRunner:
         dev = self.device
         ids = torch.tensor([seq.token_ids[start:end]], device=dev)
         positions = torch.arange(start, end, device=dev).unsqueeze(0)
+        block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
         meta = StepMeta(
             kv=self.kv,
             slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
-            block_table=torch.tensor([b.id for b in seq.blocks[:self.manager.blocks_needed(end)]], device=dev),
+            block_table=torch.tensor(block_ids, device=dev),
             context_len=end,
+            first_block=consecutive_start(block_ids),
         )
         hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, kv_meta=meta).last_hidden_state
         seq.num_computed = end

@@ -1,0 +1,50 @@
+"""A terminal conversation: the message list, the persona, and the slash commands of ``kvchat chat``."""
+from .config import SamplingParams
+from .events import EngineError, Request
+
+
+class ChatSession:
+    def __init__(self, engine, system: str | None = None):
+        self.engine, self.system = engine, system
+        self.messages: list[dict] = []
+        self.last_stats = None
+
+    def conversation(self) -> list[dict]:
+        persona = [{"role": "system", "content": self.system}] if self.system else []
+        return persona + self.messages
+
+    def command(self, line: str, sampling: SamplingParams, stream, say) -> bool:
+        """Handle one input line; False means quit."""
+        text = line.strip()
+        if text in ("/quit", "/exit"):
+            return False
+        if text.startswith("/system"):
+            self.system = text[len("/system"):].strip() or None
+            self.messages = []
+            say(f"[persona {'set' if self.system else 'cleared'}; conversation reset]")
+        elif text == "/reset":
+            self.messages = []
+            say("[conversation reset]")
+        elif text == "/stats":
+            say(self.stats_line())
+        elif text.startswith("/"):
+            say("[commands: /system TEXT, /reset, /stats, /quit]")
+        elif text:
+            self.send(text, sampling, stream, say)
+        return True
+
+    def send(self, text: str, sampling: SamplingParams, stream, say) -> None:
+        self.messages.append({"role": "user", "content": text})
+        try:
+            done = stream(self.engine.submit(Request(messages=self.conversation(), sampling=sampling)))
+        except EngineError as e:
+            self.messages.pop()
+            say(f"[error: {e}]")
+            return
+        self.messages.append({"role": "assistant", "content": done.text, "token_ids": done.token_ids})
+        self.last_stats = done.stats
+
+    def stats_line(self) -> str:
+        from .cli import format_stats
+
+        return format_stats(self.last_stats) if self.last_stats else "[no turn yet]"

@@ -1,0 +1,185 @@
+"""The ``kvchat`` command: chat, generate, serve, bench."""
+import argparse
+import json
+import logging
+import sys
+
+from .config import ConfigError, EngineConfig, SamplingParams
+
+USAGE_ERROR = 2
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="starter", help="a model folder, a .gguf file, a hub id, or 'starter'")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--weights", default="none", choices=["none", "int8", "nf4"], help="bitsandbytes, CUDA only")
+    p.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
+    p.add_argument("--context", type=int, default=8192, help="context length in tokens")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def sampling_args(p: argparse.ArgumentParser, max_new: int = 512) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="kvchat", description="Offline chat with local Llama and Qwen models.")
+    sub = root.add_subparsers(dest="command")
+    chat = sub.add_parser("chat", help="interactive terminal chat (/system, /reset, /stats, /quit)")
+    engine_args(chat)
+    sampling_args(chat)
+    chat.add_argument("--system", default=None)
+    gen = sub.add_parser("generate", help="one reply to one prompt")
+    engine_args(gen)
+    sampling_args(gen, max_new=256)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=None)
+    gen.add_argument("--json", action="store_true")
+    serve = sub.add_parser("serve", help="OpenAI-compatible API on loopback")
+    engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
+    bench.add_argument("which", choices=["decode", "prefix"])
+    bench.add_argument("--model", default="starter")
+    bench.add_argument("--json", action="store_true")
+    return root
+
+
+def make_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, weights=args.weights,
+                        kv_precision=args.kv_precision, max_context=args.context, threads=args.threads)
+
+
+def make_sampling(args) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def start_engine(config: EngineConfig):
+    from .engine import Engine
+
+    engine = Engine(config)
+    engine.wait_ready()
+    return engine
+
+
+def cmd_generate(args) -> int:
+    from .events import Request
+
+    sampling = make_sampling(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}]
+    engine = start_engine(make_config(args))
+    handle = engine.submit(Request(messages=messages, sampling=sampling))
+    if args.json:
+        done = handle.result()
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "finish_reason": done.finish_reason,
+                          "stats": vars(done.stats)}, indent=2))
+    else:
+        done = stream_to_stdout(handle)
+    engine.close()
+    return 0
+
+
+def stream_to_stdout(handle):
+    from .events import EngineError, Error, Finished, TokenDelta
+
+    for event in handle:
+        if isinstance(event, TokenDelta):
+            print(event.text, end="", flush=True)
+        elif isinstance(event, Error):
+            print()
+            raise EngineError(event.message)
+        elif isinstance(event, Finished):
+            print()
+            return event
+
+
+def format_stats(stats) -> str:
+    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached, {stats.computed_tokens} computed), "
+            f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
+            f"KV {stats.kv_precision}")
+
+
+def cmd_chat(args) -> int:
+    from .chat_session import ChatSession
+
+    sampling = make_sampling(args)
+    print(f"kvchat: loading {args.model} ...", file=sys.stderr)
+    engine = start_engine(make_config(args))
+    session = ChatSession(engine, system=args.system)
+    print("Type a message; /system TEXT sets the persona, /reset starts over, /stats shows the last turn, "
+          "/quit leaves.")
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        if not session.command(line, sampling, stream_to_stdout, print):
+            break
+    engine.close()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .server import create_app
+
+    engine = start_engine(make_config(args))
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
+    uvicorn.run(create_app(engine, engine.loaded.source.label), host=args.host, port=args.port, log_level="warning")
+    engine.close()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    if args.which == "decode":
+        bench.report_decode(bench.bench_decode(args.model), args.json)
+    else:
+        bench.report_prefix(bench.bench_prefix(args.model), args.json)
+    return 0
+
+
+def main(argv=None) -> int:
+    from .events import EngineError
+    from .models import ModelError
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="kvchat: %(message)s")
+    _quiet_transformers()
+    command = args.command or "chat"
+    if args.command is None:
+        args = parser().parse_args(["chat"])
+    try:
+        return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[command](args)
+    except (ModelError, EngineError, ConfigError) as e:
+        print(f"kvchat: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _quiet_transformers() -> None:
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
