@@ -1,0 +1,33 @@
+"""Tiny random Llama / Qwen2 (qkv bias) / Qwen3 (q/k norm) models with GQA and head_dim 64."""
+import copy
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from kvchat.engine.models import LoadedModel, ModelSource
+
+COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+}
+
+
+def tiny_model(arch: str, seed: int = 0):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    # random init leaves q/k/v biases at zero; give Qwen2's bias something to do
+    for name, p in model.named_parameters():
+        if name.endswith("_proj.bias"):
+            torch.nn.init.normal_(p, std=0.5)
+    return model
+
+
+def as_loaded(model, tokenizer, name: str = "tiny") -> LoadedModel:
+    return LoadedModel(copy.deepcopy(model), tokenizer, ModelSource("folder", name), f"test:{name}",
+                       torch.device("cpu"), torch.float32)
