@@ -47,7 +47,7 @@ class ChatFormatter:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
-        validate(messages)
+        validate(messages, need_user=add_generation_prompt)
         ids: list[int] = []
         starts = []
         before = ""
@@ -87,13 +87,15 @@ def _delta(before: str, after: str) -> str:
     return after[n:]
 
 
-def validate(messages: list[dict]) -> None:
+def validate(messages: list[dict], need_user: bool = True) -> None:
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ChatError(f"message {i} needs a role ({', '.join(ROLES)}) and a string content")
+    if not need_user:
+        return
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise ChatError("the conversation has no non-empty user message")
-    if not messages[-1]["content"].strip() and messages[-1]["role"] == "user":
+    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip():
         raise ChatError("the last message is empty")

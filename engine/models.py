@@ -95,10 +95,18 @@ def _progress_tqdm(progress):
     from tqdm.auto import tqdm
 
     class Reporter(tqdm):
+        """huggingface_hub's byte bars, forwarded as (done, total) calls."""
+
+        def __init__(self, *args, **kwargs):
+            self.counts_bytes = kwargs.get("unit") == "B"
+            self.done = kwargs.get("initial", 0) or 0
+            super().__init__(*args, **kwargs)
+
         def update(self, n=1):
             super().update(n)
-            if self.unit == "B":
-                progress(int(self.n), int(self.total or 0))
+            self.done += n or 0
+            if self.counts_bytes:
+                progress(int(self.done), int(self.total or 0))
 
     return Reporter
 

@@ -1,0 +1,71 @@
+from kvchat.engine.chat import FALLBACK_TEMPLATE, ChatFormatter, ChatError
+
+import pytest
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Count to three."},
+]
+
+
+def test_appending_a_message_never_changes_earlier_tokens(tokenizer):
+    f = ChatFormatter(tokenizer)
+    for n in range(1, len(CONVERSATION)):
+        shorter = f.encode(CONVERSATION[:n], add_generation_prompt=False).token_ids
+        longer = f.encode(CONVERSATION[:n + 1]).token_ids
+        assert longer[:len(shorter)] == shorter
+
+
+def test_rendering_matches_the_template_when_text_tokenizes_the_same(tokenizer):
+    f = ChatFormatter(tokenizer)
+    whole = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(f.encode(CONVERSATION).token_ids) == whole
+
+
+def test_assistant_reply_keeps_its_generated_ids(tokenizer):
+    f = ChatFormatter(tokenizer)
+    odd_ids = tokenizer("Hel", add_special_tokens=False)["input_ids"] + \
+        tokenizer("lo!", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    history = CONVERSATION[:2] + [{"role": "assistant", "content": "Hello!", "token_ids": odd_ids + [eos]}]
+    prompt = f.encode(history + [{"role": "user", "content": "Again"}])
+    start = prompt.message_starts[2]
+    head = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert prompt.token_ids[start:start + len(head) + len(odd_ids) + 1] == head + odd_ids + [eos]
+    assert prompt.token_ids[start + len(head) + len(odd_ids) + 1] != eos  # the end-of-turn is not doubled
+
+
+def test_generation_prompt_is_after_the_last_message(tokenizer):
+    f = ChatFormatter(tokenizer)
+    enc = f.encode(CONVERSATION)
+    assert tokenizer.decode(enc.token_ids[enc.prompt_start:]) == "<|im_start|>assistant\n"
+
+
+class NoTemplate:
+    chat_template = None
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def apply_chat_template(self, *a, **kw):
+        return self.inner.apply_chat_template(*a, **kw)
+
+    def __call__(self, *a, **kw):
+        return self.inner(*a, **kw)
+
+
+def test_model_without_template_gets_the_documented_fallback(tokenizer):
+    f = ChatFormatter(NoTemplate(tokenizer))
+    assert f.uses_fallback and f.template == FALLBACK_TEMPLATE
+    text = tokenizer.decode(f.encode([{"role": "user", "content": "hi"}]).token_ids)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "user", "content": ""}], [{"role": "bot", "content": "x"}],
+                                      [{"role": "user"}], [{"role": "system", "content": "persona only"}],
+                                      "hello"])
+def test_bad_conversations_are_refused(tokenizer, messages):
+    with pytest.raises(ChatError):
+        ChatFormatter(tokenizer).encode(messages)

@@ -1,0 +1,98 @@
+"""Model sources: HF folder, .gguf (the starter), hub id (offline here), and bad inputs."""
+import pytest
+import torch
+
+from kvchat.engine import models
+from kvchat.engine.models import ModelError, load, resolve
+
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("qwen2-tiny")
+    tiny_model("qwen2").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_folder_loads_with_its_tokenizer(hf_folder):
+    lm = load(str(hf_folder))
+    assert lm.source.kind == "folder" and lm.model.config.model_type == "qwen2"
+    assert lm.dtype == torch.float32 and lm.identity.startswith("folder:")
+    assert lm.tokenizer("hi")["input_ids"]
+    assert load(str(hf_folder / "config.json")).identity == lm.identity
+
+
+def test_starter_resolves_to_the_packaged_gguf_and_identity_is_its_hash(starter):
+    src = resolve("starter")
+    assert src.kind == "starter" and src.location.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert starter.identity == "gguf:" + models.file_digest(models.starter_path())
+    assert starter.model.config.model_type == "llama"
+
+
+def test_gguf_path_loads_through_the_converted_cache(starter):
+    lm = load(str(models.starter_path()))
+    assert lm.source.kind == "gguf" and lm.identity == starter.identity
+    assert torch.equal(lm.model.model.embed_tokens.weight, starter.model.model.embed_tokens.weight)
+
+
+def test_truncated_gguf_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(models.starter_path().read_bytes()[:300_000])
+    with pytest.raises(ModelError, match="cannot read GGUF file") as info:
+        load(str(bad))
+    assert "\n" not in str(info.value)
+
+
+def test_garbage_gguf_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "noise.gguf"
+    bad.write_bytes(b"not a gguf at all" * 100)
+    with pytest.raises(ModelError, match="cannot read GGUF file"):
+        load(str(bad))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("/no/such/dir/model.gguf", "no such model file"),
+    ("./nothing-here", "no such model"),
+    ("a/b/c", "no such model"),
+])
+def test_unknown_sources_are_named(spec, message):
+    with pytest.raises(ModelError, match=message):
+        resolve(spec)
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        resolve(str(tmp_path))
+
+
+def test_hub_id_offline_is_a_one_line_error_naming_the_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError) as info:
+        load("Qwen/Qwen2.5-0.5B-Instruct")
+    assert "Qwen/Qwen2.5-0.5B-Instruct" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_hub_download_reports_progress_in_bytes(monkeypatch, hf_folder):
+    """The real download path, with the network replaced by huggingface_hub's own tqdm calls."""
+    import huggingface_hub
+
+    seen = []
+
+    def fake_snapshot(repo_id, allow_patterns=None, tqdm_class=None, **kw):
+        bar = tqdm_class(total=1000, unit="B", disable=True)
+        bar.update(400)
+        bar.update(600)
+        bar.close()
+        return str(hf_folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    path = models.download("org/tiny", progress=lambda done, total: seen.append((done, total)))
+    assert path == hf_folder
+    assert seen == [(400, 1000), (1000, 1000)]
+
+
+def test_quantized_weights_need_cuda():
+    with pytest.raises(ModelError, match="need a CUDA GPU"):
+        models._bnb_config("nf4", torch.device("cpu"))
