@@ -1,0 +1,56 @@
+"""The torch reference against plain attention on unpaged tensors."""
+import math
+
+import pytest
+import torch
+
+from kvchat.kernels import reference
+
+
+def naive(q, k, v, scale):
+    """q [T, H, D] the last T of k/v [L, Hkv, D], causal, GQA by repetition."""
+    t, h, _ = q.shape
+    length, hkv, _ = k.shape
+    k = k.repeat_interleave(h // hkv, dim=1)
+    v = v.repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, k) * scale
+    pos = torch.arange(length - t, length)[:, None]
+    scores = scores.masked_fill(torch.arange(length)[None, :] > pos, float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 64), (16, 2, 128)])
+@pytest.mark.parametrize("length, q_len", [(1, 1), (37, 1), (37, 5), (64, 64), (50, 13)])
+def test_paged_attention_matches_naive_on_a_scrambled_block_table(heads, kv_heads, head_dim, length, q_len):
+    g = torch.Generator().manual_seed(length * 31 + q_len)
+    bs, num_blocks = 16, 12
+    k = torch.randn(length, kv_heads, head_dim, generator=g)
+    v = torch.randn(length, kv_heads, head_dim, generator=g)
+    q = torch.randn(q_len, heads, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[:math.ceil(length / bs)]
+    slots = (table[torch.arange(length) // bs] * bs + torch.arange(length) % bs)
+    k_cache = torch.zeros(num_blocks, bs, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    reference.write_kv(k_cache, v_cache, k, v, slots)
+    out = reference.paged_attention(q, k_cache, v_cache, table, length, head_dim ** -0.5)
+    torch.testing.assert_close(out, naive(q, k, v, head_dim ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def test_consecutive_table_is_a_view_with_the_same_result():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(8, 16, 2, 64), torch.randn(8, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    table = torch.tensor([3, 4, 5])
+    assert reference.consecutive_start([3, 4, 5]) == 3 and reference.consecutive_start([3, 5, 4]) is None
+    a = reference.paged_attention(q, k_cache, v_cache, table, 40, 0.125)
+    b = reference.paged_attention(q, k_cache, v_cache, table, 40, 0.125, first_block=3)
+    assert torch.equal(a, b)
+    assert reference.gather_kv(k_cache, table, 40, 3).data_ptr() == k_cache[3].data_ptr()
+
+
+def test_padding_slots_are_not_written():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    key = torch.ones(3, 1, 2)
+    reference.write_kv(k_cache, v_cache, key, key * 2, torch.tensor([5, -1, 0]))
+    assert k_cache.flatten(0, 1)[:, 0, 0].tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
+    assert v_cache.flatten(0, 1)[:, 0, 0].tolist() == [2, 0, 0, 0, 0, 2, 0, 0]
