@@ -84,3 +84,108 @@ def report_decode(result: dict, as_json: bool) -> None:
     ])
     print(f"  prefill ratio {result['prefill_ratio']:.2f}  (target >= 0.9)")
     print(f"  decode ratio  {result['decode_ratio']:.2f}  (target >= 1.0)")
+
+
+PERSONA_LINES = [
+    "You are Marlowe, the reference librarian of a small coastal town.",
+    "You answer in plain English, cite the shelf where a book lives, and admit when you do not know.",
+    "You never invent titles; when unsure, you suggest how the reader could check.",
+    "Opening hours are nine to five on weekdays and ten to two on Saturdays.",
+    "The local history collection sits on the second floor, beside the map cabinet.",
+    "Children's books are on the ground floor; the reading hour is Wednesday at four.",
+]
+
+
+def persona_text(tokenizer, target_tokens: int = 1000) -> str:
+    lines, i = [], 0
+    while len(tokenizer("\n".join(lines))["input_ids"]) < target_tokens:
+        lines.append(f"Rule {i + 1}. {PERSONA_LINES[i % len(PERSONA_LINES)]}")
+        i += 1
+    return "\n".join(lines)
+
+
+USER_TURNS = [
+    "Where can I find books about the history of the harbour and its old fishing fleet, please?",
+    "Do you have anything on lighthouses along this coast, ideally with photographs or maps?",
+    "What time does the library open on Saturday, and is the reading room open then too?",
+    "Could you suggest a novel set by the sea for a long train journey next weekend?",
+]
+
+
+def _ttft(engine, messages, max_new_tokens=1) -> tuple[float, object]:
+    done = engine.submit(Request(messages=messages, sampling=SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0))).result()
+    return done.stats.ttft_ms, done
+
+
+@torch.inference_mode()
+def _hf_ttft(model, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                   max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return (time.perf_counter() - t0) * 1000
+
+
+def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from .persona_store import PersonaStore
+
+    store_dir = Path(tempfile.mkdtemp(prefix="kvchat-bench-"))
+    engine = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
+    engine.wait_ready()
+    tok = engine.loaded.tokenizer
+    persona = {"role": "system", "content": persona_text(tok)}
+    engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
+    question = "Which shelf holds the tide tables for this year, and can I borrow them?"
+    cold, first = _ttft(engine, [persona, {"role": "user", "content": question}])
+    warm, second = _ttft(engine, [persona, {"role": "user", "content": question.replace("this", "next")}])
+    result = {"machine": machine(), "model": model,
+              "persona_tokens": first.stats.prompt_tokens, "a_cold_ttft_ms": cold, "a_warm_ttft_ms": warm,
+              "a_warm_cached_tokens": second.stats.cached_tokens, "a_ratio": warm / cold}
+
+    hf = load(model).model
+    messages, ours, theirs = [], {}, {}
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)] + f" (question {turn})"})
+        if turn in (2, turns):
+            theirs[turn] = _hf_ttft(hf, engine.formatter.encode(messages).token_ids)
+        ttft, done = _ttft(engine, messages, max_new_tokens=40)
+        ours[turn] = (ttft, done.stats)
+        messages.append({"role": "assistant", "content": done.text, "token_ids": done.token_ids})
+    result.update({
+        "b_turns": turns, "b_prompt_tokens_last": ours[turns][1].prompt_tokens,
+        "b_cached_tokens_last": ours[turns][1].cached_tokens,
+        "b_ttft_turn2_ms": ours[2][0], "b_ttft_last_ms": ours[turns][0], "b_ratio": ours[turns][0] / ours[2][0],
+        "b_transformers_ttft_turn2_ms": theirs[2], "b_transformers_ttft_last_ms": theirs[turns],
+        "b_transformers_ratio": theirs[turns] / theirs[2],
+    })
+    engine.close()
+
+    restarted = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
+    restarted.wait_ready()
+    restarted.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
+    again, third = _ttft(restarted, [persona, {"role": "user", "content": question}])
+    restarted.close()
+    result.update({"c_restart_ttft_ms": again, "c_restart_cached_tokens": third.stats.cached_tokens,
+                   "c_ratio": again / cold})
+    return result
+
+
+def report_prefix(r: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return
+    print(f"machine: {r['machine']}")
+    print(f"(a) persona of {r['persona_tokens']} prompt tokens, then a short message")
+    print(f"    TTFT cold {r['a_cold_ttft_ms']:.0f} ms, warm {r['a_warm_ttft_ms']:.0f} ms "
+          f"({r['a_warm_cached_tokens']} cached)   warm/cold {r['a_ratio']:.3f}  (target <= 0.15)")
+    print(f"(b) {r['b_turns']}-turn conversation, last prompt {r['b_prompt_tokens_last']} tokens "
+          f"({r['b_cached_tokens_last']} cached)")
+    print(f"    kvchat       TTFT turn 2 {r['b_ttft_turn2_ms']:.0f} ms, turn {r['b_turns']} "
+          f"{r['b_ttft_last_ms']:.0f} ms   ratio {r['b_ratio']:.2f}  (target <= 1.5)")
+    print(f"    transformers TTFT turn 2 {r['b_transformers_ttft_turn2_ms']:.0f} ms, turn {r['b_turns']} "
+          f"{r['b_transformers_ttft_last_ms']:.0f} ms   ratio {r['b_transformers_ratio']:.2f}")
+    print(f"(c) restart with the disk cache: TTFT {r['c_restart_ttft_ms']:.0f} ms "
+          f"({r['c_restart_cached_tokens']} cached)   restart/cold {r['c_ratio']:.3f}  (target <= 0.3)")

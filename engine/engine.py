@@ -14,6 +14,8 @@ from .events import EngineError, Error, Finished, Request, RequestHandle, Stats,
 from .kv_cache import KVCache, KVShape, blocks_for_budget
 from .kv_manager import KVCacheManager, Sequence
 from .models import LoadedModel, ModelError, load
+from .persona_store import PersonaStore
+from .personas import PersonaCache
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -22,9 +24,11 @@ PREFIX_RESERVE = 0.5  # pool room beyond one full context, kept for cached prefi
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 persona_store: PersonaStore | None | bool = True):
         self.config = config or EngineConfig()
         self.loaded = loaded
+        self._store_arg = persona_store
         self.ready = threading.Event()
         self.load_error: str | None = None
         self._requests: queue.Queue = queue.Queue()
@@ -88,6 +92,8 @@ class Engine:
         self.manager = KVCacheManager(self.pool, cfg.block_size, extra_key)
         self.kv = KVCache(self.shape, num_blocks, cfg.block_size, kv_dtype, lm.device, cfg.kv_precision)
         self.runner = ModelRunner(lm.model, self.kv, self.manager)
+        store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
+        self.personas = PersonaCache(self.manager, self.kv, store)
         self.eos_ids = eos_token_ids(lm)
 
     def _num_blocks(self, dtype_bytes: int) -> int:
@@ -101,42 +107,60 @@ class Engine:
         return int(per_context * (1 + PREFIX_RESERVE)) + 1
 
     def _serve(self, handle: RequestHandle) -> None:
-        seq = None
+        """Run one request; its blocks are released before the last event, so a caller that saw
+        Finished or Error sees the pool as the engine leaves it."""
+        seq, persona_len = None, 0
         try:
-            prompt = self._prompt_ids(handle.request)
+            prompt, persona_len = self._prompt_ids(handle.request)
             seq = Sequence(list(prompt))
-            self._generate(handle, seq, len(prompt))
+            last = self._generate(handle, seq, len(prompt), persona_len)
         except (ChatError, ConfigError, PoolExhausted, EngineError) as e:
-            handle.events.put(Error(str(e)))
+            last = Error(str(e))
         except Exception as e:
             log.exception("request failed")
-            handle.events.put(Error(f"internal error: {type(e).__name__}: {e}", internal=True))
+            last = Error(f"internal error: {type(e).__name__}: {e}", internal=True)
         finally:
             if seq is not None:
-                self.manager.free(seq)
+                self._release(seq, persona_len)
+        handle.events.put(last)
 
-    def _prompt_ids(self, request: Request) -> list[int]:
+    def _release(self, seq: Sequence, persona_len: int) -> None:
+        """After the reply (never before the first token): pin and persist the persona, free blocks."""
+        try:
+            self.personas.remember(seq, persona_len)
+        except Exception:
+            log.exception("could not remember the persona")
+        self.manager.free(seq)
+
+    def _prompt_ids(self, request: Request) -> tuple[list[int], int]:
+        """The prompt's token ids, and how many of them are the persona (the system message)."""
+        persona_len = 0
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
             vocab = self.loaded.model.config.vocab_size
             if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ChatError(f"prompt_ids must be a non-empty list of token ids below {vocab}")
         else:
-            ids = self.formatter.encode(request.messages).token_ids
+            encoded = self.formatter.encode(request.messages)
+            ids = encoded.token_ids
+            if request.messages[0]["role"] == "system":
+                persona_len = encoded.message_starts[1] if len(request.messages) > 1 else encoded.prompt_start
         limit = self.config.max_context
         if len(ids) >= limit:
             raise EngineError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
-        return ids
+        return ids, persona_len
 
-    def _generate(self, handle: RequestHandle, seq: Sequence, prompt_len: int) -> None:
+    def _generate(self, handle: RequestHandle, seq: Sequence, prompt_len: int, persona_len: int) -> Finished:
         cfg, sp = self.config, handle.request.sampling
         start = time.perf_counter()
         stats = Stats(prompt_tokens=prompt_len, kv_precision=cfg.kv_precision.value)
-        stats.cached_tokens = self.manager.match_prefix(seq)
+        self.manager.match_prefix(seq)
+        self.personas.restore(seq, persona_len)
+        stats.cached_tokens = seq.num_computed
         logits = None
         while seq.num_computed < prompt_len:
             if handle.cancelled:
-                return self._finish(handle, "", [], "cancelled", stats)
+                return Finished("", [], "cancelled", stats)
             end = min(seq.num_computed + cfg.prefill_chunk, prompt_len)
             self.manager.reserve(seq, end)
             logits = self.runner.forward(seq, end, want_logits=end == prompt_len)
@@ -177,11 +201,8 @@ class Engine:
         done = time.perf_counter()
         stats.ttft_ms = (first_at - start) * 1000
         stats.decode_tok_s = (len(generated) - 1) / (done - first_at) if len(generated) > 1 else 0.0
-        self._finish(handle, "".join(text), generated, reason, stats)
-
-    def _finish(self, handle, text, token_ids, reason, stats) -> None:
-        stats.generated_tokens = len(token_ids)
-        handle.events.put(Finished(text, token_ids, reason, stats))
+        stats.generated_tokens = len(generated)
+        return Finished("".join(text), generated, reason, stats)
 
 
 def eos_token_ids(lm: LoadedModel) -> set[int]:

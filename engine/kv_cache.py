@@ -49,6 +49,22 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
+        index = torch.tensor(block_ids, device=self.k[0].device)
+        return {"k": torch.stack([t.index_select(0, index) for t in self.k]).cpu(),
+                "v": torch.stack([t.index_select(0, index) for t in self.v]).cpu()}
+
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        index = torch.tensor(block_ids, device=self.k[0].device)
+        for name, layers in (("k", self.k), ("v", self.v)):
+            data = tensors[name]
+            if data.shape[1:] != (len(block_ids), *layers[0].shape[1:]) or data.shape[0] != len(layers):
+                raise ValueError(f"stored {name} has shape {tuple(data.shape)}, the pool wants "
+                                 f"{(len(layers), len(block_ids), *layers[0].shape[1:])}")
+            for layer, t in enumerate(layers):
+                t.index_copy_(0, index, data[layer].to(t.device, t.dtype))
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         reference.write_kv(self.k[layer], self.v[layer], key, value, slots)
 
