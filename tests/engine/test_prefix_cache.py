@@ -1,0 +1,213 @@
+"""Prefix reuse on the starter model: hits give the same greedy tokens as cold runs."""
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import Request
+from kvchat.engine.models import LoadedModel
+from kvchat.engine.persona_store import PersonaStore
+
+from tiny_models import as_loaded, tiny_model
+
+PERSONA_A = {"role": "system", "content": "You are a concise geography teacher. Answer in one sentence. " * 6}
+PERSONA_B = {"role": "system", "content": "You are a cheerful chef who loves soup and bread. " * 6}
+GREEDY = dict(max_new_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def shared(starter):
+    """One model copy for all engines here: they run one at a time."""
+    return as_loaded(starter.model, starter.tokenizer, "starter")
+
+
+def new_engine(shared, store=None, **config):
+    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(shared)), persona_store=store)
+    e.wait_ready()
+    return e
+
+
+def cold(shared, messages):
+    e = new_engine(shared)
+    try:
+        return e.generate(messages, **GREEDY)
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def warm(shared):
+    e = new_engine(shared)
+    yield e
+    e.close()
+
+
+def reply(done):
+    return {"role": "assistant", "content": done.text, "token_ids": done.token_ids}
+
+
+def test_multi_turn_reuses_the_whole_history_and_matches_cold(shared, warm):
+    messages = [PERSONA_A, {"role": "user", "content": "What is the capital of Peru?"}]
+    first = warm.generate(messages, **GREEDY)
+    messages += [reply(first), {"role": "user", "content": "And of Chile?"}]
+    second = warm.generate(messages, **GREEDY)
+    prompt = warm.formatter.encode(messages).token_ids
+    history = warm.formatter.encode(messages[:3], add_generation_prompt=False).token_ids
+    assert second.stats.cached_tokens == len(history) // 16 * 16  # persona, question and the reply
+    assert prompt[:len(history)] == history
+    assert second.token_ids == cold(shared, messages).token_ids
+
+
+def test_persona_switch_and_back_stays_warm(shared, warm):
+    q = {"role": "user", "content": "Tell me something nice."}
+    a1 = warm.generate([PERSONA_A, q], **GREEDY)
+    b1 = warm.generate([PERSONA_B, q], **GREEDY)
+    a2 = warm.generate([PERSONA_A, {"role": "user", "content": "Another thing?"}], **GREEDY)
+    b2 = warm.generate([PERSONA_B, {"role": "user", "content": "Another thing?"}], **GREEDY)
+    persona_blocks = len(warm.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
+    assert a2.stats.cached_tokens >= persona_blocks * 16 and b2.stats.cached_tokens >= persona_blocks * 16
+    assert b1.token_ids == cold(shared, [PERSONA_B, q]).token_ids
+    assert a1.token_ids == cold(shared, [PERSONA_A, q]).token_ids
+
+
+def test_regenerate_reuses_everything_before_the_reply(shared, warm):
+    messages = [PERSONA_A, {"role": "user", "content": "Name a river in Africa."}]
+    first = warm.generate(messages, **GREEDY)
+    again = warm.generate(messages, **GREEDY)
+    assert again.stats.cached_tokens == (again.stats.prompt_tokens - 1) // 16 * 16
+    assert again.token_ids == first.token_ids == cold(shared, messages).token_ids
+
+
+def test_edit_reuses_everything_before_the_edited_message(shared, warm):
+    base = [PERSONA_A, {"role": "user", "content": "Name a mountain."}]
+    first = warm.generate(base, **GREEDY)
+    convo = base + [reply(first), {"role": "user", "content": "How high is it?"}]
+    warm.generate(convo, **GREEDY)
+    edited = base + [reply(first), {"role": "user", "content": "Where is it?"}]
+    done = warm.generate(edited, **GREEDY)
+    before_edit = len(warm.formatter.encode(edited[:3], add_generation_prompt=False).token_ids)
+    assert done.stats.cached_tokens == before_edit // 16 * 16
+    assert done.token_ids == cold(shared, edited).token_ids
+
+
+def test_persona_blocks_are_pinned_after_use(warm):
+    warm.generate([PERSONA_B, {"role": "user", "content": "Hi"}], **GREEDY)
+    n = len(warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids) // 16
+    key = warm.personas.key(type("S", (), {"token_ids": warm.formatter.encode(
+        [PERSONA_B], add_generation_prompt=False).token_ids})(), n)
+    pinned = [b for b, _ in warm.personas.pinned[key]]
+    assert len(pinned) == n and all(b.pinned and b.ref_cnt == 0 for b in pinned)
+    assert all(b.id in warm.pool.pinned_queue for b in pinned)
+
+
+def test_restart_restores_the_persona_from_disk(shared, tmp_path):
+    messages = [PERSONA_A, {"role": "user", "content": "What is the longest river?"}]
+    first = new_engine(shared, PersonaStore(tmp_path))
+    expected = first.generate(messages, **GREEDY)
+    first.close()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    restarted = new_engine(shared, PersonaStore(tmp_path))
+    done = restarted.generate(messages, **GREEDY)
+    restarted.close()
+    persona = len(restarted.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
+    assert done.stats.cached_tokens == persona // 16 * 16
+    assert done.token_ids == expected.token_ids
+
+
+def test_disk_round_trip_is_bit_exact(tmp_path):
+    store = PersonaStore(tmp_path)
+    tensors = {"k": torch.randn(2, 3, 16, 2, 8), "v": torch.randn(2, 3, 16, 2, 8)}
+    store.save(b"\x01" * 16, "model|fp16", list(range(48)), tensors)
+    back = store.load(b"\x01" * 16, "model|fp16", list(range(48)))
+    assert set(back) == {"k", "v"} and all(torch.equal(back[n], tensors[n]) for n in tensors)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "tokens", "garbage"])
+def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tmp_path, damage):
+    store = PersonaStore(tmp_path)
+    key = b"\x02" * 16
+    store.save(key, "model|fp16", list(range(16)), {"k": torch.ones(1, 1, 16, 1, 4), "v": torch.ones(1, 1, 16, 1, 4)})
+    path = store.path(key)
+    data = bytearray(path.read_bytes())
+    extra, tokens = "model|fp16", list(range(16))
+    if damage == "flip":
+        data[-10] ^= 0x40
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "garbage":
+        data = bytearray(b"\xff" * 64)
+    elif damage == "foreign":
+        extra = "other-model|fp16"
+    else:
+        tokens = list(range(1, 17))
+    path.write_bytes(bytes(data))
+    assert store.load(key, extra, tokens) is None
+    assert not path.exists()
+
+
+def test_disk_cache_is_capped_least_recent_first(tmp_path):
+    import os
+    import time
+
+    store = PersonaStore(tmp_path, cap_bytes=10_000)
+    t = {"k": torch.zeros(1, 1, 16, 2, 32), "v": torch.zeros(1, 1, 16, 2, 32)}  # about 8.5 kB a file
+    store.save(b"\x01" * 16, "m", [0] * 16, t)
+    os.utime(store.path(b"\x01" * 16), (time.time() - 100, time.time() - 100))
+    store.save(b"\x02" * 16, "m", [0] * 16, t)
+    assert not store.has(b"\x01" * 16) and store.has(b"\x02" * 16)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Requests over shared prefixes, cancels and evictions (a 12-block pool) on a tiny model:
+    whatever the order, every block comes back and no block is both free and referenced."""
+
+    loaded = None
+
+    def __init__(self):
+        super().__init__()
+        self.engine = Engine(EngineConfig(max_context=160, kv_budget_bytes=12 * 16 * 2 * 2 * 2 * 64 * 4,
+                                          prefill_chunk=24),
+                             loaded=self.loaded, persona_store=None)
+        self.engine.wait_ready()
+        self.handles = []
+
+    @rule(prefix=st.sampled_from([[], list(range(10, 40)), list(range(10, 60))]),
+          tail=st.lists(st.integers(3, 500), min_size=1, max_size=30), new=st.integers(1, 40),
+          cancel=st.booleans())
+    def request(self, prefix, tail, new, cancel):
+        h = self.engine.submit(Request(prompt_ids=prefix + tail, sampling=SamplingParams(
+            max_new_tokens=new, temperature=0, ignore_eos=True)))
+        if cancel:
+            h.cancel()
+        self.handles.append(h)
+
+    @rule()
+    def drain(self):
+        for h in self.handles:
+            for _ in h:
+                pass
+        self.handles = []
+        pool = self.engine.pool
+        assert pool.num_free == pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+    @invariant()
+    def engine_alive(self):
+        assert self.engine.alive
+
+    def teardown(self):
+        self.drain()
+        for b in self.engine.pool.blocks:
+            assert (b.id in self.engine.pool.free_queue) != (b.id in self.engine.pool.pinned_queue)
+        self.engine.close()
+
+
+def test_engine_state_machine(tokenizer):
+    EngineMachine.loaded = as_loaded(tiny_model("llama"), tokenizer)
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(EngineMachine, settings=settings(
+        max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
