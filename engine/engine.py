@@ -7,6 +7,7 @@ import time
 import torch
 
 from .block_pool import BlockPool, PoolExhausted
+from .calibration import key_centers
 from .chat import ChatError, ChatFormatter
 from .config import ConfigError, EngineConfig, SamplingParams
 from .detok import StopChecker, StreamDetokenizer
@@ -88,9 +89,10 @@ class Engine:
         kv_dtype = lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
         num_blocks = self._num_blocks(kv_dtype.itemsize)
         self.pool = BlockPool(num_blocks)
-        extra_key = f"{lm.identity}|{cfg.kv_precision.value}|{kv_dtype}"
-        self.manager = KVCacheManager(self.pool, cfg.block_size, extra_key)
         self.kv = KVCache(self.shape, num_blocks, cfg.block_size, kv_dtype, lm.device, cfg.kv_precision)
+        if self.kv.format.quantized:
+            self.kv.k_centers = key_centers(lm.model, lm.tokenizer, lm.device, kv_dtype)
+        self.manager = KVCacheManager(self.pool, cfg.block_size, f"{lm.identity}|{self.kv.layout_key}")
         self.runner = ModelRunner(lm.model, self.kv, self.manager)
         store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
         self.personas = PersonaCache(self.manager, self.kv, store)

@@ -1,9 +1,9 @@
-"""The physical KV pool: per-layer tensors allocated once, and their size in bytes."""
+"""The physical KV pool: per-layer tensors allocated once for a precision, and their size in bytes."""
 from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels import reference
+from kvchat.kernels import quant, reference
 
 from .config import Precision
 
@@ -22,53 +22,64 @@ class KVShape:
         return cls(config.num_hidden_layers, kv_heads, head_dim)
 
 
-def bytes_per_token(shape: KVShape, precision: Precision, dtype_bytes: int = 2) -> int:
-    """K and V of one token over all layers."""
-    if precision != Precision.FP16:
-        raise NotImplementedError(f"KV precision {precision.value} is not available yet")
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+def bytes_per_token(shape: KVShape, precision: Precision, full_bytes: int = 2) -> float:
+    """K and V of one token over all layers, scales included; ``full_bytes`` is the size of the
+    model dtype that fp16 mode stores (4 on the CPU, where it is fp32)."""
+    fmt = quant.FORMATS[Precision(precision).value]
+    per_element = quant.element_bytes(fmt.k_bits, full_bytes) + quant.element_bytes(fmt.v_bits, full_bytes)
+    return shape.num_layers * shape.num_kv_heads * shape.head_dim * per_element
 
 
 def blocks_for_budget(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int,
-                      dtype_bytes: int = 2) -> int:
-    return budget_bytes // (bytes_per_token(shape, precision, dtype_bytes) * block_size)
+                      full_bytes: int = 2) -> int:
+    return int(budget_bytes // (bytes_per_token(shape, precision, full_bytes) * block_size))
 
 
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device, precision: Precision = Precision.FP16):
-        if precision != Precision.FP16:
-            raise NotImplementedError(f"KV precision {precision.value} is not available yet")
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        self.precision, self.dtype = precision, dtype
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        self.k = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.precision, self.dtype = Precision(precision), dtype
+        self.format = quant.FORMATS[self.precision.value]
+        self.layers = [quant.layer_tensors(self.format, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
+                                           dtype, device) for _ in range(shape.num_layers)]
+        self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
+        self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+
+    @property
+    def layout_key(self) -> str:
+        """What the prefix-cache hash must cover besides the model: the bytes in a block."""
+        rot = f"|wht{quant.GROUP}|centred-v1" if self.format.quantized else ""
+        return f"{self.precision.value}|{self.dtype}{rot}"
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
-        index = torch.tensor(block_ids, device=self.k[0].device)
-        return {"k": torch.stack([t.index_select(0, index) for t in self.k]).cpu(),
-                "v": torch.stack([t.index_select(0, index) for t in self.v]).cpu()}
+        index = torch.tensor(block_ids, device=self.rotation.device if self.rotation is not None else None)
+        names = self.layers[0].keys()
+        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device)) for layer in self.layers]).cpu()
+                for n in names}
 
     def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        index = torch.tensor(block_ids, device=self.k[0].device)
-        for name, layers in (("k", self.k), ("v", self.v)):
-            data = tensors[name]
-            if data.shape[1:] != (len(block_ids), *layers[0].shape[1:]) or data.shape[0] != len(layers):
-                raise ValueError(f"stored {name} has shape {tuple(data.shape)}, the pool wants "
-                                 f"{(len(layers), len(block_ids), *layers[0].shape[1:])}")
-            for layer, t in enumerate(layers):
-                t.index_copy_(0, index, data[layer].to(t.device, t.dtype))
+        if set(tensors) != set(self.layers[0]):
+            raise ValueError(f"stored tensors {sorted(tensors)} are not this pool's {sorted(self.layers[0])}")
+        for name, data in tensors.items():
+            want = (len(self.layers), len(block_ids), *self.layers[0][name].shape[1:])
+            if tuple(data.shape) != want or data.dtype != self.layers[0][name].dtype:
+                raise ValueError(f"stored {name} is {tuple(data.shape)} {data.dtype}, the pool wants {want}")
+        for layer_idx, layer in enumerate(self.layers):
+            for name, t in layer.items():
+                index = torch.tensor(block_ids, device=t.device)
+                t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        reference.write_kv(self.k[layer], self.v[layer], key, value, slots)
+        center = self.k_centers[layer] if self.k_centers is not None else None
+        reference.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center)
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None) -> torch.Tensor:
-        return reference.paged_attention(query, self.k[layer], self.v[layer], block_table, context_len, scale,
-                                         first_block)
+        return reference.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
+                                         first_block, self.rotation)

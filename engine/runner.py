@@ -16,9 +16,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def forward(self, seq: Sequence, end: int, want_logits: bool) -> torch.Tensor | None:
+    def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
         """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
-        fp32 logits of the last one when asked: never a ``[T, vocab]`` matrix."""
+        fp32 logits of the last one when asked. Only evaluation asks for ``"all"`` rows of a chunk;
+        generation never builds a ``[T, vocab]`` matrix."""
         start = seq.num_computed
         dev = self.device
         ids = torch.tensor([seq.token_ids[start:end]], device=dev)
@@ -35,4 +36,6 @@ class ModelRunner:
         seq.num_computed = end
         if not want_logits:
             return None
+        if want_logits == "all":
+            return self.model.lm_head(hidden[0]).float()
         return self.model.lm_head(hidden[0, -1:]).float()[0]

@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from kvchat.kernels import reference
+from kvchat.kernels import quant, reference
+
+FP = quant.FORMATS["fp16"]
 
 
 def naive(q, k, v, scale):
@@ -29,28 +31,27 @@ def test_paged_attention_matches_naive_on_a_scrambled_block_table(heads, kv_head
     q = torch.randn(q_len, heads, head_dim, generator=g)
     table = torch.randperm(num_blocks, generator=g)[:math.ceil(length / bs)]
     slots = (table[torch.arange(length) // bs] * bs + torch.arange(length) % bs)
-    k_cache = torch.zeros(num_blocks, bs, kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    reference.write_kv(k_cache, v_cache, k, v, slots)
-    out = reference.paged_attention(q, k_cache, v_cache, table, length, head_dim ** -0.5)
+    pool = quant.layer_tensors(FP, num_blocks, bs, kv_heads, head_dim, torch.float32, "cpu")
+    reference.write_kv(pool, FP, k, v, slots, None)
+    out = reference.paged_attention(q, pool, FP, table, length, head_dim ** -0.5)
     torch.testing.assert_close(out, naive(q, k, v, head_dim ** -0.5), atol=1e-5, rtol=1e-4)
 
 
 def test_consecutive_table_is_a_view_with_the_same_result():
     torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(8, 16, 2, 64), torch.randn(8, 16, 2, 64)
+    pool = {"k": torch.randn(8, 16, 2, 64), "v": torch.randn(8, 16, 2, 64)}
     q = torch.randn(1, 4, 64)
     table = torch.tensor([3, 4, 5])
     assert reference.consecutive_start([3, 4, 5]) == 3 and reference.consecutive_start([3, 5, 4]) is None
-    a = reference.paged_attention(q, k_cache, v_cache, table, 40, 0.125)
-    b = reference.paged_attention(q, k_cache, v_cache, table, 40, 0.125, first_block=3)
+    a = reference.paged_attention(q, pool, FP, table, 40, 0.125)
+    b = reference.paged_attention(q, pool, FP, table, 40, 0.125, first_block=3)
     assert torch.equal(a, b)
-    assert reference.gather_kv(k_cache, table, 40, 3).data_ptr() == k_cache[3].data_ptr()
+    assert quant.gather(pool["k"], table, 40, 3).data_ptr() == pool["k"][3].data_ptr()
 
 
 def test_padding_slots_are_not_written():
-    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    pool = {"k": torch.zeros(2, 4, 1, 2), "v": torch.zeros(2, 4, 1, 2)}
     key = torch.ones(3, 1, 2)
-    reference.write_kv(k_cache, v_cache, key, key * 2, torch.tensor([5, -1, 0]))
-    assert k_cache.flatten(0, 1)[:, 0, 0].tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
-    assert v_cache.flatten(0, 1)[:, 0, 0].tolist() == [2, 0, 0, 0, 0, 2, 0, 0]
+    reference.write_kv(pool, FP, key, key * 2, torch.tensor([5, -1, 0]), None)
+    assert pool["k"].flatten(0, 1)[:, 0, 0].tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
+    assert pool["v"].flatten(0, 1)[:, 0, 0].tolist() == [2, 0, 0, 0, 0, 2, 0, 0]

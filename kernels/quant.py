@@ -1,0 +1,139 @@
+"""The quantized KV layout, written down once: this file is its executable spec.
+
+- Groups of ``GROUP`` = 32 values along head_dim share one fp16 scale; quantization is symmetric
+  (no zero point), so int8 uses [-127, 127] and int4 [-7, 7].
+- int4 is packed two values a byte, split-half: byte j holds dim j in its low nibble and dim
+  j + D/2 in its high nibble, each stored as value + 8.
+- In the quantized modes K and V are rotated before quantizing by the normalized Walsh-Hadamard
+  matrix H (symmetric, H @ H = I) over head_dim. Rotation spreads outlier channels over the group, so
+  one scale fits all 32 values. Attention stays exact in exact arithmetic: the query is rotated the
+  same way (q H . k H = q . k) and the output, a mix of rotated values, is rotated back by H.
+- Before rotating, K is centred: a fixed per-layer, per-head vector (the mean key of a calibration
+  text) is subtracted. Keys share a large common component (post-RoPE, in the slowly rotating
+  dimensions); removing it halves what the 4 bits must span. Attention is unchanged, since
+  q . (k - c) differs from q . k by q . c, the same for every key of a query, and softmax ignores it.
+- Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
+  ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+SCALE_DTYPE = torch.float16
+_MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    k_bits: int  # 16: the model's dtype, unquantized
+    v_bits: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits < 16 or self.v_bits < 16
+
+
+FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("k8v4", 8, 4),
+                               KVFormat("int4", 4, 4))}
+
+
+def qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def element_bytes(bits: int, full_bytes: int = 2) -> float:
+    """Bytes per K or V element, its share of the group's fp16 scale included."""
+    return full_bytes if bits == 16 else bits / 8 + SCALE_DTYPE.itemsize / GROUP
+
+
+def hadamard(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} is not a power of two: no Walsh-Hadamard rotation")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Signed values in [-8, 7], ``[..., D]`` -> ``[..., D/2]`` uint8, split-half."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    half = u.shape[-1] // 2
+    return u[..., :half] | (u[..., half:] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.cat([low, high], dim=-1)
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., D]`` float -> (data, fp16 scales ``[..., D/32]``)."""
+    groups = x.float().unflatten(-1, (-1, GROUP))
+    scale = (groups.abs().amax(-1) / qmax(bits)).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-qmax(bits), qmax(bits)).flatten(-2)
+    data = q.to(torch.int8) if bits == 8 else pack_int4(q)
+    return data, scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, dtype=torch.float32) -> torch.Tensor:
+    q = data if bits == 8 else unpack_int4(data)
+    groups = q.to(dtype).unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)
+    return groups.flatten(-2)
+
+
+def layer_tensors(fmt: KVFormat, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """One layer's share of the pool, every tensor indexed by block id first."""
+    out = {}
+    for name, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
+        lead = (num_blocks, block_size, kv_heads)
+        if bits == 16:
+            out[name] = torch.zeros(*lead, head_dim, dtype=dtype, device=device)
+        else:
+            width = head_dim if bits == 8 else head_dim // 2
+            out[name] = torch.zeros(*lead, width, dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+            out[name + "_scale"] = torch.zeros(*lead, head_dim // GROUP, dtype=SCALE_DTYPE, device=device)
+    return out
+
+
+def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+          rotation: torch.Tensor | None, k_center: torch.Tensor | None = None) -> None:
+    """Quantize on write: ``key``/``value`` ``[T, kv_heads, D]`` go to ``slots``; -1 is skipped.
+    ``k_center`` ``[kv_heads, D]`` is subtracted from quantized keys."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
+        if bits == 16:
+            _store(tensors[name], slots, x)
+            continue
+        x = x.float()
+        if name == "k" and k_center is not None:
+            x = x - k_center
+        data, scale = quantize(x @ rotation, bits)
+        _store(tensors[name], slots, data)
+        _store(tensors[name + "_scale"], slots, scale)
+
+
+def _store(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x.to(pool.dtype))
+
+
+def gather(pool: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int | None) -> torch.Tensor:
+    if first_block is not None:
+        return pool[first_block:first_block + len(block_table)].flatten(0, 1)[:length]
+    return pool.index_select(0, block_table).flatten(0, 1)[:length]
+
+
+def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, first_block, dtype) -> torch.Tensor:
+    """One sequence's K or V, dequantized (still rotated): ``[length, kv_heads, D]``."""
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    data = gather(tensors[name], block_table, length, first_block)
+    if bits == 16:
+        return data
+    return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)

@@ -1,0 +1,78 @@
+"""The quantized layout: byte-exact packing, the rotation, and error bounds per precision."""
+import pytest
+import torch
+
+from kvchat.kernels import quant, reference
+
+from test_reference import naive
+
+
+def test_int4_packing_is_split_half_and_byte_exact():
+    q = torch.tensor([[-8, -1, 0, 7, 3, -7, 5, 1]])
+    packed = quant.pack_int4(q)
+    # byte j: dim j + 8 in the low nibble, dim j + 4 (+ 8) in the high nibble
+    assert packed.tolist() == [[(0 + 0) | (11 << 4), (7) | (1 << 4), (8) | (13 << 4), (15) | (9 << 4)]]
+    assert torch.equal(quant.unpack_int4(packed), q.to(torch.int8))
+    every = torch.arange(-8, 8).repeat(4).view(4, 16)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(every)), every.to(torch.int8))
+
+
+def test_hadamard_is_orthogonal_and_symmetric():
+    for d in (64, 128):
+        h = quant.hadamard(d, dtype=torch.float64)
+        assert torch.allclose(h @ h, torch.eye(d, dtype=torch.float64), atol=1e-12)
+        assert torch.equal(h, h.T)
+    with pytest.raises(ValueError):
+        quant.hadamard(96)
+
+
+def test_quantize_int8_by_hand():
+    x = torch.zeros(32)
+    x[0], x[1], x[2] = 127 / 64, -0.5, 1.5 / 64  # scale 1/64, exact in fp16
+    data, scale = quant.quantize(x, 8)
+    assert scale.dtype == torch.float16 and scale.item() == 1 / 64
+    assert data[:4].tolist() == [127, -32, 2, 0]  # 1.5 steps rounds to even
+
+
+@pytest.mark.parametrize("bits, bound", [(8, 0.5 / 127), (4, 0.5 / 7)])
+def test_roundtrip_error_is_within_half_a_step(bits, bound):
+    x = torch.randn(64, 4, 128) * 3
+    data, scale = quant.quantize(x, bits)
+    back = quant.dequantize(data, scale, bits)
+    amax = x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
+    err = (back - x).unflatten(-1, (-1, 32)).abs()
+    assert (err <= amax * bound * 1.01 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name, tol", [("int8", 0.02), ("k8v4", 0.12), ("int4", 0.2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (8, 2, 64), (16, 2, 128)])
+def test_quantized_attention_error_bounds(name, tol, heads, kv_heads, head_dim):
+    """Relative error of the attention output against exact attention, on keys with outlier
+    channels (what real models have and what the rotation is for)."""
+    fmt = quant.FORMATS[name]
+    g = torch.Generator().manual_seed(head_dim + heads)
+    length, bs = 77, 16
+    k = torch.randn(length, kv_heads, head_dim, generator=g)
+    k[..., 3] *= 12  # an outlier channel
+    v = torch.randn(length, kv_heads, head_dim, generator=g)
+    q = torch.randn(5, heads, head_dim, generator=g)
+    table = torch.randperm(8, generator=g)[:5]
+    slots = table[torch.arange(length) // bs] * bs + torch.arange(length) % bs
+    pool = quant.layer_tensors(fmt, 8, bs, kv_heads, head_dim, torch.float32, "cpu")
+    rot = quant.hadamard(head_dim)
+    reference.write_kv(pool, fmt, k, v, slots, rot)
+    out = reference.paged_attention(q, pool, fmt, table, length, head_dim ** -0.5, rotation=rot)
+    exact = naive(q, k, v, head_dim ** -0.5)
+    rel = (out - exact).norm() / exact.norm()
+    assert rel < tol, rel
+
+
+def test_bytes_per_token_fractions():
+    from kvchat.engine.kv_cache import KVShape, bytes_per_token
+
+    shape = KVShape(30, 3, 64)
+    fp16 = bytes_per_token(shape, "fp16")
+    assert fp16 == 2 * 30 * 3 * 64 * 2
+    assert bytes_per_token(shape, "int8") / fp16 == (1 + 2 / 32) / 2
+    assert bytes_per_token(shape, "k8v4") / fp16 == (1 + 0.5 + 4 / 32) / 4
+    assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 2 / 32) / 2
