@@ -189,3 +189,37 @@ def report_prefix(r: dict, as_json: bool) -> None:
           f"{r['b_transformers_ttft_last_ms']:.0f} ms   ratio {r['b_transformers_ratio']:.2f}")
     print(f"(c) restart with the disk cache: TTFT {r['c_restart_ttft_ms']:.0f} ms "
           f"({r['c_restart_cached_tokens']} cached)   restart/cold {r['c_ratio']:.3f}  (target <= 0.3)")
+
+
+def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 128, repeats: int = 3) -> dict:
+    """Decode speed of the engine per KV precision, same model copy, prompts and threads."""
+    lm = load(model)
+    rows = {}
+    for precision in ("fp16", "int8", "k8v4", "int4"):
+        engine = Engine(EngineConfig(model=model, kv_precision=precision, max_context=prompt_len + new_tokens + 64),
+                        loaded=lm, persona_store=None)
+        engine.wait_ready()
+        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        speeds = []
+        for r in range(repeats + 1):
+            stats = engine.submit(Request(prompt_ids=random_prompt(prompt_len, lm.model.config.vocab_size, r),
+                                          sampling=sp)).result().stats
+            if r:
+                speeds.append((prompt_len / (stats.ttft_ms / 1000), stats.decode_tok_s))
+        engine.close()
+        rows[precision] = {"prefill_tok_s": statistics.median(s[0] for s in speeds),
+                           "decode_tok_s": statistics.median(s[1] for s in speeds)}
+    for row in rows.values():
+        row["decode_ratio_vs_fp16"] = row["decode_tok_s"] / rows["fp16"]["decode_tok_s"]
+    return {"machine": machine(), "model": model, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+            "precisions": rows}
+
+
+def report_kv(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"machine: {result['machine']}; {result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens")
+    for name, row in result["precisions"].items():
+        print(f"  {name:<5} prefill {row['prefill_tok_s']:7.1f} tok/s   decode {row['decode_tok_s']:6.1f} tok/s   "
+              f"decode vs fp16 {row['decode_ratio_vs_fp16']:.2f}")

@@ -47,9 +47,18 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix"])
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "kernels"],
+                       help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
+                            "kernels: Triton vs reference on CUDA")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
+    ev = sub.add_parser("eval", help="quality of a quantized KV cache against fp16")
+    ev.add_argument("which", choices=["ppl", "kld"])
+    ev.add_argument("--model", default="starter")
+    ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
+    ev.add_argument("--context", type=int, default=512)
+    ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
+    ev.add_argument("--json", action="store_true")
     return root
 
 
@@ -149,8 +158,21 @@ def cmd_bench(args) -> int:
 
     if args.which == "decode":
         bench.report_decode(bench.bench_decode(args.model), args.json)
-    else:
+    elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
+    elif args.which == "kv":
+        bench.report_kv(bench.bench_kv(args.model), args.json)
+    else:
+        from kvchat.kernels import bench_kernels
+
+        bench_kernels.main(args.json)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from . import evaluate
+
+    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json)
     return 0
 
 
@@ -165,7 +187,8 @@ def main(argv=None) -> int:
     if args.command is None:
         args = parser().parse_args(["chat"])
     try:
-        return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[command](args)
+        return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+                "eval": cmd_eval}[command](args)
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1

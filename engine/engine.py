@@ -7,7 +7,7 @@ import time
 import torch
 
 from .block_pool import BlockPool, PoolExhausted
-from .calibration import key_centers
+from .calibration import calibrate
 from .chat import ChatError, ChatFormatter
 from .config import ConfigError, EngineConfig, SamplingParams
 from .detok import StopChecker, StreamDetokenizer
@@ -91,7 +91,7 @@ class Engine:
         self.pool = BlockPool(num_blocks)
         self.kv = KVCache(self.shape, num_blocks, cfg.block_size, kv_dtype, lm.device, cfg.kv_precision)
         if self.kv.format.quantized:
-            self.kv.k_centers = key_centers(lm.model, lm.tokenizer, lm.device, kv_dtype)
+            self.kv.k_centers, self.kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, kv_dtype)
         self.manager = KVCacheManager(self.pool, cfg.block_size, f"{lm.identity}|{self.kv.layout_key}")
         self.runner = ModelRunner(lm.model, self.kv, self.manager)
         store = PersonaStore() if self._store_arg is True else (self._store_arg or None)

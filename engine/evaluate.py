@@ -10,7 +10,7 @@ import math
 import torch
 
 from .block_pool import BlockPool
-from .calibration import key_centers
+from .calibration import calibrate
 from .config import Precision
 from .kv_cache import KVCache, KVShape, bytes_per_token
 from .kv_manager import KVCacheManager, Sequence
@@ -25,7 +25,7 @@ def window_logprobs(lm: LoadedModel, tokens: list[int], context: int, precision:
     num_blocks = -(-context // bs)
     kv = KVCache(shape, num_blocks, bs, lm.dtype, lm.device, precision)
     if kv.format.quantized:
-        kv.k_centers = key_centers(lm.model, lm.tokenizer, lm.device, lm.dtype)
+        kv.k_centers, kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, lm.dtype)
     manager = KVCacheManager(BlockPool(num_blocks), bs, "eval")
     runner = ModelRunner(lm.model, kv, manager)
     first = context // 2
@@ -63,3 +63,44 @@ def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: P
     kl = torch.cat(kls)
     return {"precision": Precision(precision).value, "kl_mean": kl.mean().item(),
             "kl_p99": torch.quantile(kl, 0.99).item(), "positions": len(kl)}
+
+
+LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c 512, same GGUF, GPL-3 (q8_0/q4_0)
+
+
+def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool) -> None:
+    import json
+    from pathlib import Path
+
+    from .config import ConfigError
+    from .models import load
+
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {text_file}: {e}") from None
+    if context < 4 or context % 2:
+        raise ConfigError("--context must be an even number >= 4")
+    lm = load(model)
+    tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(tokens) < context:
+        raise ConfigError(f"{text_file} has {len(tokens)} tokens, fewer than one window of {context}")
+    if which == "kld":
+        result = kl_divergence(lm, tokens, context, Precision(precision))
+        print(json.dumps(result, indent=2) if as_json else
+              f"KL(fp16 || {precision}) over {result['positions']} positions: mean {result['kl_mean']:.5f}, "
+              f"p99 {result['kl_p99']:.5f}")
+        return
+    base = perplexity(lm, tokens, context, Precision.FP16)
+    rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision))]
+    for r in rows:
+        r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
+    if as_json:
+        print(json.dumps({"text": text_file, "context": context, "tokens": len(tokens), "results": rows}, indent=2))
+        return
+    print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
+          f"{rows[0]['scored_tokens']} scored")
+    for r in rows:
+        ref = LLAMA_CPP.get(r["precision"])
+        print(f"  {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
+              f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))

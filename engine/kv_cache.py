@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels import quant, reference
+from kvchat.kernels import dispatch, quant
 
 from .config import Precision
 
@@ -45,6 +45,7 @@ class KVCache:
                                            dtype, device) for _ in range(shape.num_layers)]
         self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
+        self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
 
     @property
     def nbytes(self) -> int:
@@ -53,7 +54,7 @@ class KVCache:
     @property
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
-        rot = f"|wht{quant.GROUP}|centred-v1" if self.format.quantized else ""
+        rot = f"|wht{quant.GROUP}|centred-scaled-v1" if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -77,9 +78,11 @@ class KVCache:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         center = self.k_centers[layer] if self.k_centers is not None else None
-        reference.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center)
+        s = self.k_scales[layer] if self.k_scales is not None else None
+        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s)
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None) -> torch.Tensor:
-        return reference.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation)
+        s = self.k_scales[layer] if self.k_scales is not None else None
+        return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
+                                         first_block, self.rotation, s)

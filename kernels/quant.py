@@ -12,6 +12,8 @@
   text) is subtracted. Keys share a large common component (post-RoPE, in the slowly rotating
   dimensions); removing it halves what the 4 bits must span. Attention is unchanged, since
   q . (k - c) differs from q . k by q . c, the same for every key of a query, and softmax ignores it.
+- Then each key channel is multiplied by a fixed scale s (and each query divided by it, which keeps
+  q . k exact), to spend the bits where the queries look. Centre and scale come from calibration.
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
@@ -102,9 +104,11 @@ def layer_tensors(fmt: KVFormat, num_blocks: int, block_size: int, kv_heads: int
 
 
 def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-          rotation: torch.Tensor | None, k_center: torch.Tensor | None = None) -> None:
+          rotation: torch.Tensor | None, k_center: torch.Tensor | None = None,
+          k_channel_scale: torch.Tensor | None = None) -> None:
     """Quantize on write: ``key``/``value`` ``[T, kv_heads, D]`` go to ``slots``; -1 is skipped.
-    ``k_center`` ``[kv_heads, D]`` is subtracted from quantized keys."""
+    ``k_center`` ``[kv_heads, D]`` is subtracted from quantized keys, then ``k_channel_scale``
+    multiplies them."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -115,6 +119,8 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
         x = x.float()
         if name == "k" and k_center is not None:
             x = x - k_center
+        if name == "k" and k_channel_scale is not None:
+            x = x * k_channel_scale
         data, scale = quantize(x @ rotation, bits)
         _store(tensors[name], slots, data)
         _store(tensors[name + "_scale"], slots, scale)

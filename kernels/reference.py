@@ -28,13 +28,16 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_table: torch.Tensor,
                     context_len: int, scale: float, first_block: int | None = None,
-                    rotation: torch.Tensor | None = None) -> torch.Tensor:
+                    rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]``, the last T tokens of a sequence of
     ``context_len`` tokens whose K/V are already in the pool. Returns ``[T, heads, D]``."""
     q_len, dtype = query.shape[0], query.dtype
     k = quant.read(tensors, fmt, "k", block_table, context_len, first_block, dtype)
     v = quant.read(tensors, fmt, "v", block_table, context_len, first_block, dtype)
-    q = query @ rotation.to(dtype) if fmt.k_bits < 16 else query
+    q = query
+    if k_channel_scale is not None:
+        q = q / k_channel_scale.repeat_interleave(query.shape[1] // k_channel_scale.shape[0], 0).to(dtype)
+    q = q @ rotation.to(dtype) if fmt.k_bits < 16 else q
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None if q_len == 1 else causal_mask(q_len, context_len, query.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

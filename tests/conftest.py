@@ -5,6 +5,7 @@ import tempfile
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU, checked against the reference
 os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or tempfile.mkdtemp(prefix="kvchat-test-")
 
 import pytest  # noqa: E402

@@ -1,0 +1,171 @@
+"""Triton kernels for the quantized paged KV pool (layout: quant.py). Twins of reference.py:
+``quantize_write`` of ``quant.write`` and ``paged_decode`` of ``reference.paged_attention`` at T=1.
+
+Each head_dim vector is handled as two halves of D/2, the split-half int4 layout's natural unit:
+byte j of a packed row holds dim j and dim j + D/2, so one load serves both halves.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import quant
+from .quant import KVFormat
+
+
+@triton.jit
+def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr,
+                           x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d).to(tl.float32)
+        if HAS_CENTER:
+            x = (x - tl.load(center_ptr + h * D + d)) * tl.load(cscale_ptr + h * D + d)
+        j = tl.arange(0, HALF)
+        # rotated halves: y[j] = sum_i x[i] H[i, j], and y[j + D/2]
+        lo = tl.sum(x[:, None] * tl.load(rot_ptr + d[:, None] * D + j[None, :]), axis=0)
+        hi = tl.sum(x[:, None] * tl.load(rot_ptr + d[:, None] * D + HALF + j[None, :]), axis=0)
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        G: tl.constexpr = HALF // GROUP
+        lo_g = tl.reshape(lo, (G, GROUP))
+        hi_g = tl.reshape(hi, (G, GROUP))
+        s_lo = tl.maximum(tl.max(tl.abs(lo_g), axis=1) / QMAX, 2.0 ** -14).to(tl.float16)
+        s_hi = tl.maximum(tl.max(tl.abs(hi_g), axis=1) / QMAX, 2.0 ** -14).to(tl.float16)
+        q_lo = tl.reshape(tl.clamp(_round(lo_g / s_lo.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
+        q_hi = tl.reshape(tl.clamp(_round(hi_g / s_hi.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
+        g = tl.arange(0, G)
+        row = (slot * KV_HEADS + h)
+        tl.store(scale_ptr + row * (D // GROUP) + g, s_lo)
+        tl.store(scale_ptr + row * (D // GROUP) + G + g, s_hi)
+        if BITS == 8:
+            tl.store(data_ptr + row * D + j, q_lo.to(tl.int8))
+            tl.store(data_ptr + row * D + HALF + j, q_hi.to(tl.int8))
+        else:
+            packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
+            tl.store(data_ptr + row * HALF + j, packed.to(tl.uint8))
+
+
+@triton.jit
+def _round(x):
+    """Round half to even, as torch.round does."""
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r / 2.0)) == 1.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                   rotation: torch.Tensor, k_center: torch.Tensor | None = None,
+                   k_channel_scale: torch.Tensor | None = None) -> None:
+    """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped."""
+    t, kv_heads, d = key.shape
+    for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
+        if bits == 16:
+            keep = slots >= 0
+            tensors[name].view(-1, kv_heads, d)[slots[keep]] = x[keep].to(tensors[name].dtype)
+            continue
+        center = name == "k" and k_center is not None
+        dummy = rotation
+        _quantize_write_kernel[(t, kv_heads)](
+            x, slots, k_center.float().contiguous() if center else dummy,
+            (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
+            if center else dummy,
+            rotation.float().contiguous(), tensors[name], tensors[name + "_scale"], x.stride(0), x.stride(1),
+            KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP)
+
+
+@triton.jit
+def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               UPPER: tl.constexpr, GROUP: tl.constexpr):
+    """One half of the rows ``row`` ``[N]`` as fp32 ``[N, D/2]``, dequantized."""
+    col = j + HALF * UPPER
+    if BITS == 16:
+        return tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
+    s = tl.load(scale_ptr + row[:, None] * (D // GROUP) + (col // GROUP)[None, :]).to(tl.float32)
+    if BITS == 8:
+        q = tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
+    else:
+        packed = tl.load(data_ptr + row[:, None] * HALF + j[None, :]).to(tl.int32)
+        q = (((packed >> 4) if UPPER else (packed & 15)) - 8).to(tl.float32)
+    return q * s
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+                         sm_scale, table_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                         BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    HALF: tl.constexpr = D // 2
+    kvh = h // (HEADS // KV_HEADS)
+    length = tl.load(len_ptr + b)
+    j = tl.arange(0, HALF)
+    qrow = (b * HEADS + h) * D
+    q_lo = tl.load(q_ptr + qrow + j).to(tl.float32)
+    q_hi = tl.load(q_ptr + qrow + HALF + j).to(tl.float32)
+    m = -float("inf")
+    l = 0.0
+    acc_lo = tl.zeros([HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([HALF], dtype=tl.float32)
+    offs = tl.arange(0, BS)
+    for i in range(BLOCKS_PER_SPLIT):
+        blk = split * BLOCKS_PER_SPLIT + i
+        if blk * BS < length:
+            block_id = tl.load(table_ptr + b * table_stride + blk)
+            row = (block_id * BS + offs) * KV_HEADS + kvh
+            valid = blk * BS + offs < length
+            k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
+            k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
+            s = (tl.sum(k_lo * q_lo[None, :], axis=1) + tl.sum(k_hi * q_hi[None, :], axis=1)) * sm_scale
+            s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            v_lo = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 0, GROUP)
+            v_hi = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 1, GROUP)
+            acc_lo = acc_lo * alpha + tl.sum(p[:, None] * v_lo, axis=0)
+            acc_hi = acc_hi * alpha + tl.sum(p[:, None] * v_hi, axis=0)
+            l = l * alpha + tl.sum(p, axis=0)
+            m = m_new
+    out = ((b * HEADS + h) * SPLITS + split)
+    tl.store(acc_ptr + out * D + j, acc_lo)
+    tl.store(acc_ptr + out * D + HALF + j, acc_hi)
+    tl.store(m_ptr + out, m)
+    tl.store(l_ptr + out, l)
+
+
+def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
+                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 64) -> torch.Tensor:
+    """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
+    Long contexts are split over the KV length; the splits are merged by their log-sum-exp."""
+    batch, heads, d = query.shape
+    _, bs, kv_heads, _ = tensors["k"].shape
+    q = query.float()
+    if k_channel_scale is not None:
+        q = q / k_channel_scale.float().repeat_interleave(heads // kv_heads, 0)
+    if fmt.k_bits < 16:
+        q = q @ rotation.float()
+    q = q.contiguous()
+    splits = max(1, -(-block_tables.shape[1] // blocks_per_split))
+    acc = torch.empty(batch, heads, splits, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    dummy = tensors["k"]
+    _paged_decode_kernel[(batch, heads, splits)](
+        q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
+        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0),
+        HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+        BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP)
+    top = m.amax(-1, keepdim=True)
+    w = torch.exp(m - top)
+    out = (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
+    if fmt.v_bits < 16:
+        out = out @ rotation.float()
+    return out.to(query.dtype)

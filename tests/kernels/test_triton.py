@@ -1,0 +1,65 @@
+"""Triton kernels against the torch reference, in the interpreter (TRITON_INTERPRET=1, set in
+conftest before triton loads): byte-exact writes, decode attention within fp32 rounding."""
+import pytest
+import torch
+
+from kvchat.kernels import quant, reference, triton_kv
+
+BS = 16
+
+
+def scene(fmt, heads, kv_heads, head_dim, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BS) for n in lengths) + 3
+    order = torch.randperm(num_blocks, generator=g)
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(order[used:used + -(-n // BS)])
+        used += len(tables[-1])
+    pool = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
+    rot = quant.hadamard(head_dim)
+    center = torch.randn(kv_heads, head_dim, generator=g)
+    cscale = torch.rand(kv_heads, head_dim, generator=g) + 0.5
+    for table, n in zip(tables, lengths):
+        k = torch.randn(n, kv_heads, head_dim, generator=g) * 2
+        v = torch.randn(n, kv_heads, head_dim, generator=g)
+        slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+        reference.write_kv(pool, fmt, k, v, slots, rot, center, cscale)
+    return pool, tables, rot, center, cscale, g
+
+
+@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_quantize_write_is_byte_exact_and_skips_padding(name, head_dim):
+    fmt = quant.FORMATS[name]
+    g = torch.Generator().manual_seed(head_dim)
+    n, kv_heads, num_blocks = 21, 2, 4
+    key = torch.randn(n, kv_heads, head_dim, generator=g) * 3
+    value = torch.randn(n, kv_heads, head_dim, generator=g)
+    slots = torch.randperm(num_blocks * BS, generator=g)[:n]
+    slots[[4, 11]] = -1
+    rot, center = quant.hadamard(head_dim), torch.randn(kv_heads, head_dim, generator=g)
+    cscale = torch.rand(kv_heads, head_dim, generator=g) + 0.5
+    want = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
+    got = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
+    reference.write_kv(want, fmt, key, value, slots, rot, center, cscale)
+    triton_kv.quantize_write(got, fmt, key, value, slots, rot, center, cscale)
+    for name_ in want:
+        assert torch.equal(want[name_], got[name_]), name_
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 64), (8, 1, 128)])
+def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
+    fmt = quant.FORMATS[name]
+    lengths = [37, 70]  # not multiples of the block size; the second spans three splits
+    pool, tables, rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, lengths, seed=heads + head_dim)
+    query = torch.randn(len(lengths), heads, head_dim, generator=g)
+    width = max(len(t) for t in tables)
+    padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables]).to(torch.int32)
+    scale_vec = cscale if fmt.quantized else None
+    out = triton_kv.paged_decode(query, pool, fmt, padded, torch.tensor(lengths, dtype=torch.int32),
+                                 head_dim ** -0.5, rot, scale_vec, blocks_per_split=2)
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot, scale_vec)
+        torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
