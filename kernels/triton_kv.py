@@ -15,7 +15,7 @@ from .quant import KVFormat
 @triton.jit
 def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr,
                            x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr):
+                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -33,8 +33,8 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
         G: tl.constexpr = HALF // GROUP
         lo_g = tl.reshape(lo, (G, GROUP))
         hi_g = tl.reshape(hi, (G, GROUP))
-        s_lo = tl.maximum(tl.max(tl.abs(lo_g), axis=1) / QMAX, 2.0 ** -14).to(tl.float16)
-        s_hi = tl.maximum(tl.max(tl.abs(hi_g), axis=1) / QMAX, 2.0 ** -14).to(tl.float16)
+        s_lo = _group_scale(lo_g, QMAX, CLIP)
+        s_hi = _group_scale(hi_g, QMAX, CLIP)
         q_lo = tl.reshape(tl.clamp(_round(lo_g / s_lo.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
         q_hi = tl.reshape(tl.clamp(_round(hi_g / s_hi.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
         g = tl.arange(0, G)
@@ -47,6 +47,40 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
         else:
             packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
             tl.store(data_ptr + row * HALF + j, packed.to(tl.uint8))
+
+
+@triton.jit
+def _scale_error(groups, amax, ratio, QMAX: tl.constexpr):
+    scale = tl.maximum(amax * ratio / QMAX, 2.0 ** -14).to(tl.float16)
+    c = scale.to(tl.float32)[:, None]
+    err = tl.clamp(_round(groups / c), -QMAX, QMAX) * c - groups
+    return scale, tl.sum(err * err, axis=1)
+
+
+@triton.jit
+def _pick(scale, best, candidate, err):
+    better = err < best
+    return tl.where(better, candidate, scale), tl.where(better, err, best)
+
+
+@triton.jit
+def _group_scale(groups, QMAX: tl.constexpr, CLIP: tl.constexpr):
+    """fp16 scale per group; with CLIP, the least-squares choice among quant.CLIP_RATIOS (spelled
+    out here, in the same order; a test checks the writes stay byte-exact)."""
+    amax = tl.max(tl.abs(groups), axis=1)
+    scale, best = _scale_error(groups, amax, 1.0, QMAX)
+    if CLIP:
+        s, e = _scale_error(groups, amax, 0.95, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.9, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.85, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.8, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.75, QMAX)
+        scale, best = _pick(scale, best, s, e)
+    return scale
 
 
 @triton.jit
@@ -75,7 +109,8 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
             (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
             if center else dummy,
             rotation.float().contiguous(), tensors[name], tensors[name + "_scale"], x.stride(0), x.stride(1),
-            KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP)
+            KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
+            CLIP=name == "k" and bits == 4)
 
 
 @triton.jit
