@@ -81,12 +81,12 @@ def quantize(x: torch.Tensor, bits: int, clip: bool = False) -> tuple[torch.Tens
     """``[..., D]`` float -> (data, fp16 scales ``[..., D/32]``)."""
     groups = x.float().unflatten(-1, (-1, GROUP))
     amax = groups.abs().amax(-1)
-    scale, best = None, None
-    for ratio in CLIP_RATIOS if clip else (1.0,):
+    scale, best = (amax / qmax(bits)).clamp(min=_MIN_SCALE).to(SCALE_DTYPE), None
+    for ratio in CLIP_RATIOS if clip else ():
         candidate = (amax * ratio / qmax(bits)).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
         c = candidate.float().unsqueeze(-1)
         err = ((torch.round(groups / c).clamp(-qmax(bits), qmax(bits)) * c - groups) ** 2).sum(-1)
-        if scale is None:
+        if best is None:
             scale, best = candidate, err
         else:
             scale, best = torch.where(err < best, candidate, scale), torch.minimum(err, best)
@@ -129,14 +129,40 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
         if bits == 16:
             _store(tensors[name], slots, x)
             continue
-        x = x.float()
-        if name == "k" and k_center is not None:
-            x = x - k_center
-        if name == "k" and k_channel_scale is not None:
-            x = x * k_channel_scale
-        data, scale = quantize(x @ rotation, bits, clip=name == "k" and bits == 4)
+        if name == "k":
+            x = transform_keys(x.float(), rotation, k_center, k_channel_scale)
+        else:
+            x = rotate(x.float(), rotation)
+        data, scale = quantize(x, bits, clip=name == "k" and bits == 4)
         _store(tensors[name], slots, data)
         _store(tensors[name + "_scale"], slots, scale)
+
+
+def rotate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight`` over the last dim; for a decode step's few rows, as a broadcast product and a
+    sum, which stay on one thread: a tiny matmul wakes the whole CPU thread pool, and on a busy
+    2-core machine that costs more than the product itself."""
+    if x[..., 0].numel() * weight.shape[-1] * weight.shape[-2] > 65536:
+        return x @ weight
+    return (x.unsqueeze(-1) * weight).sum(-2)
+
+
+def transform_keys(k: torch.Tensor, rotation, center=None, channel_scale=None) -> torch.Tensor:
+    """``((k - center) * channel_scale) @ rotation`` for ``k`` ``[T, kv_heads, D]``."""
+    if center is not None:
+        k = k - center
+    if channel_scale is not None:
+        k = k * channel_scale
+    return rotate(k, rotation)
+
+
+def transform_queries(q: torch.Tensor, rotation, channel_scale=None) -> torch.Tensor:
+    """``(q / channel_scale) @ rotation`` for ``q`` ``[T, heads, D]``, each query head divided by its
+    KV head's scale (GQA: heads are grouped by KV head, consecutive)."""
+    if channel_scale is not None:
+        t, heads, d = q.shape
+        q = (q.view(t, channel_scale.shape[0], -1, d) / channel_scale[:, None, :].to(q.dtype)).view(t, heads, d)
+    return rotate(q, rotation)
 
 
 def _store(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

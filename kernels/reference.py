@@ -34,12 +34,9 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     q_len, dtype = query.shape[0], query.dtype
     k = quant.read(tensors, fmt, "k", block_table, context_len, first_block, dtype)
     v = quant.read(tensors, fmt, "v", block_table, context_len, first_block, dtype)
-    q = query
-    if k_channel_scale is not None:
-        q = q / k_channel_scale.repeat_interleave(query.shape[1] // k_channel_scale.shape[0], 0).to(dtype)
-    q = q @ rotation.to(dtype) if fmt.k_bits < 16 else q
+    q = quant.transform_queries(query, rotation.to(dtype), k_channel_scale) if fmt.k_bits < 16 else query
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None if q_len == 1 else causal_mask(q_len, context_len, query.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     out = out[0].transpose(0, 1)
-    return out @ rotation.to(dtype) if fmt.v_bits < 16 else out
+    return quant.rotate(out, rotation.to(dtype)) if fmt.v_bits < 16 else out
