@@ -52,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
                             "kernels: Triton vs reference on CUDA")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
+    pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
+    pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
+    pl.add_argument("--context", type=int, required=True)
+    pl.add_argument("--memory", default=None, help="device memory to plan for, e.g. 24GiB (default: free now)")
+    pl.add_argument("--weights", default="bf16", choices=["bf16", "fp16", "fp32", "int8", "nf4"])
+    pl.add_argument("--headroom", default="1GiB")
+    pl.add_argument("--json", action="store_true")
     ev = sub.add_parser("eval", help="quality of a quantized KV cache against fp16")
     ev.add_argument("which", choices=["ppl", "kld"])
     ev.add_argument("--model", default="starter")
@@ -169,6 +176,28 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from . import memory
+    from .models import load_config, pick_device
+
+    try:
+        headroom = memory.parse_bytes(args.headroom)
+        if args.memory:
+            total = memory.parse_bytes(args.memory)
+        else:
+            probe = memory.MemoryProbe(pick_device("auto"))
+            size, used = probe.totals()
+            total = size - used
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.context <= 0:
+        raise ConfigError("--context must be positive")
+    result = memory.plan(load_config(args.model), total, args.context, args.weights, headroom,
+                         kv_full_bytes=4 if args.weights == "fp32" else 2)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else memory.format_plan(result))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from . import evaluate
 
@@ -188,7 +217,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(["chat"])
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-                "eval": cmd_eval}[command](args)
+                "eval": cmd_eval, "plan": cmd_plan}[command](args)
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1

@@ -111,6 +111,24 @@ def _progress_tqdm(progress):
     return Reporter
 
 
+def load_config(spec: str):
+    """The model config alone (a dict, or a transformers config for a .gguf), for planning."""
+    if spec.endswith(".json") and Path(spec).is_file():
+        return json.loads(Path(spec).read_text())
+    source = resolve(spec)
+    if source.kind == "hub":
+        return json.loads((download(source.location, config_only=True) / "config.json").read_text())
+    if source.kind == "folder":
+        return json.loads((Path(source.location) / "config.json").read_text())
+    from transformers import AutoConfig
+
+    path = Path(source.location)
+    try:
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

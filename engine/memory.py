@@ -1,0 +1,185 @@
+"""Where memory goes, and what fits: the probe (NVML / torch / psutil) and the precision planner.
+
+The planner works from a model config alone, before any weights load. KV bytes per token follow
+2 x layers x kv_heads x head_dim x bytes per element, with the quantized modes' fp16 group scales
+(one per 32 values) counted in.
+"""
+import re
+from dataclasses import asdict, dataclass, field
+
+from .config import Precision
+from .kv_cache import KVShape, bytes_per_token
+
+GiB = 1 << 30
+PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
+PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as cached prefixes
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.I)
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (try 24GiB or 8000MB)")
+    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _cfg(config, name, default=None):
+    config = getattr(config, "text_config", None) or config
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def kv_shape(config) -> KVShape:
+    if isinstance(config, dict):
+        heads = config["num_attention_heads"]
+        return KVShape(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
+                       config.get("head_dim") or config["hidden_size"] // heads)
+    return KVShape.from_config(config)
+
+
+def parameter_counts(config) -> tuple[int, int]:
+    """(parameters of the linear layers that 8-bit/nf4 quantize, all other parameters)."""
+    hidden, inter, vocab = _cfg(config, "hidden_size"), _cfg(config, "intermediate_size"), _cfg(config, "vocab_size")
+    shape = kv_shape(config)
+    heads = _cfg(config, "num_attention_heads")
+    q_out, kv_out = heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    linear = shape.num_layers * (hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * inter)
+    other = vocab * hidden * (1 if _cfg(config, "tie_word_embeddings", False) else 2)
+    other += shape.num_layers * 2 * hidden + hidden
+    if _cfg(config, "model_type") == "qwen2":
+        other += shape.num_layers * (q_out + 2 * kv_out)  # q/k/v biases
+    if _cfg(config, "model_type") == "qwen3":
+        other += shape.num_layers * 2 * shape.head_dim  # q/k norms
+    return linear, other
+
+
+def weights_bytes(config, weights: str = "bf16") -> int:
+    """bitsandbytes leaves embeddings, the LM head and norms in 16-bit."""
+    linear, other = parameter_counts(config)
+    return int(linear * WEIGHT_BYTES[weights] + other * (4 if weights == "fp32" else 2))
+
+
+def activations_bytes(config, chunk: int = 512, act_bytes: int = 2) -> int:
+    """Peak working memory of one prefill chunk: hidden states, MLP intermediates, one row of fp32
+    logits, and a fixed allowance for the framework's workspaces."""
+    hidden, inter, vocab = _cfg(config, "hidden_size"), _cfg(config, "intermediate_size"), _cfg(config, "vocab_size")
+    return chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab + 256 * (1 << 20)
+
+
+@dataclass
+class Plan:
+    memory: int
+    weights: int
+    activations: int
+    headroom: int
+    kv_budget: int
+    requested_context: int
+    bytes_per_token: dict = field(default_factory=dict)
+    max_context: dict = field(default_factory=dict)
+    auto: str | None = None  # None: not even int4 holds the requested context
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int = GiB,
+         kv_full_bytes: int = 2, block_size: int = 16, chunk: int = 512,
+         weights_size: int | None = None) -> Plan:
+    """For each precision the largest context the memory holds, and Auto's pick: the highest
+    precision that holds ``context`` plus the prefix-cache reserve."""
+    w = weights_size if weights_size is not None else weights_bytes(config, weights)
+    act = activations_bytes(config, chunk, kv_full_bytes)
+    budget = max(0, memory - w - act - headroom)
+    shape = kv_shape(config)
+    p = Plan(memory, w, act, headroom, budget, context)
+    need = context * (1 + PREFIX_RESERVE)
+    for precision in PRECISIONS:
+        per_token = bytes_per_token(shape, precision, kv_full_bytes)
+        p.bytes_per_token[precision.value] = per_token
+        p.max_context[precision.value] = int(budget // (per_token * block_size)) * block_size
+        if p.auto is None and budget >= need * per_token:
+            p.auto = precision.value
+    return p
+
+
+def format_plan(p: Plan) -> str:
+    g = lambda n: f"{n / GiB:.2f} GiB"
+    lines = [f"memory {g(p.memory)}: weights {g(p.weights)}, activations {g(p.activations)}, "
+             f"headroom {g(p.headroom)}, KV cache {g(p.kv_budget)}"]
+    for name, per_token in p.bytes_per_token.items():
+        lines.append(f"  {name:<5} {per_token / 1024:8.1f} KiB/token   holds {p.max_context[name]:>9,} tokens")
+    want = f"{p.requested_context:,} tokens (+{PREFIX_RESERVE:.0%} prefix cache)"
+    lines.append(f"Auto for {want}: {p.auto or 'nothing fits; lower the context or free memory'}")
+    return "\n".join(lines)
+
+
+@dataclass
+class MemorySnapshot:
+    device: str  # "cuda:0 (name)" or "cpu"
+    total: int
+    other_processes: int
+    weights: int
+    kv_total: int
+    kv_in_use: int
+    kv_reclaimable: int
+    activations_reserve: int
+    free: int
+    precision: str
+    max_context: dict
+    on_cpu: bool
+
+
+class MemoryProbe:
+    """Device totals: NVML on CUDA (other processes included), system RAM (psutil) on the CPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self._nvml = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # no driver library: fall back to torch's view
+                self._nvml = None
+
+    def totals(self) -> tuple[int, int]:
+        """(total bytes, bytes in use by everything, this process included)."""
+        if self.device.type == "cuda":
+            if self._nvml is not None:
+                import pynvml
+
+                info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+                return info.total, info.used
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            return total, total - free
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.total, vm.total - vm.available
+
+    def own(self) -> int:
+        """Bytes this process holds on the device."""
+        if self.device.type == "cuda":
+            import torch
+
+            return torch.cuda.memory_reserved(self.device)
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+class ScriptedProbe:
+    """A probe that reports what a test tells it: total, and what other processes use."""
+
+    def __init__(self, total: int, other: int = 0, own: int = 0):
+        self.total, self.other, self._own = total, other, own
+
+    def totals(self) -> tuple[int, int]:
+        return self.total, self.other + self._own
+
+    def own(self) -> int:
+        return self._own

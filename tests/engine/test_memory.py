@@ -1,0 +1,73 @@
+"""The planner against hand-computed figures for real model configs (JSON fixtures)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from kvchat.engine.memory import GiB, parse_bytes, plan, weights_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def config(name):
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+# fp16 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x 2 bytes
+FP16_PER_TOKEN = {
+    "llama-3.1-8b": 2 * 32 * 8 * 128 * 2,   # 131,072
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,     # 57,344
+    "qwen2.5-14b": 2 * 48 * 8 * 128 * 2,    # 196,608
+    "qwen2.5-32b": 2 * 64 * 8 * 128 * 2,    # 262,144
+}
+# bytes per element with one fp16 scale per 32: int8 1 + 1/16, int4 0.5 + 1/16
+FRACTION = {"fp16": 1.0, "int8": 1.0625 / 2, "k8v4": (1.0625 + 0.5625) / 4, "int4": 0.5625 / 2}
+# parameter counts, by hand: embeddings (x2 when untied) + layers x (attention + MLP + 2 norms) + norm
+PARAMS = {
+    "llama-3.1-8b": 128256 * 4096 * 2 + 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336 + 2 * 4096) + 4096,
+    "qwen2.5-7b": 152064 * 3584 * 2 + 28 * (3584 * 3584 * 2 + 3584 * 512 * 2 + 3 * 3584 * 18944 + 2 * 3584
+                                            + 3584 + 2 * 512) + 3584,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP16_PER_TOKEN))
+@pytest.mark.parametrize("precision", sorted(FRACTION))
+def test_bytes_per_token_by_hand(name, precision):
+    p = plan(config(name), memory=24 * GiB, context=8192)
+    assert p.bytes_per_token[precision] == FP16_PER_TOKEN[name] * FRACTION[precision]
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_weights_by_hand(name):
+    assert weights_bytes(config(name), "bf16") == PARAMS[name] * 2
+    assert PARAMS["llama-3.1-8b"] == 8_030_261_248  # the published count of Llama-3.1-8B
+
+
+def test_max_context_and_auto_for_an_8b_model_on_24_gib():
+    cfg = config("llama-3.1-8b")
+    p = plan(cfg, memory=24 * GiB, context=32768, headroom=GiB)
+    budget = 24 * GiB - PARAMS["llama-3.1-8b"] * 2 - p.activations - GiB
+    assert p.kv_budget == budget
+    for name, frac in FRACTION.items():
+        per_token = 131072 * frac
+        assert p.max_context[name] == int(budget // (per_token * 16)) * 16
+    # 32k x 1.25 at fp16 needs 5 GiB: fits next to 15 GiB of bf16 weights
+    assert p.auto == "fp16"
+    assert plan(cfg, memory=24 * GiB, context=65536).auto == "int8"
+    assert plan(cfg, memory=24 * GiB, context=131072).auto == "int4"
+    assert plan(cfg, memory=18 * GiB, context=131072).auto is None
+
+
+def test_quantized_weights_free_memory_for_the_cache():
+    cfg = config("qwen2.5-32b")
+    assert plan(cfg, memory=24 * GiB, context=8192, weights="bf16").auto is None  # 65 GB of weights
+    nf4 = plan(cfg, memory=24 * GiB, context=8192, weights="nf4")
+    assert nf4.weights < 20 * GiB and nf4.auto is not None
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("24G") == 24 * GiB
+    assert parse_bytes("8000MB") == 8 * 10 ** 9
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
