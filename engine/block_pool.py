@@ -29,6 +29,7 @@ class Block:
     hash: bytes | None = None
     token_ids: tuple = ()
     pinned: bool = False
+    parent: bytes | None = None  # the previous block's hash: lets a layout change rehash the chain
 
 
 class BlockPool:
@@ -85,13 +86,64 @@ class BlockPool:
             if block.ref_cnt == 0:
                 (self.pinned_queue if block.pinned else self.free_queue)[block.id] = block
 
-    def cache(self, block: Block, hash_: bytes, token_ids) -> None:
+    def cache(self, block: Block, hash_: bytes, token_ids, parent: bytes | None = None) -> None:
         if block.hash is not None:
             return
         if hash_ in self.cached:  # the same prefix computed twice: keep the older copy findable
             return
-        block.hash, block.token_ids = hash_, tuple(token_ids)
+        block.hash, block.token_ids, block.parent = hash_, tuple(token_ids), parent
         self.cached[hash_] = block
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks up to ``num_blocks`` (a layout change fitted more into the same bytes)."""
+        for i in range(self.num_blocks, num_blocks):
+            block = Block(i)
+            self.blocks.append(block)
+            self.free_queue[i] = block
+            self.free_queue.move_to_end(i, last=False)  # empty blocks go before cached ones
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix that no sequence holds."""
+        for queue in (self.free_queue, self.pinned_queue):
+            for block in queue.values():
+                self._forget(block)
+        self.free_queue.update(self.pinned_queue)
+        self.pinned_queue.clear()
+
+    def shrink(self, num_blocks: int) -> bool:
+        """Drop the blocks with ids >= ``num_blocks``; False (and nothing done) if one is in use."""
+        tail = self.blocks[num_blocks:]
+        if any(b.ref_cnt for b in tail):
+            return False
+        for block in tail:
+            self.free_queue.pop(block.id, None)
+            self.pinned_queue.pop(block.id, None)
+            self._forget(block)
+        del self.blocks[num_blocks:]
+        return True
+
+    def rehash(self, extra_key: str) -> dict[bytes, bytes]:
+        """Re-key every cached block for a new layout, parents first; a block whose parent is gone
+        can never be reached again and is dropped from the map. Returns old -> new hashes."""
+        renamed: dict[bytes, bytes] = {}
+        pending = list(self.cached.values())
+        self.cached = {}
+        while pending:
+            waiting = []
+            for block in pending:
+                if block.parent is not None and block.parent not in renamed:
+                    waiting.append(block)
+                    continue
+                new = block_hash(renamed.get(block.parent), block.token_ids, extra_key)
+                renamed[block.hash] = new
+                block.hash, block.parent = new, renamed.get(block.parent)
+                self.cached[new] = block
+            if len(waiting) == len(pending):
+                for block in waiting:  # orphans
+                    block.hash, block.token_ids, block.parent = None, (), None
+                break
+            pending = waiting
+        return renamed
 
     def set_pinned(self, block: Block, pinned: bool) -> None:
         if block.pinned == pinned:
@@ -107,4 +159,4 @@ class BlockPool:
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
             self.evictions += 1
-        block.hash, block.token_ids, block.pinned = None, (), False
+        block.hash, block.token_ids, block.pinned, block.parent = None, (), False, None

@@ -8,6 +8,7 @@ class ConfigError(ValueError):
 
 
 class Precision(str, Enum):
+    AUTO = "auto"  # the engine picks, and steps down under memory pressure
     FP16 = "fp16"  # the model's own dtype (fp32 on CPU)
     INT8 = "int8"
     K8V4 = "k8v4"
@@ -24,6 +25,7 @@ class EngineConfig:
     block_size: int = 16
     max_context: int = 8192
     kv_budget_bytes: int | None = None  # None: room for max_context tokens plus a prefix-cache reserve
+    headroom_bytes: int = 1 << 30  # device memory left free for everything else
     prefill_chunk: int = 512
     threads: int | None = None
 

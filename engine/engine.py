@@ -3,35 +3,42 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
-from .block_pool import BlockPool, PoolExhausted
-from .calibration import calibrate
+from .block_pool import PoolExhausted
 from .chat import ChatError, ChatFormatter
-from .config import ConfigError, EngineConfig, SamplingParams
+from .config import ConfigError, EngineConfig, Precision, SamplingParams
 from .detok import StopChecker, StreamDetokenizer
-from .events import EngineError, Error, Finished, Request, RequestHandle, Stats, TokenDelta
-from .kv_cache import KVCache, KVShape, blocks_for_budget
-from .kv_manager import KVCacheManager, Sequence
+from .events import EngineError, Error, Finished, Notice, Request, RequestHandle, Stats, TokenDelta
+from .kv_cache import KVShape, bytes_per_token
+from .kv_manager import Sequence
+from .kv_pool import KVPool
+from .memory import PRECISIONS, MemoryProbe, MemorySnapshot, activations_bytes
 from .models import LoadedModel, ModelError, load
 from .persona_store import PersonaStore
-from .personas import PersonaCache
-from .runner import ModelRunner
 from .sampler import Sampler
 
 log = logging.getLogger("kvchat.engine")
 PREFIX_RESERVE = 0.5  # pool room beyond one full context, kept for cached prefixes
+SNAPSHOT_PERIOD = 1.0  # seconds between memory snapshots
 
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 persona_store: PersonaStore | None | bool = True):
+                 persona_store: PersonaStore | None | bool = True, probe=None):
         self.config = config or EngineConfig()
         self.loaded = loaded
         self._store_arg = persona_store
+        self.probe = probe
         self.ready = threading.Event()
         self.load_error: str | None = None
+        self.last_snapshot: MemorySnapshot | None = None
+        self._listeners: list = []
+        self._next_snapshot = 0.0
+        self._handle: RequestHandle | None = None
         self._requests: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="kvchat-engine", daemon=True)
         self._thread.start()
@@ -45,6 +52,18 @@ class Engine:
 
     def generate(self, messages: list[dict], **sampling) -> Finished:
         return self.submit(Request(messages=messages, sampling=SamplingParams(**sampling))).result()
+
+    def reconfigure(self, max_context: int | None = None, kv_precision: str | None = None) -> Future:
+        """Change the context length or the KV precision without reloading the weights: the pool is
+        rebuilt and its cached blocks converted. Applied between requests, on the engine thread."""
+        future = Future()
+        self._requests.put(("reconfigure", future, max_context, kv_precision))
+        return future
+
+    def add_listener(self, callback) -> None:
+        """``callback(event)`` with MemorySnapshot (about once a second) and Notice events. It runs
+        on the engine thread: it must only hand the event on (a queue, a queued Qt signal)."""
+        self._listeners.append(callback)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self.ready.wait(timeout):
@@ -60,6 +79,16 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def precision(self) -> Precision:
+        return self.kvpool.precision
+
+    pool = property(lambda self: self.kvpool.pool)
+    manager = property(lambda self: self.kvpool.manager)
+    kv = property(lambda self: self.kvpool.kv)
+    runner = property(lambda self: self.kvpool.runner)
+    personas = property(lambda self: self.kvpool.personas)
+
     # -- the engine thread --
 
     def _main(self) -> None:
@@ -71,11 +100,21 @@ class Engine:
             log.exception("model load failed")
             self.load_error = f"model load failed: {e}"
         self.ready.set()
-        while (handle := self._requests.get()) is not None:
-            if self.load_error:
-                handle.events.put(Error(self.load_error))
+        while True:
+            try:
+                item = self._requests.get(timeout=SNAPSHOT_PERIOD)
+            except queue.Empty:
+                self._tick()
                 continue
-            self._serve(handle)
+            if item is None:
+                return
+            if self.load_error:
+                _fail(item, self.load_error)
+            elif isinstance(item, tuple):
+                self._control(*item)
+            else:
+                self._serve(item)
+            self._tick()
 
     def _setup(self) -> None:
         cfg = self.config
@@ -85,37 +124,141 @@ class Engine:
             self.loaded = load(cfg.model, cfg.device, cfg.dtype, cfg.weights)
         lm = self.loaded
         self.formatter = ChatFormatter(lm.tokenizer)
-        self.shape = KVShape.from_config(lm.model.config)
-        kv_dtype = lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
-        num_blocks = self._num_blocks(kv_dtype.itemsize)
-        self.pool = BlockPool(num_blocks)
-        self.kv = KVCache(self.shape, num_blocks, cfg.block_size, kv_dtype, lm.device, cfg.kv_precision)
-        if self.kv.format.quantized:
-            self.kv.k_centers, self.kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, kv_dtype)
-        self.manager = KVCacheManager(self.pool, cfg.block_size, f"{lm.identity}|{self.kv.layout_key}")
-        self.runner = ModelRunner(lm.model, self.kv, self.manager)
-        store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
-        self.personas = PersonaCache(self.manager, self.kv, store)
         self.eos_ids = eos_token_ids(lm)
+        self.probe = self.probe or MemoryProbe(lm.device)
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
+        self.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize)
+        self.auto = cfg.kv_precision == Precision.AUTO
+        store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
+        precision, budget = self._initial_layout()
+        self.kvpool = KVPool(lm, cfg.block_size, precision, budget, store)
 
-    def _num_blocks(self, dtype_bytes: int) -> int:
+    def _initial_layout(self) -> tuple[Precision, int]:
+        """Auto takes fp16 when a full context fits, else the best precision that does."""
         cfg = self.config
+        shape = KVShape.from_config(self.loaded.model.config)
+        full = self.loaded.dtype.itemsize if self.loaded.dtype.itemsize in (2, 4) else 2
+        want = lambda p: int(cfg.max_context * (1 + PREFIX_RESERVE) * bytes_per_token(shape, p, full)) + 1
         if cfg.kv_budget_bytes is not None:
-            n = blocks_for_budget(self.shape, cfg.kv_precision, cfg.block_size, cfg.kv_budget_bytes, dtype_bytes)
-            if n < 1:
-                raise ConfigError("the KV budget is smaller than one block")
-            return n
-        per_context = -(-cfg.max_context // cfg.block_size)
-        return int(per_context * (1 + PREFIX_RESERVE)) + 1
+            available = cfg.kv_budget_bytes
+        else:
+            total, used = self.probe.totals()
+            available = total - used - self.activations - cfg.headroom_bytes
+        options = [cfg.kv_precision] if not self.auto else PRECISIONS
+        precision = next((p for p in options if want(p) <= available), options[-1])
+        budget = cfg.kv_budget_bytes if cfg.kv_budget_bytes is not None else min(want(precision), available)
+        if budget <= 0:
+            raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
+        return precision, budget
+
+    # -- memory: snapshots, pressure, reconfiguration --
+
+    def _tick(self, live: list[Sequence] = ()) -> None:
+        """About once a second: relieve memory pressure, then tell the listeners where memory goes."""
+        now = time.monotonic()
+        if now < self._next_snapshot or not hasattr(self, "kvpool"):
+            return
+        self._next_snapshot = now + SNAPSHOT_PERIOD
+        try:
+            self._relieve_pressure(list(live))
+            self.last_snapshot = snap = self._snapshot()
+        except Exception:  # a probe failing must never stop the engine
+            log.exception("memory probe failed")
+            return
+        self._emit(snap)
+
+    def _snapshot(self) -> MemorySnapshot:
+        total, used = self.probe.totals()
+        other = max(0, used - self.probe.own())
+        pool = self.kvpool
+        usage = pool.usage()
+        free = total - other - self.weights_bytes - usage["kv_total"] - self.activations
+        room = usage["kv_total"] + max(0, free - self.config.headroom_bytes)
+        device = self.loaded.device
+        return MemorySnapshot(
+            device=str(device), total=total, other_processes=other, weights=self.weights_bytes,
+            activations_reserve=self.activations, free=max(0, free), precision=pool.precision.value,
+            max_context={p.value: pool.tokens_for(p, room) if room > 0 else 0 for p in PRECISIONS},
+            on_cpu=device.type == "cpu", **usage)
+
+    def _relieve_pressure(self, live: list[Sequence]) -> None:
+        """Another process took memory: shrink the pool to give it back, stepping the precision down
+        (Auto) so that what is in use still fits. Unreferenced cached blocks go first."""
+        total, used = self.probe.totals()
+        other = max(0, used - self.probe.own())
+        pool = self.kvpool
+        allowed = total - other - self.weights_bytes - self.activations - self.config.headroom_bytes
+        if allowed >= pool.budget:
+            return
+        needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
+        options = [p for p in PRECISIONS if p >= pool.precision] if self.auto else [pool.precision]
+        old = pool.precision
+        for precision in sorted(options, key=PRECISIONS.index):
+            if allowed > 0 and pool.tokens_for(precision, allowed) >= needed and pool.rebuild(precision, allowed, live):
+                if self.loaded.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self._notice("shrink" if precision == old else "downshift",
+                             f"another program took GPU memory: KV cache now {allowed / 2**20:.0f} MiB"
+                             + (f", {old.value} -> {precision.value}" if precision != old else ""))
+                return
+        self._notice("pressure", "memory is short and the KV cache cannot shrink further right now")
+
+    def _control(self, command, future: Future, max_context, kv_precision) -> None:
+        try:
+            future.set_result(self._reconfigure(max_context, kv_precision))
+        except (ConfigError, ValueError) as e:
+            future.set_exception(ConfigError(str(e)))
+        except Exception as e:
+            log.exception("reconfigure failed")
+            future.set_exception(EngineError(f"reconfigure failed: {e}"))
+
+    def _reconfigure(self, max_context, kv_precision) -> dict:
+        cfg, pool = self.config, self.kvpool
+        new_cfg = replace(cfg, max_context=max_context or cfg.max_context,
+                          kv_precision=kv_precision or cfg.kv_precision)
+        old_cfg, self.config = self.config, new_cfg
+        self.auto = new_cfg.kv_precision == Precision.AUTO
+        try:
+            precision, budget = self._initial_layout()
+        except ConfigError:
+            self.config, self.auto = old_cfg, old_cfg.kv_precision == Precision.AUTO
+            raise
+        upward = PRECISIONS.index(precision) < PRECISIONS.index(pool.precision)
+        if upward:
+            pool.pool.clear_cache()  # lossy blocks must not pass for full-precision ones
+        if not pool.rebuild(precision, budget):
+            raise EngineError("the KV cache is in use and cannot be rebuilt now")
+        self._next_snapshot = 0.0
+        return {"kv_precision": precision.value, "max_context": new_cfg.max_context, "kv_budget": budget}
+
+    def _notice(self, kind: str, message: str) -> None:
+        notice = Notice(kind, message)
+        log.info("%s: %s", kind, message)
+        if self._handle is not None:
+            self._handle.events.put(notice)
+        self._emit(notice)
+
+    def _emit(self, event) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("an engine listener failed")
 
     def _serve(self, handle: RequestHandle) -> None:
         """Run one request; its blocks are released before the last event, so a caller that saw
         Finished or Error sees the pool as the engine leaves it."""
         seq, persona_len = None, 0
+        self._handle = handle
         try:
-            prompt, persona_len = self._prompt_ids(handle.request)
+            if handle.cancelled:
+                raise _Cancelled
+            prompt, persona_len, trimmed = self._prompt_ids(handle.request)
             seq = Sequence(list(prompt))
             last = self._generate(handle, seq, len(prompt), persona_len)
+            last.stats.trimmed_messages = trimmed
+        except _Cancelled:
+            last = Finished("", [], "cancelled", Stats(kv_precision=self.precision.value))
         except (ChatError, ConfigError, PoolExhausted, EngineError) as e:
             last = Error(str(e))
         except Exception as e:
@@ -124,6 +267,7 @@ class Engine:
         finally:
             if seq is not None:
                 self._release(seq, persona_len)
+            self._handle = None
         handle.events.put(last)
 
     def _release(self, seq: Sequence, persona_len: int) -> None:
@@ -134,28 +278,62 @@ class Engine:
             log.exception("could not remember the persona")
         self.manager.free(seq)
 
-    def _prompt_ids(self, request: Request) -> tuple[list[int], int]:
-        """The prompt's token ids, and how many of them are the persona (the system message)."""
-        persona_len = 0
+    def context_limit(self) -> int:
+        """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
+        precision it may step down to."""
+        pool = self.kvpool
+        floor = Precision.INT4 if self.auto else pool.precision
+        return min(self.config.max_context, pool.tokens_for(floor))
+
+    def _prompt_ids(self, request: Request) -> tuple[list[int], int, int]:
+        """The prompt's token ids, how many of them are the persona (the system message), and how
+        many of the oldest messages were left out so that the rest fits the context."""
+        limit = self.context_limit()
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
             vocab = self.loaded.model.config.vocab_size
             if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ChatError(f"prompt_ids must be a non-empty list of token ids below {vocab}")
-        else:
-            encoded = self.formatter.encode(request.messages)
-            ids = encoded.token_ids
-            if request.messages[0]["role"] == "system":
-                persona_len = encoded.message_starts[1] if len(request.messages) > 1 else encoded.prompt_start
-        limit = self.config.max_context
-        if len(ids) >= limit:
-            raise EngineError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
-        return ids, persona_len
+            if len(ids) >= limit:
+                raise EngineError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
+            return ids, 0, 0
+        messages = request.messages
+        room = min(request.sampling.max_new_tokens, limit // 4)
+        encoded = self.formatter.encode(messages)
+        trimmed = 0
+        while len(encoded.token_ids) + room > limit:
+            shorter = drop_oldest(messages)
+            if shorter is None:
+                raise EngineError(f"the prompt is {len(encoded.token_ids)} tokens, longer than the context of "
+                                  f"{limit} (with room for a {room}-token reply)")
+            trimmed += len(messages) - len(shorter)
+            messages = shorter
+            encoded = self.formatter.encode(messages)
+        if trimmed:
+            self._notice("trim", f"{trimmed} oldest message(s) are outside the context of {limit} tokens")
+        persona_len = 0
+        if messages[0]["role"] == "system":
+            persona_len = encoded.message_starts[1] if len(messages) > 1 else encoded.prompt_start
+        return encoded.token_ids, persona_len, trimmed
+
+    def _reserve(self, seq: Sequence, tokens: int) -> None:
+        """Blocks for ``tokens``; when the pool is full (unreferenced cached blocks already evicted),
+        Auto steps the precision down and tries again."""
+        while True:
+            try:
+                return self.manager.reserve(seq, tokens)
+            except PoolExhausted:
+                old = self.precision
+                if not self.auto or self.kvpool.downshift([seq]) is None:
+                    raise
+                self._notice("downshift", f"KV cache full: {old.value} -> {self.precision.value}, "
+                                          f"room for {self.kvpool.tokens_for(self.precision):,} tokens")
 
     def _generate(self, handle: RequestHandle, seq: Sequence, prompt_len: int, persona_len: int) -> Finished:
         cfg, sp = self.config, handle.request.sampling
         start = time.perf_counter()
-        stats = Stats(prompt_tokens=prompt_len, kv_precision=cfg.kv_precision.value)
+        stats = Stats(prompt_tokens=prompt_len)
+        limit = self.context_limit()
         self.manager.match_prefix(seq)
         self.personas.restore(seq, persona_len)
         stats.cached_tokens = seq.num_computed
@@ -164,7 +342,7 @@ class Engine:
             if handle.cancelled:
                 return Finished("", [], "cancelled", stats)
             end = min(seq.num_computed + cfg.prefill_chunk, prompt_len)
-            self.manager.reserve(seq, end)
+            self._reserve(seq, end)
             logits = self.runner.forward(seq, end, want_logits=end == prompt_len)
             self.manager.commit(seq)
         sampler = Sampler(sp, device=self.loaded.device)
@@ -187,12 +365,13 @@ class Engine:
             if stops.stopped:
                 reason = "stop"
                 break
-            if len(generated) >= sp.max_new_tokens or len(seq) >= cfg.max_context:
+            if len(generated) >= sp.max_new_tokens or len(seq) >= limit:
                 break
             if handle.cancelled:
                 reason = "cancelled"
                 break
-            self.manager.reserve(seq, len(seq))
+            self._tick([seq])
+            self._reserve(seq, len(seq))
             logits = self.runner.forward(seq, len(seq), want_logits=True)
             self.manager.commit(seq)
         if not stops.stopped:
@@ -204,7 +383,31 @@ class Engine:
         stats.ttft_ms = (first_at - start) * 1000
         stats.decode_tok_s = (len(generated) - 1) / (done - first_at) if len(generated) > 1 else 0.0
         stats.generated_tokens = len(generated)
+        stats.kv_precision = self.precision.value
         return Finished("".join(text), generated, reason, stats)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _fail(item, message: str) -> None:
+    if isinstance(item, tuple):
+        item[1].set_exception(EngineError(message))
+    else:
+        item.events.put(Error(message))
+
+
+def drop_oldest(messages: list[dict]) -> list[dict] | None:
+    """The conversation without its oldest exchange; the persona and the last message stay. None
+    when nothing is left to drop."""
+    head = 1 if messages[0]["role"] == "system" else 0
+    if len(messages) - head <= 1:
+        return None
+    rest = messages[head + 1:]
+    while len(rest) > 1 and rest[0]["role"] != "user":  # start the history on a user turn
+        rest = rest[1:]
+    return messages[:head] + rest
 
 
 def eos_token_ids(lm: LoadedModel) -> set[int]:

@@ -18,6 +18,7 @@ class Stats:
     ttft_ms: float = 0.0
     decode_tok_s: float = 0.0
     kv_precision: str = "fp16"
+    trimmed_messages: int = 0  # oldest messages left out so the conversation fits the context
 
     @property
     def computed_tokens(self) -> int:
@@ -36,6 +37,13 @@ class Finished:
     token_ids: list[int]
     finish_reason: str  # stop | length | cancelled
     stats: Stats
+
+
+@dataclass
+class Notice:
+    """Something the user should know: kind is downshift, shrink or trim."""
+    kind: str
+    message: str
 
 
 @dataclass

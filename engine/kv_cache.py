@@ -57,6 +57,46 @@ class KVCache:
         rot = f"|wht{quant.GROUP}|centred-scaled-clip-v1" if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
+    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None) -> "KVCache":
+        """This pool's contents in another layout and size; block ids are kept (a shrink drops
+        ids >= num_blocks). Layer by layer, so the peak is one layer above the two pools' sizes."""
+        new = KVCache.__new__(KVCache)
+        new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
+        new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
+        device = next(iter(self.layers[0].values())).device
+        new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
+        new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
+        new.layers = []
+        keep = min(num_blocks, self.num_blocks)
+        slots = torch.arange(keep * self.block_size, device=device)
+        for i in range(len(self.layers)):
+            k, v = self._plain(i, keep)
+            layer = quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
+                                        self.shape.head_dim, self.dtype, device)
+            center = new.k_centers[i] if new.k_centers is not None else None
+            scale = new.k_scales[i] if new.k_scales is not None else None
+            quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
+            new.layers.append(layer)
+            self.layers[i] = None  # this pool is being replaced: free its memory as we go
+        return new
+
+    def _plain(self, layer: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first blocks' K and V back in the model's own domain, fp32: ``[tokens, kv_heads, D]``."""
+        t, fmt = self.layers[layer], self.format
+        table = torch.arange(num_blocks, device=t["k"].device)
+        n = num_blocks * self.block_size
+        k = quant.read(t, fmt, "k", table, n, 0, torch.float32).float()
+        v = quant.read(t, fmt, "v", table, n, 0, torch.float32).float()
+        if fmt.k_bits < 16:
+            k = quant.rotate(k, self.rotation)  # H is its own inverse
+            if self.k_scales is not None:
+                k = k / self.k_scales[layer]
+            if self.k_centers is not None:
+                k = k + self.k_centers[layer]
+        if fmt.v_bits < 16:
+            v = quant.rotate(v, self.rotation)
+        return k, v
+
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
         index = torch.tensor(block_ids, device=self.rotation.device if self.rotation is not None else None)

@@ -55,9 +55,21 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(seq.hashes), seq.num_computed // bs):
             chunk = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(seq.hashes[-1] if seq.hashes else None, chunk, self.extra_key)
-            self.pool.cache(seq.blocks[i], h, chunk)
+            parent = seq.hashes[-1] if seq.hashes else None
+            h = block_hash(parent, chunk, self.extra_key)
+            self.pool.cache(seq.blocks[i], h, chunk, parent)
             seq.hashes.append(h)
+
+    def relayout(self, extra_key: str, live: list[Sequence]) -> None:
+        """The pool's bytes changed layout: re-key the cache, and the hash chains of live sequences."""
+        self.extra_key = extra_key
+        self.pool.rehash(extra_key)
+        for seq in live:
+            parent, hashes = None, []
+            for i in range(len(seq.hashes)):
+                parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra_key)
+                hashes.append(parent)
+            seq.hashes = hashes
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)

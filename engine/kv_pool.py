@@ -1,0 +1,89 @@
+"""The KV pool as one unit: tensors, blocks, prefix cache and personas, rebuilt in place (no
+weights reload) when the precision or the byte budget changes."""
+import logging
+
+import torch
+
+from .block_pool import BlockPool
+from .calibration import calibrate
+from .config import ConfigError, Precision
+from .kv_cache import KVCache, KVShape, blocks_for_budget, bytes_per_token
+from .kv_manager import KVCacheManager, Sequence
+from .personas import PersonaCache
+from .runner import ModelRunner
+
+log = logging.getLogger("kvchat.kv_pool")
+DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
+
+
+class KVPool:
+    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store):
+        self.lm, self.block_size, self.budget = lm, block_size, budget
+        self.shape = KVShape.from_config(lm.model.config)
+        self.dtype = lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+        self._key_stats = None
+        num_blocks = self.blocks_for(precision, budget)
+        self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
+        if self.kv.format.quantized:
+            self.kv.k_centers, self.kv.k_scales = self.key_stats()
+        self.pool = BlockPool(num_blocks)
+        self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
+        self.runner = ModelRunner(lm.model, self.kv, self.manager)
+        self.personas = PersonaCache(self.manager, self.kv, store)
+
+    @property
+    def precision(self) -> Precision:
+        return self.kv.precision
+
+    def extra_key(self) -> str:
+        return f"{self.lm.identity}|{self.kv.layout_key}"
+
+    def full_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    def blocks_for(self, precision: Precision, budget: int) -> int:
+        n = blocks_for_budget(self.shape, precision, self.block_size, budget, self.full_bytes())
+        if n < 1:
+            raise ConfigError("the KV budget is smaller than one block")
+        return n
+
+    def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
+        return self.blocks_for(precision, self.budget if budget is None else budget) * self.block_size
+
+    def bytes_per_token(self, precision: Precision | None = None) -> float:
+        return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
+
+    def key_stats(self):
+        if self._key_stats is None:
+            self._key_stats = calibrate(self.lm.model, self.lm.tokenizer, self.lm.device, self.dtype)
+        return self._key_stats
+
+    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
+        """Convert the pool to ``precision`` within ``budget`` bytes, keeping cached prefixes and
+        the live sequences' blocks. False when the live blocks would not fit."""
+        precision = Precision(precision)
+        n = self.blocks_for(precision, budget)
+        if n < self.pool.num_blocks and not self.pool.shrink(n):
+            return False
+        stats = self.key_stats() if precision != Precision.FP16 else (None, None)
+        self.kv = self.kv.converted(precision, n, *stats)
+        self.pool.grow(n)
+        self.budget = budget
+        self.manager.relayout(self.extra_key(), list(live))
+        self.runner.kv = self.personas.kv = self.kv
+        self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
+        return True
+
+    def downshift(self, live: list[Sequence]) -> Precision | None:
+        """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""
+        lower = DOWNSHIFT.get(self.precision)
+        if lower is None or not self.rebuild(lower, self.budget, live):
+            return None
+        return lower
+
+    def usage(self) -> dict:
+        per_block = self.bytes_per_token() * self.block_size
+        pool = self.pool
+        in_use = pool.num_blocks - pool.num_free
+        return {"kv_total": int(pool.num_blocks * per_block), "kv_in_use": int(in_use * per_block),
+                "kv_reclaimable": int(pool.num_reclaimable * per_block)}
