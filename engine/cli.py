@@ -13,7 +13,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="starter", help="a model folder, a .gguf file, a hub id, or 'starter'")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--weights", default="none", choices=["none", "int8", "nf4"], help="bitsandbytes, CUDA only")
-    p.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
+    p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
     p.add_argument("--context", type=int, default=8192, help="context length in tokens")
     p.add_argument("--threads", type=int, default=None)
 
@@ -109,8 +109,12 @@ def cmd_generate(args) -> int:
 def stream_to_stdout(handle):
     from .events import EngineError, Error, Finished, TokenDelta
 
+    from .events import Notice
+
     for event in handle:
-        if isinstance(event, TokenDelta):
+        if isinstance(event, Notice):
+            print(f"\n[{event.kind}: {event.message}]", file=sys.stderr)
+        elif isinstance(event, TokenDelta):
             print(event.text, end="", flush=True)
         elif isinstance(event, Error):
             print()
@@ -123,7 +127,8 @@ def stream_to_stdout(handle):
 def format_stats(stats) -> str:
     return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached, {stats.computed_tokens} computed), "
             f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
-            f"KV {stats.kv_precision}")
+            f"KV {stats.kv_precision}"
+            + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else ""))
 
 
 def cmd_chat(args) -> int:

@@ -30,7 +30,11 @@ class EngineConfig:
     threads: int | None = None
 
     def __post_init__(self):
-        self.kv_precision = Precision(self.kv_precision)
+        try:
+            self.kv_precision = Precision(self.kv_precision)
+        except ValueError:
+            raise ConfigError(f"kv_precision must be one of {', '.join(p.value for p in Precision)}, "
+                              f"not {self.kv_precision!r}") from None
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.weights not in ("none", "int8", "nf4"):

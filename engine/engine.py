@@ -134,22 +134,21 @@ class Engine:
         self.kvpool = KVPool(lm, cfg.block_size, precision, budget, store)
 
     def _initial_layout(self) -> tuple[Precision, int]:
-        """Auto takes fp16 when a full context fits, else the best precision that does."""
+        """The pool's precision and bytes. Auto starts at fp16, the best quality, in at most the bytes a
+        full fp16 context needs, and steps down only when the conversation outgrows them (the
+        planner's Auto pick is the forecast for a full context)."""
         cfg = self.config
         shape = KVShape.from_config(self.loaded.model.config)
         full = self.loaded.dtype.itemsize if self.loaded.dtype.itemsize in (2, 4) else 2
-        want = lambda p: int(cfg.max_context * (1 + PREFIX_RESERVE) * bytes_per_token(shape, p, full)) + 1
+        precision = Precision.FP16 if self.auto else cfg.kv_precision
         if cfg.kv_budget_bytes is not None:
-            available = cfg.kv_budget_bytes
-        else:
-            total, used = self.probe.totals()
-            available = total - used - self.activations - cfg.headroom_bytes
-        options = [cfg.kv_precision] if not self.auto else PRECISIONS
-        precision = next((p for p in options if want(p) <= available), options[-1])
-        budget = cfg.kv_budget_bytes if cfg.kv_budget_bytes is not None else min(want(precision), available)
-        if budget <= 0:
+            return precision, cfg.kv_budget_bytes
+        total, used = self.probe.totals()
+        available = total - used - self.activations - cfg.headroom_bytes
+        want = int(cfg.max_context * (1 + PREFIX_RESERVE) * bytes_per_token(shape, precision, full)) + 1
+        if available <= 0:
             raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
-        return precision, budget
+        return precision, min(want, available)
 
     # -- memory: snapshots, pressure, reconfiguration --
 
@@ -191,16 +190,19 @@ class Engine:
         if allowed >= pool.budget:
             return
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
-        options = [p for p in PRECISIONS if p >= pool.precision] if self.auto else [pool.precision]
         old = pool.precision
-        for precision in sorted(options, key=PRECISIONS.index):
-            if allowed > 0 and pool.tokens_for(precision, allowed) >= needed and pool.rebuild(precision, allowed, live):
-                if self.loaded.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                self._notice("shrink" if precision == old else "downshift",
-                             f"another program took GPU memory: KV cache now {allowed / 2**20:.0f} MiB"
-                             + (f", {old.value} -> {precision.value}" if precision != old else ""))
-                return
+        options = [p for p in PRECISIONS if PRECISIONS.index(p) >= PRECISIONS.index(old)] if self.auto else [old]
+        fits = [p for p in options if allowed > 0 and pool.tokens_for(p, allowed) >= needed]
+        # Auto keeps the context the user asked for when a lower precision can; else the most room
+        full = [p for p in fits if pool.tokens_for(p, allowed) >= self.config.max_context]
+        choice = full[0] if full else (fits[-1] if fits else None)
+        if choice is not None and pool.rebuild(choice, allowed, live):
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._notice("shrink" if choice == old else "downshift",
+                         f"another program took memory: KV cache now {allowed / 2**20:.0f} MiB"
+                         + (f", {old.value} -> {choice.value}" if choice != old else ""))
+            return
         self._notice("pressure", "memory is short and the KV cache cannot shrink further right now")
 
     def _control(self, command, future: Future, max_context, kv_precision) -> None:

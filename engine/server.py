@@ -60,6 +60,7 @@ def usage(stats) -> dict:
         "completion_tokens": stats.generated_tokens,
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision},
     }
 
 

@@ -1,0 +1,157 @@
+"""Memory: snapshots, pressure from other processes, a full pool, settings changes, long chats."""
+import copy
+import time
+
+import pytest
+import torch
+
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import Finished, Notice, Request
+from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.kv_manager import Sequence
+from kvchat.engine.memory import MemorySnapshot, ScriptedProbe
+from kvchat.engine.models import LoadedModel
+
+from tiny_models import as_loaded
+
+GiB = 1 << 30
+PERSONA = {"role": "system", "content": "You are a calm travel guide for the Alps. " * 6}
+
+
+@pytest.fixture(scope="module")
+def shared(starter):
+    return as_loaded(starter.model, starter.tokenizer, "starter")
+
+
+def engine(shared, probe=None, **config):
+    e = Engine(EngineConfig(**config), loaded=LoadedModel(**vars(shared)), persona_store=None, probe=probe)
+    e.wait_ready()
+    return e
+
+
+def collect(e):
+    events = []
+    e.add_listener(events.append)
+    return events
+
+
+def wait_for(predicate, timeout=20):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_snapshots_arrive_about_once_a_second_and_add_up(shared):
+    e = engine(shared, max_context=512)
+    events = collect(e)
+    assert wait_for(lambda: sum(isinstance(x, MemorySnapshot) for x in events) >= 2, timeout=6)
+    snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
+    e.close()
+    assert snap.on_cpu and snap.device == "cpu" and snap.precision == "fp16"
+    assert snap.kv_total == e.pool.num_blocks * 16 * e.kvpool.bytes_per_token()
+    assert snap.weights == sum(t.numel() * t.element_size() for t in shared.model.state_dict().values())
+    assert 0 <= snap.kv_in_use <= snap.kv_total and snap.free >= 0
+    assert snap.max_context["int4"] > snap.max_context["int8"] > snap.max_context["fp16"] > 0
+
+
+def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(shared):
+    probe = ScriptedProbe(total=8 * GiB)
+    e = engine(shared, probe=probe, max_context=1024, kv_precision="auto", headroom_bytes=GiB)
+    events = collect(e)
+    first = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
+                       temperature=0)
+    assert e.precision.value == "fp16" and first.stats.cached_tokens == 0
+    budget = e.kvpool.budget
+    in_use = e.weights_bytes + e.activations + GiB
+    probe.other = 8 * GiB - in_use - budget // 3  # the KV cache may keep a third of its bytes
+    assert wait_for(lambda: any(isinstance(x, Notice) for x in events), timeout=6)
+    notice = next(x for x in events if isinstance(x, Notice))
+    assert notice.kind == "downshift" and e.precision.value in ("int8", "int4")
+    assert e.kvpool.budget <= budget // 3
+    again = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
+                       temperature=0)
+    assert again.stats.cached_tokens > 0  # converted blocks are still found
+    assert e.pool.num_free == e.pool.num_blocks
+    e.close()
+
+
+def test_a_full_pool_steps_down_instead_of_failing(shared):
+    per_token_fp32 = 2 * 30 * 3 * 64 * 4
+    e = engine(shared, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * per_token_fp32)
+    assert e.precision.value == "fp16" and e.pool.num_blocks == 16
+    handle = e.submit(Request(messages=[PERSONA, {"role": "user", "content": "Tell me about the Alps. " * 25}],
+                              sampling=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
+    events = list(handle)
+    done = events[-1]
+    assert isinstance(done, Finished) and done.stats.generated_tokens == 200
+    shifts = [x for x in events if isinstance(x, Notice) and x.kind == "downshift"]
+    assert shifts and done.stats.kv_precision in ("int8", "int4")
+    assert e.pool.num_free == e.pool.num_blocks
+    e.close()
+
+
+@torch.inference_mode()
+def test_downshift_keeps_outputs_close_to_an_unpressured_run(shared):
+    """Prefill at fp16, convert the pool to int8 and int4 in place, decode on: the next-token
+    distributions stay within the quantized modes' KL bounds of the fp16 run."""
+    ids = shared.tokenizer("The Alps are a mountain range in Europe. " * 12)["input_ids"]
+    lm = LoadedModel(**vars(shared))
+    reference = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4, None)
+    seq = Sequence(list(ids))
+    reference.manager.reserve(seq, len(ids))
+    reference.runner.forward(seq, len(ids) - 1, want_logits=False)
+    for target, bound in (("int8", 0.002), ("int4", 0.1)):
+        pool = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4, None)
+        s = Sequence(list(ids))
+        pool.manager.reserve(s, len(ids))
+        pool.runner.forward(s, len(ids) - 1, want_logits=False)
+        assert pool.rebuild(target, pool.budget, [s]) and pool.pool.num_blocks > 64
+        t = Sequence(list(ids), blocks=list(seq.blocks), num_computed=seq.num_computed)
+        want = reference.runner.forward(t, len(ids), want_logits=True).log_softmax(-1)
+        seq.num_computed = len(ids) - 1
+        got = pool.runner.forward(s, len(ids), want_logits=True).log_softmax(-1)
+        kl = (want.exp() * (want - got)).sum().item()
+        assert kl < bound, (target, kl)
+
+
+def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(shared):
+    e = engine(shared, max_context=512)
+    model = e.loaded.model
+    messages = [PERSONA, {"role": "user", "content": "Which lake is the largest?"}]
+    e.generate(messages, max_new_tokens=4, temperature=0)
+    result = e.reconfigure(kv_precision="int8", max_context=1024).result(timeout=60)
+    assert result["kv_precision"] == "int8" and e.config.max_context == 1024
+    assert e.loaded.model is model and e.precision.value == "int8"
+    done = e.generate(messages, max_new_tokens=4, temperature=0)
+    assert done.stats.kv_precision == "int8" and done.stats.cached_tokens > 0
+    back = e.reconfigure(kv_precision="fp16").result(timeout=60)
+    assert back["kv_precision"] == "fp16"
+    assert e.generate(messages, max_new_tokens=4, temperature=0).stats.cached_tokens == 0  # no lossy hits
+    with pytest.raises(Exception, match="kv_precision must be one of auto, fp16"):
+        e.reconfigure(kv_precision="int3").result(timeout=60)
+    assert e.alive
+    e.close()
+
+
+def test_a_long_chat_drops_its_oldest_messages_never_the_persona(shared):
+    e = engine(shared, max_context=256)
+    messages = [PERSONA]
+    for i in range(8):
+        messages += [{"role": "user", "content": f"Question {i}: tell me one fact about the Alps, please."},
+                     {"role": "assistant", "content": f"Fact {i}: the Alps are beautiful and high."}]
+    messages.append({"role": "user", "content": "Summarize."})
+    handle = e.submit(Request(messages=messages, sampling=SamplingParams(max_new_tokens=16, temperature=0)))
+    events = list(handle)
+    done = events[-1]
+    assert done.stats.trimmed_messages >= 2
+    assert any(isinstance(x, Notice) and x.kind == "trim" for x in events)
+    assert done.stats.prompt_tokens + 16 <= 256
+    persona = len(e.formatter.encode([PERSONA], add_generation_prompt=False).token_ids)
+    kept = e.formatter.encode([PERSONA] + messages[1 + done.stats.trimmed_messages:]).token_ids
+    assert kept[:persona] == e.formatter.encode([PERSONA], add_generation_prompt=False).token_ids
+    assert done.stats.prompt_tokens == len(kept)
+    e.close()
