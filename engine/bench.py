@@ -223,3 +223,68 @@ def report_kv(result: dict, as_json: bool) -> None:
     for name, row in result["precisions"].items():
         print(f"  {name:<5} prefill {row['prefill_tok_s']:7.1f} tok/s   decode {row['decode_tok_s']:6.1f} tok/s   "
               f"decode vs fp16 {row['decode_ratio_vs_fp16']:.2f}")
+
+
+def bench_memory(model: str = "starter", pool_tokens: int = 512, growth: float = 3.5, max_turns: int = 60) -> dict:
+    """A pool sized for ``pool_tokens`` at fp16 serves, under Auto, a conversation ``growth`` times
+    longer; the downshifts are logged and the last reply is scored against an fp16 cache."""
+    from .evaluate import continuation_ppl
+    from .events import Finished, Notice
+    from .kv_cache import KVShape, bytes_per_token
+
+    lm = load(model)
+    shape = KVShape.from_config(lm.model.config)
+    budget = int(pool_tokens * bytes_per_token(shape, "fp16", 2))  # fp16 bytes, though the CPU computes in fp32
+    target = int(pool_tokens * growth)
+    engine = Engine(EngineConfig(model=model, kv_precision="auto", kv_budget_bytes=budget,
+                                 max_context=4 * pool_tokens), loaded=lm, persona_store=None)
+    engine.wait_ready()
+    persona = {"role": "system", "content": "You are Marlowe, a patient reference librarian. Answer in full sentences."}
+    messages, shifts, errors, turn, last = [persona], [], 0, 0, None
+    while turn < max_turns:
+        turn += 1
+        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)] + f" (question {turn})"})
+        handle = engine.submit(Request(messages=messages, sampling=SamplingParams(
+            max_new_tokens=48, temperature=0.7, seed=turn, ignore_eos=True)))
+        done = None
+        for event in handle:
+            if isinstance(event, Notice) and event.kind == "downshift":
+                shifts.append({"turn": turn, "message": event.message})
+            elif isinstance(event, Finished):
+                done = last = event
+            elif not hasattr(event, "token_id") and not isinstance(event, Notice):
+                errors += 1
+        if done is None:
+            break
+        messages.append({"role": "assistant", "content": last.text, "token_ids": last.token_ids})
+        if last.stats.prompt_tokens + last.stats.generated_tokens >= target:
+            break
+    prompt = engine.formatter.encode(messages[:-1]).token_ids
+    final = engine.precision.value
+    engine.close()
+    reply = last.token_ids
+    fp16_ppl = continuation_ppl(lm, prompt, reply, "fp16")
+    final_ppl = continuation_ppl(lm, prompt, reply, final)
+    return {"machine": machine(), "model": model, "pool_tokens_at_fp16": pool_tokens, "pool_bytes": budget,
+            "turns": turn, "conversation_tokens": last.stats.prompt_tokens + last.stats.generated_tokens,
+            "ratio_to_pool": (last.stats.prompt_tokens + last.stats.generated_tokens) / pool_tokens,
+            "errors": errors, "trimmed_messages": last.stats.trimmed_messages, "downshifts": shifts,
+            "final_precision": final, "last_reply_tokens": len(reply),
+            "last_reply_ppl_fp16": fp16_ppl, "last_reply_ppl_final": final_ppl,
+            "last_reply_ppl_increase_pct": 100 * (final_ppl / fp16_ppl - 1)}
+
+
+def report_memory(r: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return
+    print(f"machine: {r['machine']}")
+    print(f"pool: {r['pool_bytes'] / 2**20:.1f} MiB = {r['pool_tokens_at_fp16']} tokens at fp16 (2 bytes; on the CPU "
+          f"the fp16 mode stores fp32, half as many), Auto")
+    print(f"conversation: {r['turns']} turns, {r['conversation_tokens']} tokens = {r['ratio_to_pool']:.2f} x the "
+          f"fp16 pool, {r['errors']} errors, {r['trimmed_messages']} messages trimmed")
+    for s in r["downshifts"]:
+        print(f"  turn {s['turn']}: {s['message']}")
+    print(f"final precision {r['final_precision']}; last reply ({r['last_reply_tokens']} tokens) perplexity "
+          f"{r['last_reply_ppl_final']:.3f} vs {r['last_reply_ppl_fp16']:.3f} with an unconstrained fp16 cache "
+          f"({r['last_reply_ppl_increase_pct']:+.2f}%)")

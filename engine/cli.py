@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "kernels"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "kernels: Triton vs reference on CUDA")
     bench.add_argument("--model", default="starter")
@@ -172,6 +172,8 @@ def cmd_bench(args) -> int:
         bench.report_decode(bench.bench_decode(args.model), args.json)
     elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
+    elif args.which == "memory":
+        bench.report_memory(bench.bench_memory(args.model), args.json)
     elif args.which == "kv":
         bench.report_kv(bench.bench_kv(args.model), args.json)
     else:

@@ -104,3 +104,25 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
         ref = LLAMA_CPP.get(r["precision"])
         print(f"  {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
               f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
+
+
+def continuation_ppl(lm: LoadedModel, prompt: list[int], reply: list[int], precision: Precision,
+                     chunk: int = 64) -> float:
+    """Perplexity of ``reply`` after ``prompt``, both prefilled in chunks through a paged cache."""
+    tokens = prompt + reply
+    shape, bs = KVShape.from_config(lm.model.config), 16
+    blocks = -(-len(tokens) // bs)
+    kv = KVCache(shape, blocks, bs, lm.dtype, lm.device, precision)
+    if kv.format.quantized:
+        kv.k_centers, kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, lm.dtype)
+    manager = KVCacheManager(BlockPool(blocks), bs, "eval")
+    runner = ModelRunner(lm.model, kv, manager)
+    seq = Sequence(tokens)
+    manager.reserve(seq, len(tokens))
+    rows = []
+    while seq.num_computed < len(tokens):
+        start = seq.num_computed
+        rows.append(runner.forward(seq, min(start + chunk, len(tokens)), want_logits="all"))
+    logp = torch.log_softmax(torch.cat(rows)[len(prompt) - 1:-1], dim=-1)
+    target = torch.tensor(reply, device=logp.device)
+    return math.exp(-logp.gather(1, target[:, None]).mean().item())
