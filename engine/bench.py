@@ -1,6 +1,7 @@
 """``kvchat bench``: figures side by side in one process, printed, never asserted."""
 import json
 import platform
+import sys
 import statistics
 import time
 
@@ -225,7 +226,7 @@ def report_kv(result: dict, as_json: bool) -> None:
               f"decode vs fp16 {row['decode_ratio_vs_fp16']:.2f}")
 
 
-def bench_memory(model: str = "starter", pool_tokens: int = 512, growth: float = 3.5, max_turns: int = 60) -> dict:
+def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float = 3.5, max_turns: int = 60) -> dict:
     """A pool sized for ``pool_tokens`` at fp16 serves, under Auto, a conversation ``growth`` times
     longer; the downshifts are logged and the last reply is scored against an fp16 cache."""
     from .evaluate import continuation_ppl
@@ -244,8 +245,11 @@ def bench_memory(model: str = "starter", pool_tokens: int = 512, growth: float =
     while turn < max_turns:
         turn += 1
         messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)] + f" (question {turn})"})
+        prompt_len = len(engine.formatter.encode(messages).token_ids)
+        final = prompt_len + 48 + 100 >= target  # another exchange might not fit: end on a longer reply
         handle = engine.submit(Request(messages=messages, sampling=SamplingParams(
-            max_new_tokens=48, temperature=0.7, seed=turn, ignore_eos=True)))
+            max_new_tokens=max(1, target - prompt_len) if final else 48, temperature=0.7, seed=turn,
+            ignore_eos=True)))
         done = None
         for event in handle:
             if isinstance(event, Notice) and event.kind == "downshift":
@@ -256,8 +260,10 @@ def bench_memory(model: str = "starter", pool_tokens: int = 512, growth: float =
                 errors += 1
         if done is None:
             break
+        print(f"turn {turn}: {done.stats.prompt_tokens + done.stats.generated_tokens} tokens, "
+              f"KV {done.stats.kv_precision}", file=sys.stderr, flush=True)
         messages.append({"role": "assistant", "content": last.text, "token_ids": last.token_ids})
-        if last.stats.prompt_tokens + last.stats.generated_tokens >= target:
+        if final:
             break
     prompt = engine.formatter.encode(messages[:-1]).token_ids
     final = engine.precision.value

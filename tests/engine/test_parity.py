@@ -39,6 +39,16 @@ def prefill(runner, mgr, ids, chunk):
     return seq, logits
 
 
+def assert_decode_matches(model, runner, mgr, seq, logits, steps):
+    """Greedy decode ``steps`` tokens through the pool; the last logits equal a full forward's."""
+    for _ in range(steps):
+        seq.token_ids.append(int(logits.argmax()))
+        mgr.reserve(seq, len(seq))
+        logits = runner.forward(seq, len(seq), want_logits=True)
+    expected = model(torch.tensor([seq.token_ids])).logits[0, -1]
+    assert (logits - expected).abs().max().item() <= TOL
+
+
 def prompt(n=45, seed=0):
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -63,12 +73,7 @@ def test_logits_after_50_decode_steps_match_transformers(model):
     ids = prompt(30)
     runner, mgr = paged_runner(model)
     seq, logits = prefill(runner, mgr, ids, 11)
-    for _ in range(50):
-        seq.token_ids.append(int(logits.argmax()))
-        mgr.reserve(seq, len(seq))
-        logits = runner.forward(seq, len(seq), want_logits=True)
-    expected = model(torch.tensor([seq.token_ids])).logits[0, -1]
-    assert (logits - expected).abs().max().item() <= TOL
+    assert_decode_matches(model, runner, mgr, seq, logits, steps=50)
 
 
 def test_greedy_tokens_match_generate(model, tokenizer):
@@ -90,12 +95,7 @@ def test_starter_model_parity(starter):
     seq, logits = prefill(runner, mgr, ids, 13)
     expected = model(torch.tensor([ids])).logits[0, -1]
     assert (logits - expected).abs().max().item() <= TOL
-    for _ in range(50):
-        seq.token_ids.append(int(logits.argmax()))
-        mgr.reserve(seq, len(seq))
-        logits = runner.forward(seq, len(seq), want_logits=True)
-    expected = model(torch.tensor([seq.token_ids])).logits[0, -1]
-    assert (logits - expected).abs().max().item() <= TOL
+    assert_decode_matches(model, runner, mgr, seq, logits, steps=50)
 
 
 def test_starter_greedy_matches_generate(starter):
