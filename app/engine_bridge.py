@@ -1,0 +1,76 @@
+"""The engine's events as Qt signals. The GUI thread never waits: each request is read by a
+small thread that only emits signals, which Qt queues to the GUI thread."""
+import threading
+from dataclasses import asdict
+
+from PySide6.QtCore import QObject, Signal
+
+from kvchat.engine.config import SamplingParams
+from kvchat.engine.events import Error, Finished, Notice, Request, TokenDelta
+from kvchat.engine.memory import MemorySnapshot
+
+
+class EngineBridge(QObject):
+    ready = Signal()
+    load_failed = Signal(str)
+    token = Signal(str, int)  # text, token id
+    finished = Signal(dict)  # text, token_ids, finish_reason, stats
+    failed = Signal(str)
+    notice = Signal(str, str)  # kind, message
+    snapshot = Signal(dict)
+    reconfigured = Signal(dict)
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.handle = None
+        engine.add_listener(self._from_engine)
+        threading.Thread(target=self._wait_ready, daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        self.engine.ready.wait()
+        if self.engine.load_error:
+            self.load_failed.emit(self.engine.load_error)
+        else:
+            self.ready.emit()
+
+    def _from_engine(self, event) -> None:
+        if isinstance(event, MemorySnapshot):
+            self.snapshot.emit(asdict(event))
+        elif isinstance(event, Notice):
+            self.notice.emit(event.kind, event.message)
+
+    @property
+    def busy(self) -> bool:
+        return self.handle is not None
+
+    def send(self, messages: list[dict], sampling: SamplingParams) -> None:
+        self.handle = handle = self.engine.submit(Request(messages=messages, sampling=sampling))
+        threading.Thread(target=self._pump, args=(handle,), daemon=True).start()
+
+    def _pump(self, handle) -> None:
+        for event in handle:
+            if isinstance(event, TokenDelta):
+                self.token.emit(event.text, event.token_id)
+            elif isinstance(event, Finished):
+                self.handle = None
+                self.finished.emit({"text": event.text, "token_ids": event.token_ids,
+                                    "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
+            elif isinstance(event, Error):
+                self.handle = None
+                self.failed.emit(event.message)
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+
+    def reconfigure(self, max_context: int | None, kv_precision: str | None) -> None:
+        future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision)
+
+        def wait():
+            try:
+                self.reconfigured.emit(future.result())
+            except Exception as e:
+                self.failed.emit(str(e))
+
+        threading.Thread(target=wait, daemon=True).start()

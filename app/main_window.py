@@ -1,0 +1,282 @@
+"""The main window: conversations, the chat, personas, the memory gauge. Everything the user does
+is saved at once; the engine is only reached through the bridge's queued signals."""
+import time
+
+from PySide6.QtCore import QEvent, Qt, QTimer
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit, QPushButton,
+                               QSplitter, QTextBrowser, QVBoxLayout, QWidget)
+
+from kvchat.engine.config import SamplingParams
+
+from .gauge import MemoryGauge
+from .store import Store
+
+SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, store: Store, bridge, sampling: SamplingParams | None = None):
+        super().__init__()
+        self.store, self.bridge = store, bridge
+        self.sampling = sampling or SamplingParams(**(store.setting("sampling") or {}))
+        self.conversation_id: int | None = None
+        self.reply_id: int | None = None
+        self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
+        self.warm_personas: set[int] = set()
+        self.setWindowTitle("kvchat")
+        self.resize(1100, 720)
+        self._build()
+        self._connect()
+        self.refresh_conversations()
+
+    # -- layout --
+
+    def _build(self) -> None:
+        self.search = QLineEdit(placeholderText="Search chats")
+        self.conversation_list = QListWidget()
+        self.new_button, self.rename_button, self.delete_button = (QPushButton(t) for t in ("New", "Rename", "Delete"))
+        side = QVBoxLayout()
+        side.addWidget(self.search)
+        side.addWidget(self.conversation_list)
+        buttons = QHBoxLayout()
+        for b in (self.new_button, self.rename_button, self.delete_button):
+            buttons.addWidget(b)
+        side.addLayout(buttons)
+        self.persona_box = QComboBox()
+        self.persona_badge = QLabel()
+        self.chat_view = QTextBrowser(openExternalLinks=True)
+        self.stats_label = QLabel()
+        self.input = QPlainTextEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
+        self.input.setMaximumHeight(110)
+        self.input.installEventFilter(self)
+        self.send_button, self.stop_button, self.regen_button = (QPushButton(t) for t in ("Send", "Stop", "Regenerate"))
+        self.stop_button.setEnabled(False)
+        self.gauge = MemoryGauge()
+        self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Persona:"))
+        top.addWidget(self.persona_box, 1)
+        top.addWidget(self.persona_badge)
+        actions = QHBoxLayout()
+        for b in (self.send_button, self.stop_button, self.regen_button):
+            actions.addWidget(b)
+        gauge_row = QHBoxLayout()
+        gauge_row.addWidget(self.gauge, 1)
+        gauge_row.addWidget(self.precision_label)
+        main = QVBoxLayout()
+        main.addLayout(top)
+        main.addWidget(self.chat_view, 1)
+        main.addWidget(self.stats_label)
+        main.addWidget(self.input)
+        main.addLayout(actions)
+        main.addLayout(gauge_row)
+        main.addWidget(self.notice_label)
+        left, right = QWidget(), QWidget()
+        left.setLayout(side)
+        right.setLayout(main)
+        splitter = QSplitter()
+        splitter.addWidget(left)
+        splitter.addWidget(right)
+        splitter.setSizes([260, 840])
+        self.setCentralWidget(splitter)
+        self.render_timer = QTimer(self, singleShot=True, interval=50)
+        self.render_timer.timeout.connect(self.render_chat)
+        for persona in self.store.personas():
+            self.persona_box.addItem(persona["name"], persona["id"])
+
+    def _connect(self) -> None:
+        b = self.bridge
+        b.ready.connect(lambda: self.precision_label.setText(f"KV {b.engine.precision.value}"))
+        b.load_failed.connect(lambda m: self.show_error(f"The model could not be loaded: {m}"))
+        b.token.connect(self.on_token)
+        b.finished.connect(self.on_finished)
+        b.failed.connect(self.on_failed)
+        b.notice.connect(lambda kind, m: self.notice_label.setText(f"{kind}: {m}"))
+        b.snapshot.connect(self.on_snapshot)
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.bridge.stop)
+        self.regen_button.clicked.connect(self.regenerate)
+        self.new_button.clicked.connect(self.new_conversation)
+        self.rename_button.clicked.connect(self.rename_conversation)
+        self.delete_button.clicked.connect(self.delete_conversation)
+        self.search.textChanged.connect(self.refresh_conversations)
+        self.conversation_list.currentItemChanged.connect(self.on_select)
+        self.persona_box.currentIndexChanged.connect(self.on_persona)
+        QShortcut(QKeySequence.New, self, self.new_conversation)
+        QShortcut(QKeySequence("Escape"), self, self.bridge.stop)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.input and event.type() == QEvent.KeyPress and event.key() in (Qt.Key_Return, Qt.Key_Enter):
+            if not event.modifiers() & Qt.ShiftModifier:
+                self.send()
+                return True
+        return super().eventFilter(obj, event)
+
+    # -- conversations --
+
+    def refresh_conversations(self) -> None:
+        self.conversation_list.blockSignals(True)
+        self.conversation_list.clear()
+        for conv in self.store.conversations(self.search.text()):
+            item = QListWidgetItem(conv["title"])
+            item.setData(Qt.UserRole, conv["id"])
+            self.conversation_list.addItem(item)
+            if conv["id"] == self.conversation_id:
+                self.conversation_list.setCurrentItem(item)
+        self.conversation_list.blockSignals(False)
+
+    def new_conversation(self) -> int:
+        self.conversation_id = self.store.create_conversation("New chat", self.persona_box.currentData())
+        self.refresh_conversations()
+        self.render_chat()
+        return self.conversation_id
+
+    def open_conversation(self, conversation_id: int) -> None:
+        self.conversation_id = conversation_id
+        persona = self.store.conversation(conversation_id)["persona_id"]
+        index = self.persona_box.findData(persona)
+        self.persona_box.blockSignals(True)
+        self.persona_box.setCurrentIndex(max(0, index))
+        self.persona_box.blockSignals(False)
+        self.update_badge()
+        self.render_chat()
+
+    def on_select(self, item, _previous) -> None:
+        if item is not None and not self.bridge.busy:
+            self.open_conversation(item.data(Qt.UserRole))
+
+    def rename_conversation(self) -> None:
+        if self.conversation_id is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:",
+                                         text=self.store.conversation(self.conversation_id)["title"])
+        if ok:
+            self.store.rename_conversation(self.conversation_id, title)
+            self.refresh_conversations()
+
+    def delete_conversation(self, confirm: bool = True) -> None:
+        if self.conversation_id is None or self.bridge.busy:
+            return
+        if confirm and QMessageBox.question(self, "Delete chat", "Delete this chat for good?") != QMessageBox.Yes:
+            return
+        self.store.delete_conversation(self.conversation_id)
+        self.conversation_id = None
+        self.refresh_conversations()
+        self.render_chat()
+
+    def on_persona(self, _index) -> None:
+        if self.conversation_id is not None:
+            self.store.set_persona(self.conversation_id, self.persona_box.currentData())
+        self.update_badge()
+
+    def update_badge(self) -> None:
+        warm = self.persona_box.currentData() in self.warm_personas
+        self.persona_badge.setText("warm (cached)" if warm else "cold")
+
+    # -- the chat --
+
+    def engine_messages(self) -> list[dict]:
+        persona = next((p for p in self.store.personas() if p["id"] == self.persona_box.currentData()), None)
+        head = [{"role": "system", "content": persona["system_prompt"]}] if persona else []
+        return head + [m.for_engine() for m in self.store.messages(self.conversation_id)]
+
+    def send(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self.bridge.busy:
+            return
+        if self.conversation_id is None:
+            self.new_conversation()
+        if not self.store.messages(self.conversation_id):
+            self.store.rename_conversation(self.conversation_id, text[:40])
+            self.refresh_conversations()
+        self.input.clear()
+        self.store.add_message(self.conversation_id, "user", text)
+        self.start_reply()
+
+    def regenerate(self) -> None:
+        if self.conversation_id is None or self.bridge.busy:
+            return
+        messages = self.store.messages(self.conversation_id)
+        if messages and messages[-1].role == "assistant":
+            self.store.truncate(self.conversation_id, messages[-1].position)
+        if self.store.messages(self.conversation_id):
+            self.start_reply()
+
+    def edit_and_resend(self, position: int, text: str) -> None:
+        """Replace the user message at ``position`` and everything after it."""
+        if self.bridge.busy or not text.strip():
+            return
+        self.store.truncate(self.conversation_id, position)
+        self.store.add_message(self.conversation_id, "user", text.strip())
+        self.start_reply()
+
+    def start_reply(self) -> None:
+        messages = self.engine_messages()
+        self.reply_text, self.reply_ids, self.last_save = "", [], time.monotonic()
+        self.reply_id = self.store.add_message(self.conversation_id, "assistant", "", interrupted=True)
+        self.send_button.setEnabled(False)
+        self.stop_button.setEnabled(True)
+        self.bridge.send(messages, self.sampling)
+        self.render_chat()
+
+    def on_token(self, text: str, token_id: int) -> None:
+        self.reply_text += text
+        if token_id >= 0:
+            self.reply_ids.append(token_id)
+        if time.monotonic() - self.last_save > SAVE_EVERY_S:
+            self.store.update_message(self.reply_id, self.reply_text, self.reply_ids, interrupted=True)
+            self.last_save = time.monotonic()
+        if not self.render_timer.isActive():
+            self.render_timer.start()
+
+    def on_finished(self, done: dict) -> None:
+        cancelled = done["finish_reason"] == "cancelled"
+        text = self.reply_text if cancelled else done["text"]
+        self.store.update_message(self.reply_id, text, done["token_ids"] or self.reply_ids, done["stats"],
+                                  interrupted=cancelled)
+        if self.persona_box.currentData() is not None:
+            self.warm_personas.add(self.persona_box.currentData())
+        s = done["stats"]
+        self.stats_label.setText(
+            f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {s['cached_tokens']} cached / "
+            f"{s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens · KV {s['kv_precision']}"
+            + (f" · {s['trimmed_messages']} oldest messages outside the context" if s["trimmed_messages"] else ""))
+        self.precision_label.setText(f"KV {s['kv_precision']}")
+        self.end_reply()
+
+    def on_failed(self, message: str) -> None:
+        if self.reply_id is not None:
+            self.store.update_message(self.reply_id, self.reply_text or f"*Error: {message}*", self.reply_ids,
+                                      interrupted=True)
+        self.end_reply()
+        self.notice_label.setText(f"error: {message}")
+
+    def end_reply(self) -> None:
+        self.reply_id = None
+        self.send_button.setEnabled(True)
+        self.stop_button.setEnabled(False)
+        self.update_badge()
+        self.render_chat()
+
+    def on_snapshot(self, snapshot: dict) -> None:
+        self.gauge.update_snapshot(snapshot)
+        where = " · on the CPU" if snapshot["on_cpu"] else ""
+        self.precision_label.setText(f"KV {snapshot['precision']}{where}")
+
+    def render_chat(self) -> None:
+        if self.conversation_id is None:
+            self.chat_view.setMarkdown("*Start a new chat: type below and press Enter.*")
+            return
+        parts = []
+        for m in self.store.messages(self.conversation_id):
+            content = self.reply_text if m.id == self.reply_id else m.content
+            mark = " *(interrupted)*" if m.interrupted and m.id != self.reply_id else ""
+            parts.append(f"**{'You' if m.role == 'user' else 'Assistant'}**{mark}\n\n{content}")
+        self.chat_view.setMarkdown("\n\n---\n\n".join(parts))
+        self.chat_view.verticalScrollBar().setValue(self.chat_view.verticalScrollBar().maximum())
+
+    def show_error(self, message: str) -> None:
+        self.notice_label.setText(message)
+        QMessageBox.warning(self, "kvchat", message)

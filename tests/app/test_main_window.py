@@ -1,0 +1,111 @@
+"""The main window on the starter model, offscreen, with a real SQLite file."""
+import pytest
+
+from kvchat.app.engine_bridge import EngineBridge
+from kvchat.app.main_window import MainWindow
+from kvchat.app.store import Store
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.models import LoadedModel
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
+from tiny_models import as_loaded  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shared(starter):
+    return as_loaded(starter.model, starter.tokenizer, "starter")
+
+
+@pytest.fixture
+def app_parts(qtbot, tmp_path, shared):
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)), persona_store=None)
+    bridge = EngineBridge(engine)
+    store = Store(tmp_path / "chat.db")
+    win = MainWindow(store, bridge, SamplingParams(max_new_tokens=12, temperature=0))
+    qtbot.addWidget(win)
+    with qtbot.waitSignal(bridge.ready, timeout=60000, raising=False):
+        pass
+    yield win, store, bridge, tmp_path
+    engine.close()
+
+
+def send(qtbot, win, text):
+    win.input.setPlainText(text)
+    win.send()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+def test_send_streams_the_reply_and_saves_it(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    tokens = []
+    bridge.token.connect(lambda text, tid: tokens.append(text))
+    send(qtbot, win, "What is the capital of France?")
+    user, reply = store.messages(win.conversation_id)
+    assert user.content == "What is the capital of France?" and not reply.interrupted
+    assert len(tokens) > 1 and reply.content == "".join(tokens)
+    assert reply.token_ids and reply.stats["prompt_tokens"] > 0
+    assert "Paris" in win.chat_view.toPlainText()
+    assert "TTFT" in win.stats_label.text() and "cached" in win.stats_label.text()
+
+
+def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    win.sampling = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    bridge.token.connect(lambda *a: win.stop_button.click())
+    send(qtbot, win, "Write a very long story.")
+    reply = store.messages(win.conversation_id)[-1]
+    assert reply.interrupted and 0 < len(reply.token_ids) < 400
+
+
+def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    send(qtbot, win, "Name a color.")
+    first = store.messages(win.conversation_id)[-1]
+    win.regenerate()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    messages = store.messages(win.conversation_id)
+    assert len(messages) == 2 and messages[-1].content == first.content  # greedy: the same reply again
+    assert messages[-1].stats["cached_tokens"] > first.stats["cached_tokens"]  # from the prefix cache
+    win.edit_and_resend(0, "Name a fruit.")
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    assert [m.content for m in store.messages(win.conversation_id)][0] == "Name a fruit."
+
+
+def test_persona_switch_is_saved_and_shown_warm_after_use(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    win.new_conversation()
+    win.persona_box.setCurrentIndex(2)
+    assert store.conversation(win.conversation_id)["persona_id"] == win.persona_box.currentData()
+    assert win.persona_badge.text() == "cold"
+    send(qtbot, win, "Hello")
+    assert win.persona_badge.text() == "warm (cached)"
+
+
+def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, app_parts):
+    win, _, bridge, _ = app_parts
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=10000)
+    assert win.gauge.snapshot["on_cpu"] and "on the CPU" in win.precision_label.text()
+    model = bridge.engine.loaded.model
+    with qtbot.waitSignal(bridge.reconfigured, timeout=60000) as got:
+        bridge.reconfigure(1024, "int8")
+    assert got.args[0]["kv_precision"] == "int8" and bridge.engine.loaded.model is model
+    send(qtbot, win, "Hi again")
+    assert "KV int8" in win.stats_label.text()
+
+
+def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, app_parts):
+    win, store, bridge, tmp_path = app_parts
+    send(qtbot, win, "Remember me")
+    win.input.setPlainText("   ")
+    win.send()
+    assert len(store.messages(win.conversation_id)) == 2
+    win.close()
+    again = MainWindow(Store(tmp_path / "chat.db"), bridge)  # a new connection, as after a restart
+    qtbot.addWidget(again)
+    assert again.conversation_list.count() == 1
+    again.conversation_list.setCurrentRow(0)
+    assert "Remember me" in again.chat_view.toPlainText()
