@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QLi
 from kvchat.engine.config import SamplingParams
 
 from .gauge import MemoryGauge
+from .settings_dialog import SettingsDialog
 from .store import Store
 
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
@@ -51,7 +52,8 @@ class MainWindow(QMainWindow):
         self.input = QPlainTextEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
         self.input.setMaximumHeight(110)
         self.input.installEventFilter(self)
-        self.send_button, self.stop_button, self.regen_button = (QPushButton(t) for t in ("Send", "Stop", "Regenerate"))
+        self.send_button, self.stop_button, self.regen_button, self.settings_button = (
+            QPushButton(t) for t in ("Send", "Stop", "Regenerate", "Settings"))
         self.stop_button.setEnabled(False)
         self.gauge = MemoryGauge()
         self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
@@ -60,7 +62,7 @@ class MainWindow(QMainWindow):
         top.addWidget(self.persona_box, 1)
         top.addWidget(self.persona_badge)
         actions = QHBoxLayout()
-        for b in (self.send_button, self.stop_button, self.regen_button):
+        for b in (self.send_button, self.stop_button, self.regen_button, self.settings_button):
             actions.addWidget(b)
         gauge_row = QHBoxLayout()
         gauge_row.addWidget(self.gauge, 1)
@@ -104,7 +106,9 @@ class MainWindow(QMainWindow):
         self.search.textChanged.connect(self.refresh_conversations)
         self.conversation_list.currentItemChanged.connect(self.on_select)
         self.persona_box.currentIndexChanged.connect(self.on_persona)
+        self.settings_button.clicked.connect(self.open_settings)
         QShortcut(QKeySequence.New, self, self.new_conversation)
+        QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
         QShortcut(QKeySequence("Escape"), self, self.bridge.stop)
 
     def eventFilter(self, obj, event) -> bool:
@@ -276,6 +280,40 @@ class MainWindow(QMainWindow):
             parts.append(f"**{'You' if m.role == 'user' else 'Assistant'}**{mark}\n\n{content}")
         self.chat_view.setMarkdown("\n\n---\n\n".join(parts))
         self.chat_view.verticalScrollBar().setValue(self.chat_view.verticalScrollBar().maximum())
+
+    def settings_dialog(self) -> SettingsDialog:
+        engine = self.bridge.engine
+        snap = self.gauge.snapshot
+        config = engine.loaded.model.config if engine.ready.is_set() and engine.loaded else None
+        memory = snap["total"] - snap["other_processes"] if snap else None
+        current = {**(self.store.setting("engine") or {}), "max_context": engine.config.max_context,
+                   "kv_precision": engine.config.kv_precision.value}
+        return SettingsDialog(self, current, vars(self.sampling), config, memory,
+                              on_cuda=bool(snap and not snap["on_cpu"]))
+
+    def open_settings(self) -> None:
+        dialog = self.settings_dialog()
+        if dialog.exec():
+            self.apply_settings(dialog)
+
+    def apply_settings(self, dialog: SettingsDialog) -> None:
+        """Sampling applies to the next reply; context and precision without reloading the model;
+        a different model or weight format on the next start."""
+        try:
+            self.sampling = SamplingParams(**dialog.sampling())
+        except ValueError as e:
+            self.show_error(str(e))
+            return
+        self.store.set_setting("sampling", dialog.sampling())
+        wanted = dialog.engine_settings()
+        before = self.store.setting("engine") or {}
+        self.store.set_setting("engine", wanted)
+        engine = self.bridge.engine
+        if (wanted["max_context"], wanted["kv_precision"]) != (engine.config.max_context,
+                                                               engine.config.kv_precision.value):
+            self.bridge.reconfigure(wanted["max_context"], wanted["kv_precision"])
+        if (wanted["model"], wanted["weights"]) != (before.get("model", "starter"), before.get("weights", "none")):
+            self.notice_label.setText("the new model or weight format is used from the next start")
 
     def show_error(self, message: str) -> None:
         self.notice_label.setText(message)

@@ -109,3 +109,22 @@ def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, ap
     assert again.conversation_list.count() == 1
     again.conversation_list.setCurrentRow(0)
     assert "Remember me" in again.chat_view.toPlainText()
+
+
+def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=10000)
+    dialog = win.settings_dialog()
+    qtbot.addWidget(dialog)
+    assert "Auto would pick: fp16" in dialog.estimate.text()
+    dialog.context.setValue(1_000_000)  # 1M tokens x 23 KB at fp16 is more than this machine's RAM
+    assert "Auto would pick: fp16" not in dialog.estimate.text()
+    dialog.context.setValue(4096)
+    dialog.precision.setCurrentText("int4")
+    dialog.temperature.setValue(0.0)
+    model = bridge.engine.loaded.model
+    with qtbot.waitSignal(bridge.reconfigured, timeout=60000):
+        win.apply_settings(dialog)
+    assert bridge.engine.precision.value == "int4" and bridge.engine.config.max_context == 4096
+    assert bridge.engine.loaded.model is model and win.sampling.temperature == 0.0
+    assert store.setting("engine")["kv_precision"] == "int4" and store.setting("sampling")["temperature"] == 0.0

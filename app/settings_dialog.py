@@ -1,0 +1,74 @@
+"""The settings panel: model, context, KV precision, weights, headroom and sampling, with the
+planner's estimate updated as the values change. Context and precision apply without a reload."""
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
+                               QLineEdit, QSpinBox)
+
+from kvchat.engine.memory import GiB, plan
+
+PRECISIONS = ["auto", "fp16", "int8", "k8v4", "int4"]
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
+                 on_cuda: bool = False):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.model_config, self.memory = model_config, memory
+        form = QFormLayout(self)
+        self.model = QLineEdit(engine_settings.get("model", "starter"))
+        self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
+        self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
+                                value=engine_settings.get("max_context", 8192))
+        self.precision = QComboBox()
+        self.precision.addItems(PRECISIONS)
+        self.precision.setCurrentText(engine_settings.get("kv_precision", "auto"))
+        self.weights = QComboBox()
+        self.weights.addItems(["none", "int8", "nf4"])
+        self.weights.setCurrentText(engine_settings.get("weights", "none"))
+        self.weights.setEnabled(on_cuda)
+        self.headroom = QDoubleSpinBox(minimum=0, maximum=64, singleStep=0.25, suffix=" GiB",
+                                       value=engine_settings.get("headroom_gib", 1.0))
+        self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", 0.7))
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", 1.0))
+        self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.get("top_k", 0))
+        self.min_p = QDoubleSpinBox(minimum=0, maximum=0.99, singleStep=0.01, value=sampling.get("min_p", 0.0))
+        self.repetition = QDoubleSpinBox(minimum=0.5, maximum=2, singleStep=0.05,
+                                         value=sampling.get("repetition_penalty", 1.0))
+        self.max_new = QSpinBox(minimum=1, maximum=32768, value=sampling.get("max_new_tokens", 512))
+        self.seed = QSpinBox(minimum=-1, maximum=2 ** 31 - 1, value=sampling.get("seed") or -1, specialValueText="random")
+        self.estimate = QLabel()
+        self.estimate.setWordWrap(True)
+        rows = [("Model", self.model), ("Context length", self.context), ("KV precision", self.precision),
+                ("Weights (CUDA only)", self.weights), ("Memory headroom", self.headroom),
+                ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
+                ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
+                ("Seed", self.seed), ("Estimate", self.estimate)]
+        for label, widget in rows:
+            form.addRow(label, widget)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+        for w in (self.context, self.headroom):
+            w.valueChanged.connect(self.update_estimate)
+        self.weights.currentTextChanged.connect(self.update_estimate)
+        self.update_estimate()
+
+    def update_estimate(self) -> None:
+        if self.model_config is None or not self.memory:
+            self.estimate.setText("(the estimate appears once the model is loaded)")
+            return
+        weights = {"none": "bf16", "int8": "int8", "nf4": "nf4"}[self.weights.currentText()]
+        p = plan(self.model_config, self.memory, self.context.value(), weights, int(self.headroom.value() * GiB))
+        holds = ", ".join(f"{name} {tokens:,}" for name, tokens in p.max_context.items())
+        self.estimate.setText(f"largest context: {holds} tokens. Auto would pick: {p.auto or 'nothing fits'}")
+
+    def engine_settings(self) -> dict:
+        return {"model": self.model.text().strip() or "starter", "max_context": self.context.value(),
+                "kv_precision": self.precision.currentText(), "weights": self.weights.currentText(),
+                "headroom_gib": self.headroom.value()}
+
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature.value(), "top_p": self.top_p.value(), "top_k": self.top_k.value(),
+                "min_p": self.min_p.value(), "repetition_penalty": self.repetition.value(),
+                "max_new_tokens": self.max_new.value(), "seed": None if self.seed.value() < 0 else self.seed.value()}
