@@ -30,5 +30,12 @@ run: install
 test: install
 	$(BIN)/pytest -q
 
+package: install
+	@# not part of CI: a one-folder app in dist/kvchat, started by double-click (packaging/kvchat.desktop)
+	$(PIP) pyinstaller
+	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
+	install -Dm644 packaging/kvchat.desktop dist/kvchat/kvchat.desktop
+	install -Dm644 assets/kvchat.svg dist/kvchat/kvchat.svg
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info
