@@ -3,7 +3,7 @@ is saved at once; the engine is only reached through the bridge's queued signals
 import time
 
 from PySide6.QtCore import QEvent, Qt, QTimer
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit, QPushButton,
                                QSplitter, QTextBrowser, QVBoxLayout, QWidget)
@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QLi
 from kvchat.engine.config import SamplingParams
 
 from .gauge import MemoryGauge
+from .render import conversation_html
 from .settings_dialog import SettingsDialog
 from .store import Store
 
@@ -47,7 +48,8 @@ class MainWindow(QMainWindow):
         side.addLayout(buttons)
         self.persona_box = QComboBox()
         self.persona_badge = QLabel()
-        self.chat_view = QTextBrowser(openExternalLinks=True)
+        self.chat_view = QTextBrowser(openLinks=False)
+        self.code_blocks: list[str] = []
         self.stats_label = QLabel()
         self.input = QPlainTextEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
         self.input.setMaximumHeight(110)
@@ -107,6 +109,7 @@ class MainWindow(QMainWindow):
         self.conversation_list.currentItemChanged.connect(self.on_select)
         self.persona_box.currentIndexChanged.connect(self.on_persona)
         self.settings_button.clicked.connect(self.open_settings)
+        self.chat_view.anchorClicked.connect(self.on_link)
         QShortcut(QKeySequence.New, self, self.new_conversation)
         QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
         QShortcut(QKeySequence("Escape"), self, self.bridge.stop)
@@ -273,12 +276,10 @@ class MainWindow(QMainWindow):
         if self.conversation_id is None:
             self.chat_view.setMarkdown("*Start a new chat: type below and press Enter.*")
             return
-        parts = []
-        for m in self.store.messages(self.conversation_id):
-            content = self.reply_text if m.id == self.reply_id else m.content
-            mark = " *(interrupted)*" if m.interrupted and m.id != self.reply_id else ""
-            parts.append(f"**{'You' if m.role == 'user' else 'Assistant'}**{mark}\n\n{content}")
-        self.chat_view.setMarkdown("\n\n---\n\n".join(parts))
+        turns = [(m.role, self.reply_text if m.id == self.reply_id else m.content,
+                  m.interrupted and m.id != self.reply_id) for m in self.store.messages(self.conversation_id)]
+        page, self.code_blocks = conversation_html(turns)
+        self.chat_view.setHtml(page)
         self.chat_view.verticalScrollBar().setValue(self.chat_view.verticalScrollBar().maximum())
 
     def settings_dialog(self) -> SettingsDialog:
@@ -314,6 +315,13 @@ class MainWindow(QMainWindow):
             self.bridge.reconfigure(wanted["max_context"], wanted["kv_precision"])
         if (wanted["model"], wanted["weights"]) != (before.get("model", "starter"), before.get("weights", "none")):
             self.notice_label.setText("the new model or weight format is used from the next start")
+
+    def on_link(self, url) -> None:
+        if url.scheme() == "copy":
+            QGuiApplication.clipboard().setText(self.code_blocks[int(url.path())])
+            self.notice_label.setText("code copied")
+        else:
+            QDesktopServices.openUrl(url)
 
     def show_error(self, message: str) -> None:
         self.notice_label.setText(message)

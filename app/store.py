@@ -6,6 +6,7 @@ with a clear message: never silently replaced.
 import json
 import shutil
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL, UNIQUE (conversation_id, position));
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-DEFAULT_PERSONAS = Path(__file__).resolve().parent.parent / "assets" / "personas.json"
+# beside the package in a checkout; under sys._MEIPASS in the packaged app
+DEFAULT_PERSONAS = Path(getattr(sys, "_MEIPASS", Path(__file__).resolve().parent.parent)) / "assets" / "personas.json"
 
 
 class StoreError(RuntimeError):

@@ -128,3 +128,18 @@ def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, app_part
     assert bridge.engine.precision.value == "int4" and bridge.engine.config.max_context == 4096
     assert bridge.engine.loaded.model is model and win.sampling.temperature == 0.0
     assert store.setting("engine")["kv_precision"] == "int4" and store.setting("sampling")["temperature"] == 0.0
+
+
+def test_code_blocks_are_highlighted_and_copied(qtbot, app_parts):
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    win, store, _, _ = app_parts
+    win.new_conversation()
+    store.add_message(win.conversation_id, "user", "Show me code")
+    store.add_message(win.conversation_id, "assistant", "Here:\n\n```python\ndef f():\n    return 1\n```\n\nDone.")
+    win.render_chat()
+    assert win.code_blocks == ["def f():\n    return 1"]
+    assert "style=" in win.chat_view.toHtml() and "Done." in win.chat_view.toPlainText()
+    win.on_link(QUrl("copy:0"))
+    assert QGuiApplication.clipboard().text() == "def f():\n    return 1"
