@@ -1,10 +1,12 @@
 """The main window: conversations, the chat, personas, the memory gauge. Everything the user does
 is saved at once; the engine is only reached through the bridge's queued signals."""
+import sqlite3
 import time
+from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit, QPushButton,
                                QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
@@ -48,6 +50,8 @@ class MainWindow(QMainWindow):
         side.addLayout(buttons)
         self.persona_box = QComboBox()
         self.persona_badge = QLabel()
+        self.persona_edit_button, self.persona_new_button, self.export_button = (
+            QPushButton(t) for t in ("Edit persona", "New persona", "Export"))
         self.chat_view = QTextBrowser(openLinks=False)
         self.code_blocks: list[str] = []
         self.stats_label = QLabel()
@@ -63,6 +67,8 @@ class MainWindow(QMainWindow):
         top.addWidget(QLabel("Persona:"))
         top.addWidget(self.persona_box, 1)
         top.addWidget(self.persona_badge)
+        for b in (self.persona_edit_button, self.persona_new_button, self.export_button):
+            top.addWidget(b)
         actions = QHBoxLayout()
         for b in (self.send_button, self.stop_button, self.regen_button, self.settings_button):
             actions.addWidget(b)
@@ -87,8 +93,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(splitter)
         self.render_timer = QTimer(self, singleShot=True, interval=50)
         self.render_timer.timeout.connect(self.render_chat)
-        for persona in self.store.personas():
-            self.persona_box.addItem(persona["name"], persona["id"])
+        self.reload_personas()
 
     def _connect(self) -> None:
         b = self.bridge
@@ -109,6 +114,9 @@ class MainWindow(QMainWindow):
         self.conversation_list.currentItemChanged.connect(self.on_select)
         self.persona_box.currentIndexChanged.connect(self.on_persona)
         self.settings_button.clicked.connect(self.open_settings)
+        self.persona_edit_button.clicked.connect(lambda: self.edit_persona(new=False))
+        self.persona_new_button.clicked.connect(lambda: self.edit_persona(new=True))
+        self.export_button.clicked.connect(self.export_dialog)
         self.chat_view.anchorClicked.connect(self.on_link)
         QShortcut(QKeySequence.New, self, self.new_conversation)
         QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
@@ -177,6 +185,48 @@ class MainWindow(QMainWindow):
         if self.conversation_id is not None:
             self.store.set_persona(self.conversation_id, self.persona_box.currentData())
         self.update_badge()
+
+    def reload_personas(self, select: int | None = None) -> None:
+        current = select if select is not None else self.persona_box.currentData()
+        self.persona_box.blockSignals(True)
+        self.persona_box.clear()
+        for persona in self.store.personas():
+            self.persona_box.addItem(persona["name"], persona["id"])
+        self.persona_box.setCurrentIndex(max(0, self.persona_box.findData(current)))
+        self.persona_box.blockSignals(False)
+
+    def edit_persona(self, new: bool) -> None:
+        persona = None if new else next((p for p in self.store.personas()
+                                         if p["id"] == self.persona_box.currentData()), None)
+        dialog = PersonaDialog(self, persona)
+        if dialog.exec():
+            self.save_persona(persona["id"] if persona else None, *dialog.values())
+
+    def save_persona(self, persona_id: int | None, name: str, prompt: str) -> None:
+        """A changed prompt is a new prefix: the old one's cache simply goes cold."""
+        try:
+            if persona_id is None:
+                persona_id = self.store.add_persona(name, prompt)
+            else:
+                self.store.update_persona(persona_id, name, prompt)
+                self.warm_personas.discard(persona_id)
+        except (ValueError, sqlite3.IntegrityError) as e:
+            self.show_error(f"Could not save the persona: {e}")
+            return
+        self.reload_personas(select=persona_id)
+        self.on_persona(None)
+
+    def export_dialog(self) -> None:
+        if self.conversation_id is None:
+            return
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
+        if path:
+            self.export_to(Path(path))
+
+    def export_to(self, path: Path) -> None:
+        text = (self.store.export_json if path.suffix == ".json" else self.store.export_markdown)(self.conversation_id)
+        path.write_text(text, encoding="utf-8")
+        self.notice_label.setText(f"exported to {path}")
 
     def update_badge(self) -> None:
         warm = self.persona_box.currentData() in self.warm_personas
@@ -324,5 +374,26 @@ class MainWindow(QMainWindow):
             QDesktopServices.openUrl(url)
 
     def show_error(self, message: str) -> None:
+        """In the notice line, and in a dialog that does not block the event loop."""
         self.notice_label.setText(message)
-        QMessageBox.warning(self, "kvchat", message)
+        box = QMessageBox(QMessageBox.Warning, "kvchat", message, QMessageBox.Ok, self)
+        box.setAttribute(Qt.WA_DeleteOnClose)
+        box.open()
+
+
+class PersonaDialog(QDialog):
+    def __init__(self, parent, persona: dict | None):
+        super().__init__(parent)
+        self.setWindowTitle("Persona")
+        form = QFormLayout(self)
+        self.name = QLineEdit(persona["name"] if persona else "")
+        self.prompt = QPlainTextEdit(persona["system_prompt"] if persona else "")
+        form.addRow("Name", self.name)
+        form.addRow("System prompt", self.prompt)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def values(self) -> tuple[str, str]:
+        return self.name.text(), self.prompt.toPlainText()

@@ -1,4 +1,6 @@
 """The main window on the starter model, offscreen, with a real SQLite file."""
+import json
+
 import pytest
 
 from kvchat.app.engine_bridge import EngineBridge
@@ -27,8 +29,7 @@ def app_parts(qtbot, tmp_path, shared):
     store = Store(tmp_path / "chat.db")
     win = MainWindow(store, bridge, SamplingParams(max_new_tokens=12, temperature=0))
     qtbot.addWidget(win)
-    with qtbot.waitSignal(bridge.ready, timeout=60000, raising=False):
-        pass
+    qtbot.waitUntil(engine.ready.is_set, timeout=60000)
     yield win, store, bridge, tmp_path
     engine.close()
 
@@ -143,3 +144,17 @@ def test_code_blocks_are_highlighted_and_copied(qtbot, app_parts):
     assert "style=" in win.chat_view.toHtml() and "Done." in win.chat_view.toPlainText()
     win.on_link(QUrl("copy:0"))
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1"
+
+
+def test_persona_editor_and_export(qtbot, app_parts, tmp_path):
+    win, store, _, _ = app_parts
+    win.save_persona(None, "Pirate", "You talk like a pirate.")
+    assert win.persona_box.currentText() == "Pirate"
+    win.save_persona(None, "Pirate", "duplicate name")  # refused with a message, nothing lost
+    assert [p["name"] for p in store.personas()].count("Pirate") == 1
+    assert "Could not save" in win.notice_label.text()
+    send(qtbot, win, "Hello")
+    win.export_to(tmp_path / "chat.md")
+    win.export_to(tmp_path / "chat.json")
+    assert "You talk like a pirate." in (tmp_path / "chat.md").read_text()
+    assert json.loads((tmp_path / "chat.json").read_text())["persona"]["name"] == "Pirate"
