@@ -16,13 +16,12 @@ from .events import EngineError, Error, Finished, Notice, Request, RequestHandle
 from .kv_cache import KVShape, bytes_per_token
 from .kv_manager import Sequence
 from .kv_pool import KVPool
-from .memory import PRECISIONS, MemoryProbe, MemorySnapshot, activations_bytes
+from .memory import PREFIX_RESERVE, PRECISIONS, MemoryProbe, MemorySnapshot, activations_bytes
 from .models import LoadedModel, ModelError, load
 from .persona_store import PersonaStore
 from .sampler import Sampler
 
 log = logging.getLogger("kvchat.engine")
-PREFIX_RESERVE = 0.5  # pool room beyond one full context, kept for cached prefixes
 SNAPSHOT_PERIOD = 1.0  # seconds between memory snapshots
 
 
