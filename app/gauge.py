@@ -1,7 +1,7 @@
 """The live memory gauge: one stacked bar, from the engine's snapshots."""
 from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QLabel, QWidget
 
 SEGMENTS = [  # snapshot key, label, colour
     ("other_processes", "other programs", "#9e9e9e"),
@@ -49,3 +49,9 @@ class MemoryGauge(QWidget):
             width = rect.width() * size / self.snapshot["total"]
             painter.fillRect(QRectF(x, rect.top(), width, rect.height()), QColor(colour))
             x += width
+
+
+def legend() -> QLabel:
+    """Colour keys for the bar, in its order."""
+    keys = " ".join(f'<span style="color:{colour}">&#9632;</span> {label}' for _, label, colour in SEGMENTS)
+    return QLabel(keys)

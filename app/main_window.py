@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
 
 from kvchat.engine.config import SamplingParams
 
-from .gauge import MemoryGauge
+from .gauge import MemoryGauge, legend
 from .render import conversation_html
 from .settings_dialog import SettingsDialog
 from .store import Store
@@ -82,6 +82,7 @@ class MainWindow(QMainWindow):
         main.addWidget(self.input)
         main.addLayout(actions)
         main.addLayout(gauge_row)
+        main.addWidget(legend())
         main.addWidget(self.notice_label)
         left, right = QWidget(), QWidget()
         left.setLayout(side)

@@ -90,6 +90,11 @@ def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, ap
     win, _, bridge, _ = app_parts
     qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=10000)
     assert win.gauge.snapshot["on_cpu"] and "on the CPU" in win.precision_label.text()
+    from kvchat.app.gauge import segments
+
+    parts = dict((label, size) for label, size, _ in segments(win.gauge.snapshot))
+    assert sum(parts.values()) == win.gauge.snapshot["total"]  # the bar accounts for every byte
+    assert parts["KV in use"] + parts["prefix cache"] + parts["KV free"] == win.gauge.snapshot["kv_total"]
     model = bridge.engine.loaded.model
     with qtbot.waitSignal(bridge.reconfigured, timeout=60000) as got:
         bridge.reconfigure(1024, "int8")
