@@ -1,6 +1,5 @@
 """The main window: conversations, the chat, personas, the memory gauge. Everything the user does
 is saved at once; the engine is only reached through the bridge's queued signals."""
-import sqlite3
 import time
 from pathlib import Path
 
@@ -211,7 +210,7 @@ class MainWindow(QMainWindow):
             else:
                 self.store.update_persona(persona_id, name, prompt)
                 self.warm_personas.discard(persona_id)
-        except (ValueError, sqlite3.IntegrityError) as e:
+        except ValueError as e:
             self.show_error(f"Could not save the persona: {e}")
             return
         self.reload_personas(select=persona_id)

@@ -4,6 +4,7 @@ A database written by a newer kvchat, or one that SQLite cannot read, is copied 
 with a clear message: never silently replaced.
 """
 import json
+from contextlib import contextmanager
 import shutil
 import sqlite3
 import sys
@@ -99,14 +100,14 @@ class Store:
         return [{"id": r[0], "name": r[1], "system_prompt": r[2]} for r in rows]
 
     def add_persona(self, name: str, system_prompt: str) -> int:
-        if not name.strip():
-            raise ValueError("a persona needs a name")
-        return self.db.execute("INSERT INTO personas (name, system_prompt, created) VALUES (?, ?, ?)",
-                               (name.strip(), system_prompt, time.time())).lastrowid
+        with _unique_name(name):
+            return self.db.execute("INSERT INTO personas (name, system_prompt, created) VALUES (?, ?, ?)",
+                                   (name.strip(), system_prompt, time.time())).lastrowid
 
     def update_persona(self, persona_id: int, name: str, system_prompt: str) -> None:
-        self.db.execute("UPDATE personas SET name=?, system_prompt=? WHERE id=?", (name.strip(), system_prompt,
-                                                                                   persona_id))
+        with _unique_name(name):
+            self.db.execute("UPDATE personas SET name=?, system_prompt=? WHERE id=?",
+                            (name.strip(), system_prompt, persona_id))
 
     def delete_persona(self, persona_id: int) -> None:
         self.db.execute("DELETE FROM personas WHERE id=?", (persona_id,))
@@ -203,6 +204,17 @@ class Store:
         for m in self.messages(conversation_id):
             lines += [f"## {m.role.capitalize()}" + (" (interrupted)" if m.interrupted else ""), "", m.content, ""]
         return "\n".join(lines)
+
+
+@contextmanager
+def _unique_name(name: str):
+    """Persona names are required and unique: say so as a ValueError, not a database error."""
+    if not name.strip():
+        raise ValueError("a persona needs a name")
+    try:
+        yield
+    except sqlite3.IntegrityError:
+        raise ValueError(f"a persona named {name.strip()!r} already exists") from None
 
 
 def _json(value):

@@ -8,11 +8,8 @@ fraction of a second on the starter) and identical on every run, so cached block
 """
 import torch
 
-from .block_pool import BlockPool
 from .config import Precision
-from .kv_cache import KVCache, KVShape
-from .kv_manager import KVCacheManager, Sequence
-from .runner import ModelRunner
+from .kv_manager import Sequence
 
 CALIBRATION_TEXT = """\
 The harbour town woke slowly. Fishing boats came in on the morning tide, and the market stalls
@@ -27,27 +24,27 @@ recommend a novel about the sea? The answer, usually, is yes - and a cup of tea.
 
 
 @torch.inference_mode()
-def calibrate(model, tokenizer, device, dtype):
-    """Per layer: key centre ``[kv_heads, D]`` and channel scale ``[kv_heads, D]``."""
-    ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
-    shape, bs = KVShape.from_config(model.config), 16
-    blocks = -(-len(ids) // bs)
-    kv = KVCache(shape, blocks, bs, dtype, device, Precision.FP16)
-    manager = KVCacheManager(BlockPool(blocks), bs, "calibration")
+def calibrate(lm):
+    """Per layer: key centre ``[kv_heads, D]`` and channel scale ``[kv_heads, D]``, from the keys and
+    queries of the calibration text run through a scratch fp16 pool."""
+    from .kv_pool import KVPool  # the pool calls this function when it first needs a quantized layout
+
+    ids = lm.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+    pool = KVPool.for_tokens(lm, len(ids), Precision.FP16)
     seq = Sequence(ids)
-    manager.reserve(seq, len(ids))
+    pool.manager.reserve(seq, len(ids))
     qs = {}
-    real = kv.attend
+    real = pool.kv.attend
 
     def record_queries(layer, query, *args, **kwargs):
         qs[layer] = query.float()
         return real(layer, query, *args, **kwargs)
 
-    kv.attend = record_queries
-    ModelRunner(model, kv, manager).forward(seq, len(ids), want_logits=False)
-    order = torch.tensor([b.id for b in seq.blocks], device=device)
+    pool.kv.attend = record_queries
+    pool.runner.forward(seq, len(ids), want_logits=False)
+    order = torch.tensor([b.id for b in seq.blocks], device=lm.device)
     centers, scales = [], []
-    for i, layer in enumerate(kv.layers):
+    for i, layer in enumerate(pool.kv.layers):
         k = layer["k"].index_select(0, order).flatten(0, 1)[:len(ids)].float()
         c = k.mean(0)
         var = ((k - c) ** 2).mean(0)

@@ -45,6 +45,11 @@ class ChatSession:
         self.last_stats = done.stats
 
     def stats_line(self) -> str:
-        from .cli import format_stats
-
         return format_stats(self.last_stats) if self.last_stats else "[no turn yet]"
+
+
+def format_stats(stats) -> str:
+    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached, {stats.computed_tokens} computed), "
+            f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
+            f"KV {stats.kv_precision}"
+            + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else ""))

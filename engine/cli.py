@@ -124,13 +124,6 @@ def stream_to_stdout(handle):
             return event
 
 
-def format_stats(stats) -> str:
-    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached, {stats.computed_tokens} computed), "
-            f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
-            f"KV {stats.kv_precision}"
-            + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else ""))
-
-
 def cmd_chat(args) -> int:
     from .chat_session import ChatSession
 

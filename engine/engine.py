@@ -15,7 +15,7 @@ from .detok import StopChecker, StreamDetokenizer
 from .events import EngineError, Error, Finished, Notice, Request, RequestHandle, Stats, TokenDelta
 from .kv_cache import KVShape, bytes_per_token
 from .kv_manager import Sequence
-from .kv_pool import KVPool
+from .kv_pool import KVPool, kv_dtype
 from .memory import PREFIX_RESERVE, PRECISIONS, MemoryProbe, MemorySnapshot, activations_bytes
 from .models import LoadedModel, ModelError, load
 from .persona_store import PersonaStore
@@ -56,7 +56,7 @@ class Engine:
         """Change the context length or the KV precision without reloading the weights: the pool is
         rebuilt and its cached blocks converted. Applied between requests, on the engine thread."""
         future = Future()
-        self._requests.put(("reconfigure", future, max_context, kv_precision))
+        self._requests.put((future, max_context, kv_precision))
         return future
 
     def add_listener(self, callback) -> None:
@@ -138,7 +138,7 @@ class Engine:
         planner's Auto pick is the forecast for a full context)."""
         cfg = self.config
         shape = KVShape.from_config(self.loaded.model.config)
-        full = self.loaded.dtype.itemsize if self.loaded.dtype.itemsize in (2, 4) else 2
+        full = kv_dtype(self.loaded).itemsize
         precision = Precision.FP16 if self.auto else cfg.kv_precision
         if cfg.kv_budget_bytes is not None:
             return precision, cfg.kv_budget_bytes
@@ -158,34 +158,37 @@ class Engine:
             return
         self._next_snapshot = now + SNAPSHOT_PERIOD
         try:
-            self._relieve_pressure(list(live))
-            self.last_snapshot = snap = self._snapshot()
+            total, used = self.probe.totals()
+            other = max(0, used - self.probe.own())
+            self._relieve_pressure(total, other, list(live))
+            self.last_snapshot = snap = self._snapshot(total, other)
         except Exception:  # a probe failing must never stop the engine
             log.exception("memory probe failed")
             return
         self._emit(snap)
 
-    def _snapshot(self) -> MemorySnapshot:
-        total, used = self.probe.totals()
-        other = max(0, used - self.probe.own())
+    def _kv_room(self, total: int, other: int) -> int:
+        """Bytes the KV pool may take: what the device has, less everything else and the headroom."""
+        return total - other - self.weights_bytes - self.activations - self.config.headroom_bytes
+
+    def _snapshot(self, total: int, other: int) -> MemorySnapshot:
         pool = self.kvpool
         usage = pool.usage()
-        free = total - other - self.weights_bytes - usage["kv_total"] - self.activations
-        room = usage["kv_total"] + max(0, free - self.config.headroom_bytes)
+        kv_room = self._kv_room(total, other)
+        free = kv_room + self.config.headroom_bytes - usage["kv_total"]
+        room = max(usage["kv_total"], kv_room)  # what the pool could grow to now
         device = self.loaded.device
         return MemorySnapshot(
             device=str(device), total=total, other_processes=other, weights=self.weights_bytes,
             activations_reserve=self.activations, free=max(0, free), precision=pool.precision.value,
-            max_context={p.value: pool.tokens_for(p, room) if room > 0 else 0 for p in PRECISIONS},
+            max_context={p.value: pool.tokens_for(p, room) for p in PRECISIONS},
             on_cpu=device.type == "cpu", **usage)
 
-    def _relieve_pressure(self, live: list[Sequence]) -> None:
+    def _relieve_pressure(self, total: int, other: int, live: list[Sequence]) -> None:
         """Another process took memory: shrink the pool to give it back, stepping the precision down
         (Auto) so that what is in use still fits. Unreferenced cached blocks go first."""
-        total, used = self.probe.totals()
-        other = max(0, used - self.probe.own())
         pool = self.kvpool
-        allowed = total - other - self.weights_bytes - self.activations - self.config.headroom_bytes
+        allowed = self._kv_room(total, other)
         if allowed >= pool.budget:
             return
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
@@ -204,7 +207,7 @@ class Engine:
             return
         self._notice("pressure", "memory is short and the KV cache cannot shrink further right now")
 
-    def _control(self, command, future: Future, max_context, kv_precision) -> None:
+    def _control(self, future: Future, max_context, kv_precision) -> None:
         try:
             future.set_result(self._reconfigure(max_context, kv_precision))
         except (ConfigError, ValueError) as e:
@@ -252,14 +255,13 @@ class Engine:
         seq, persona_len = None, 0
         self._handle = handle
         try:
-            if handle.cancelled:
-                raise _Cancelled
-            prompt, persona_len, trimmed = self._prompt_ids(handle.request)
-            seq = Sequence(list(prompt))
-            last = self._generate(handle, seq, len(prompt), persona_len)
-            last.stats.trimmed_messages = trimmed
-        except _Cancelled:
-            last = Finished("", [], "cancelled", Stats(kv_precision=self.precision.value))
+            if handle.cancelled:  # cancelled while queued: not even tokenized
+                last = Finished("", [], "cancelled", Stats(kv_precision=self.precision.value))
+            else:
+                prompt, persona_len, trimmed = self._prompt_ids(handle.request)
+                seq = Sequence(list(prompt))
+                last = self._generate(handle, seq, len(prompt), persona_len)
+                last.stats.trimmed_messages = trimmed
         except (ChatError, ConfigError, PoolExhausted, EngineError) as e:
             last = Error(str(e))
         except Exception as e:
@@ -388,13 +390,9 @@ class Engine:
         return Finished("".join(text), generated, reason, stats)
 
 
-class _Cancelled(Exception):
-    pass
-
-
 def _fail(item, message: str) -> None:
     if isinstance(item, tuple):
-        item[1].set_exception(EngineError(message))
+        item[0].set_exception(EngineError(message))
     else:
         item.events.put(Error(message))
 

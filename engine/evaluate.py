@@ -9,25 +9,18 @@ import math
 
 import torch
 
-from .block_pool import BlockPool
-from .calibration import calibrate
 from .config import Precision
-from .kv_cache import KVCache, KVShape, bytes_per_token
-from .kv_manager import KVCacheManager, Sequence
+from .kv_cache import KVShape, bytes_per_token
+from .kv_manager import Sequence
+from .kv_pool import KVPool
 from .models import LoadedModel
-from .runner import ModelRunner
 
 
 def window_logprobs(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int):
     """Yield, per window, the log-probabilities ``[context/2 - 1, vocab]`` at the scored positions
     and the ids they predict."""
-    shape, bs = KVShape.from_config(lm.model.config), 16
-    num_blocks = -(-context // bs)
-    kv = KVCache(shape, num_blocks, bs, lm.dtype, lm.device, precision)
-    if kv.format.quantized:
-        kv.k_centers, kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, lm.dtype)
-    manager = KVCacheManager(BlockPool(num_blocks), bs, "eval")
-    runner = ModelRunner(lm.model, kv, manager)
+    pool = KVPool.for_tokens(lm, context, precision)
+    manager, runner = pool.manager, pool.runner
     first = context // 2
     for w in range(len(tokens) // context):
         seq = Sequence(tokens[w * context:(w + 1) * context])
@@ -110,13 +103,8 @@ def continuation_ppl(lm: LoadedModel, prompt: list[int], reply: list[int], preci
                      chunk: int = 64) -> float:
     """Perplexity of ``reply`` after ``prompt``, both prefilled in chunks through a paged cache."""
     tokens = prompt + reply
-    shape, bs = KVShape.from_config(lm.model.config), 16
-    blocks = -(-len(tokens) // bs)
-    kv = KVCache(shape, blocks, bs, lm.dtype, lm.device, precision)
-    if kv.format.quantized:
-        kv.k_centers, kv.k_scales = calibrate(lm.model, lm.tokenizer, lm.device, lm.dtype)
-    manager = KVCacheManager(BlockPool(blocks), bs, "eval")
-    runner = ModelRunner(lm.model, kv, manager)
+    pool = KVPool.for_tokens(lm, len(tokens), precision)
+    manager, runner = pool.manager, pool.runner
     seq = Sequence(tokens)
     manager.reserve(seq, len(tokens))
     rows = []

@@ -16,10 +16,16 @@ class KVShape:
 
     @classmethod
     def from_config(cls, config) -> "KVShape":
-        config = getattr(config, "text_config", None) or config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim)
+        """From a transformers config or a config.json dict."""
+        get = lambda name: config_value(config, name)
+        heads = get("num_attention_heads")
+        return cls(get("num_hidden_layers"), get("num_key_value_heads") or heads,
+                   get("head_dim") or get("hidden_size") // heads)
+
+
+def config_value(config, name: str, default=None):
+    config = getattr(config, "text_config", None) or config
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 
 def bytes_per_token(shape: KVShape, precision: Precision, full_bytes: int = 2) -> float:

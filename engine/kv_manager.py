@@ -19,6 +19,14 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, extra_key: str):
         self.pool, self.block_size, self.extra_key = pool, block_size, extra_key
 
+    def chain(self, token_ids: list[int], num_blocks: int):
+        """``(chunk, hash)`` of the first full blocks, each hash chaining the one before."""
+        bs, parent = self.block_size, None
+        for i in range(num_blocks):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            parent = block_hash(parent, chunk, self.extra_key)
+            yield chunk, parent
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -26,19 +34,14 @@ class KVCacheManager:
         """Attach the longest cached run of full blocks; the last token is always left to compute,
         since its logits are needed. Returns the number of tokens served from the cache."""
         assert not seq.blocks, "match_prefix runs once, on a fresh sequence"
-        bs = self.block_size
-        parent = None
-        for i in range((len(seq) - 1) // bs):
-            chunk = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(parent, chunk, self.extra_key)
+        for chunk, h in self.chain(seq.token_ids, (len(seq) - 1) // self.block_size):
             block = self.pool.lookup(h, chunk)
             if block is None:
                 break
             self.pool.touch(block)
             seq.blocks.append(block)
             seq.hashes.append(h)
-            parent = h
-        seq.num_computed = len(seq.blocks) * bs
+        seq.num_computed = len(seq.blocks) * self.block_size
         return seq.num_computed
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
@@ -65,11 +68,7 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.pool.rehash(extra_key)
         for seq in live:
-            parent, hashes = None, []
-            for i in range(len(seq.hashes)):
-                parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra_key)
-                hashes.append(parent)
-            seq.hashes = hashes
+            seq.hashes = [h for _, h in self.chain(seq.token_ids, len(seq.hashes))]
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)

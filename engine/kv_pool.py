@@ -16,11 +16,16 @@ log = logging.getLogger("kvchat.kv_pool")
 DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
 
 
+def kv_dtype(lm) -> torch.dtype:
+    """What the fp16 mode stores: the model's dtype, unless that is not a float the pool can hold."""
+    return lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+
+
 class KVPool:
     def __init__(self, lm, block_size: int, precision: Precision, budget: int, store):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
-        self.dtype = lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+        self.dtype = kv_dtype(lm)
         self._key_stats = None
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
@@ -30,6 +35,12 @@ class KVPool:
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
         self.runner = ModelRunner(lm.model, self.kv, self.manager)
         self.personas = PersonaCache(self.manager, self.kv, store)
+
+    @classmethod
+    def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = 16) -> "KVPool":
+        """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
+        per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
+        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), None)
 
     @property
     def precision(self) -> Precision:
@@ -55,7 +66,7 @@ class KVPool:
 
     def key_stats(self):
         if self._key_stats is None:
-            self._key_stats = calibrate(self.lm.model, self.lm.tokenizer, self.lm.device, self.dtype)
+            self._key_stats = calibrate(self.lm)
         return self._key_stats
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:

@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .config import Precision
-from .kv_cache import KVShape, bytes_per_token
+from .kv_cache import KVShape, bytes_per_token, config_value
 
 GiB = 1 << 30
 PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
@@ -24,31 +24,18 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def _cfg(config, name, default=None):
-    config = getattr(config, "text_config", None) or config
-    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
-
-
-def kv_shape(config) -> KVShape:
-    if isinstance(config, dict):
-        heads = config["num_attention_heads"]
-        return KVShape(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
-                       config.get("head_dim") or config["hidden_size"] // heads)
-    return KVShape.from_config(config)
-
-
 def parameter_counts(config) -> tuple[int, int]:
     """(parameters of the linear layers that 8-bit/nf4 quantize, all other parameters)."""
-    hidden, inter, vocab = _cfg(config, "hidden_size"), _cfg(config, "intermediate_size"), _cfg(config, "vocab_size")
-    shape = kv_shape(config)
-    heads = _cfg(config, "num_attention_heads")
+    hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
+    shape = KVShape.from_config(config)
+    heads = config_value(config, "num_attention_heads")
     q_out, kv_out = heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     linear = shape.num_layers * (hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * inter)
-    other = vocab * hidden * (1 if _cfg(config, "tie_word_embeddings", False) else 2)
+    other = vocab * hidden * (1 if config_value(config, "tie_word_embeddings", False) else 2)
     other += shape.num_layers * 2 * hidden + hidden
-    if _cfg(config, "model_type") == "qwen2":
+    if config_value(config, "model_type") == "qwen2":
         other += shape.num_layers * (q_out + 2 * kv_out)  # q/k/v biases
-    if _cfg(config, "model_type") == "qwen3":
+    if config_value(config, "model_type") == "qwen3":
         other += shape.num_layers * 2 * shape.head_dim  # q/k norms
     return linear, other
 
@@ -62,7 +49,7 @@ def weights_bytes(config, weights: str = "bf16") -> int:
 def activations_bytes(config, chunk: int = 512, act_bytes: int = 2) -> int:
     """Peak working memory of one prefill chunk: hidden states, MLP intermediates, one row of fp32
     logits, and a fixed allowance for the framework's workspaces."""
-    hidden, inter, vocab = _cfg(config, "hidden_size"), _cfg(config, "intermediate_size"), _cfg(config, "vocab_size")
+    hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     return chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab + 256 * (1 << 20)
 
 
@@ -90,7 +77,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
     act = activations_bytes(config, chunk, kv_full_bytes)
     budget = max(0, memory - w - act - headroom)
-    shape = kv_shape(config)
+    shape = KVShape.from_config(config)
     p = Plan(memory, w, act, headroom, budget, context)
     need = context * (1 + PREFIX_RESERVE)
     for precision in PRECISIONS:

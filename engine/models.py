@@ -2,7 +2,6 @@
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable

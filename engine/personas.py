@@ -2,7 +2,6 @@
 import logging
 from collections import OrderedDict
 
-from .block_pool import block_hash
 from .kv_cache import KVCache
 from .kv_manager import KVCacheManager, Sequence
 from .persona_store import PersonaStore
@@ -20,10 +19,8 @@ class PersonaCache:
         return min(persona_len, len(seq) - 1) // self.manager.block_size
 
     def key(self, seq: Sequence, n: int) -> bytes:
-        bs, h = self.manager.block_size, None
-        for i in range(n):
-            h = block_hash(h, seq.token_ids[i * bs:(i + 1) * bs], self.manager.extra_key)
-        return h
+        """The persona's name on disk: the chained hash of its last full block."""
+        return list(self.manager.chain(seq.token_ids, n))[-1][1]
 
     def restore(self, seq: Sequence, persona_len: int) -> int:
         """After the pool's own prefix match: fill the rest of the persona from disk. Returns the

@@ -4,7 +4,7 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +54,13 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                                                                "param": param, "code": None}})
 
 
+def engine_error_response(event: Error) -> JSONResponse:
+    """A bad request is the caller's 400; an internal failure is our 500."""
+    if event.internal:
+        return error_response(500, event.message, "server_error")
+    return error_response(400, event.message)
+
+
 def usage(stats) -> dict:
     return {
         "prompt_tokens": stats.prompt_tokens,
@@ -88,15 +95,13 @@ def create_app(engine: Engine, model_name: str = "kvchat") -> FastAPI:
         if body.stream:
             first = handle.events.get()  # errors found before the first token still get a status code
             if isinstance(first, Error):
-                return error_response(500 if first.internal else 400, first.message,
-                                      "server_error" if first.internal else "invalid_request_error")
+                return engine_error_response(first)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(handle, first, cid, model_name, include_usage),
                                      media_type="text/event-stream")
         for event in handle:
             if isinstance(event, Error):
-                return error_response(500 if event.internal else 400, event.message,
-                                      "server_error" if event.internal else "invalid_request_error")
+                return engine_error_response(event)
             if isinstance(event, Finished):
                 return {
                     "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model_name,

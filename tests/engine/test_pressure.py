@@ -1,5 +1,4 @@
 """Memory: snapshots, pressure from other processes, a full pool, settings changes, long chats."""
-import copy
 import time
 
 import pytest
