@@ -94,7 +94,7 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
     print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
           f"{rows[0]['scored_tokens']} scored")
     for r in rows:
-        ref = LLAMA_CPP.get(r["precision"])
+        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" else None
         print(f"  {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
               f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
 

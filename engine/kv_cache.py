@@ -60,12 +60,15 @@ class KVCache:
     @property
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
-        rot = f"|wht{quant.GROUP}|centred-scaled-clip-v1" if self.format.quantized else ""
+        rot = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}" if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
-    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None) -> "KVCache":
+    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,
+                  windows=()) -> "KVCache":
         """This pool's contents in another layout and size; block ids are kept (a shrink drops
-        ids >= num_blocks). Layer by layer, so the peak is one layer above the two pools' sizes."""
+        ids >= num_blocks). Layer by layer, so the peak is one layer above the two pools' sizes.
+        ``windows``, ``(RecentWindow, block ids, length)`` of live sequences, are filled with their
+        newest tokens as this pool holds them (exact when it is the fp16 pool)."""
         new = KVCache.__new__(KVCache)
         new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
@@ -82,6 +85,13 @@ class KVCache:
             center = new.k_centers[i] if new.k_centers is not None else None
             scale = new.k_scales[i] if new.k_scales is not None else None
             quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
+            for window, block_ids, length in windows:
+                first = max(0, length - window.size)
+                pos = torch.arange(first, length, device=device)
+                rows = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
+                    + pos % self.block_size
+                window.store(i, first, quant.transform_keys(k[rows], new.rotation, center, scale),
+                             quant.rotate(v[rows], new.rotation))
             new.layers.append(layer)
             self.layers[i] = None  # this pool is being replaced: free its memory as we go
         return new
@@ -122,13 +132,28 @@ class KVCache:
                 index = torch.tensor(block_ids, device=t.device)
                 t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    def new_window(self, precision: Precision | None = None) -> quant.RecentWindow | None:
+        """A sequence's full-precision window of newest tokens; the fp16 mode needs none."""
+        if not quant.FORMATS[Precision(precision or self.precision).value].quantized:
+            return None
+        device = next(iter(self.layers[0].values())).device
+        return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
+                                  device)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              window: quant.RecentWindow | None = None, first_pos: int = 0) -> None:
         center = self.k_centers[layer] if self.k_centers is not None else None
         s = self.k_scales[layer] if self.k_scales is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s)
+        if window is not None:
+            tail = slice(max(0, key.shape[0] - window.size), None)
+            window.store(layer, first_pos + tail.start, quant.transform_keys(key[tail].float(), self.rotation, center, s),
+                         quant.rotate(value[tail].float(), self.rotation))
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
-               scale: float, first_block: int | None = None) -> torch.Tensor:
+               scale: float, first_block: int | None = None,
+               window: quant.RecentWindow | None = None) -> torch.Tensor:
         s = self.k_scales[layer] if self.k_scales is not None else None
+        rows = window.rows(layer, context_len) if window is not None else None
         return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation, s)
+                                         first_block, self.rotation, s, rows)

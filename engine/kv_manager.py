@@ -10,6 +10,7 @@ class Sequence:
     blocks: list[Block] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     num_computed: int = 0  # tokens whose K/V are in the pool
+    window: object = None  # kernels.quant.RecentWindow, made by the runner in the quantized modes
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,7 +73,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
-        seq.blocks = []
+        seq.blocks, seq.window = [], None
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.blocks[position // self.block_size].id * self.block_size + position % self.block_size

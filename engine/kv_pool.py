@@ -77,13 +77,25 @@ class KVPool:
         if n < self.pool.num_blocks and not self.pool.shrink(n):
             return False
         stats = self.key_stats() if precision != Precision.FP16 else (None, None)
-        self.kv = self.kv.converted(precision, n, *stats)
+        self.kv = self.kv.converted(precision, n, *stats, windows=self._carry_windows(precision, live))
         self.pool.grow(n)
         self.budget = budget
         self.manager.relayout(self.extra_key(), list(live))
         self.runner.kv = self.personas.kv = self.kv
         self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
         return True
+
+    def _carry_windows(self, precision: Precision, live) -> list:
+        """Live sequences keep their newest tokens in full precision through a conversion: a
+        quantized window stays valid (every quantized mode transforms keys alike); leaving fp16, a
+        new one is filled from the fp16 pool. The ones to fill are returned."""
+        fill = []
+        for seq in live:
+            if not self.kv.format.quantized or precision == Precision.FP16:
+                seq.window = self.kv.new_window(precision)
+                if seq.window is not None:
+                    fill.append((seq.window, [b.id for b in seq.blocks], seq.num_computed))
+        return fill
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""

@@ -25,12 +25,15 @@ class ModelRunner:
         ids = torch.tensor([seq.token_ids[start:end]], device=dev)
         positions = torch.arange(start, end, device=dev).unsqueeze(0)
         block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
+        if seq.window is None:
+            seq.window = self.kv.new_window()
         meta = StepMeta(
             kv=self.kv,
             slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
             block_table=torch.tensor(block_ids, device=dev),
             context_len=end,
             first_block=consecutive_start(block_ids),
+            window=seq.window,
         )
         hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, kv_meta=meta).last_hidden_state
         seq.num_computed = end

@@ -32,10 +32,10 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
-                    k_channel_scale=None) -> torch.Tensor:
+                    k_channel_scale=None, window=None) -> torch.Tensor:
     if query.shape[0] == 1 and use_triton(query):
         lens = torch.tensor([context_len], device=query.device, dtype=torch.int32)
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
-                                      rotation, k_channel_scale)
+                                      rotation, k_channel_scale, window=window)
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
-                                     k_channel_scale)
+                                     k_channel_scale, window)

@@ -17,6 +17,10 @@
 - int4 keys pick, per group, the clipping of the scale that minimizes the group's squared error,
   among ``CLIP_RATIOS`` of the absolute maximum (first one wins a tie): measured on the starter, it
   takes int4's perplexity increase from +5.5% to +3.2% on GPL-3 and from +6.0% to +4.0% on GPL-2.
+- Each live sequence also keeps its newest ``WINDOW`` tokens in full precision, outside the pool
+  (``RecentWindow``), already centred, scaled and rotated; attention reads those rows from the window
+  instead of their quantized copies. The pool's blocks are the same with or without it, so cached
+  prefixes are unaffected. Measured on the starter (int4, GPL-3, context 512): +3.2% -> +1.1%.
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
@@ -29,6 +33,7 @@ GROUP = 32
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -182,3 +187,44 @@ def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, firs
     if bits == 16:
         return data
     return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)
+
+
+class RecentWindow:
+    """The newest ``size`` tokens of one sequence, per layer, transformed but not quantized: a ring
+    indexed by position. ``start``/``end`` per layer bound the positions written since the last gap."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, size: int = WINDOW):
+        self.size = size
+        self.k = torch.zeros(layers, size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.start = [0] * layers
+        self.end = [0] * layers
+
+    @classmethod
+    def nbytes(cls, layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW) -> int:
+        return 2 * layers * size * kv_heads * head_dim * full_bytes
+
+    def store(self, layer: int, first_pos: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``key``/``value`` ``[T, kv_heads, D]``, transformed, for positions ``first_pos ..``."""
+        if first_pos != self.end[layer]:  # not a continuation (a new turn, a rewind): start over
+            self.start[layer] = first_pos
+        n = key.shape[0]
+        keep = min(n, self.size)
+        index = torch.arange(first_pos + n - keep, first_pos + n, device=self.k.device) % self.size
+        self.k[layer].index_copy_(0, index, key[n - keep:].to(self.k.dtype))
+        self.v[layer].index_copy_(0, index, value[n - keep:].to(self.v.dtype))
+        self.end[layer] = first_pos + n
+
+    def rows(self, layer: int, length: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """``(first position, K, V)`` of the rows it holds among ``.. length``, or None."""
+        if self.end[layer] != length:
+            return None
+        first = max(self.start[layer], length - self.size)
+        index = torch.arange(first, length, device=self.k.device) % self.size
+        return first, self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+
+
+def substitute(x: torch.Tensor, first: int, rows: torch.Tensor) -> torch.Tensor:
+    """A dequantized sequence ``x`` (a fresh tensor) with positions ``first ..`` replaced by ``rows``."""
+    x[first:first + rows.shape[0]] = rows.to(x.dtype)
+    return x

@@ -28,12 +28,18 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_table: torch.Tensor,
                     context_len: int, scale: float, first_block: int | None = None,
-                    rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None,
+                    window: tuple | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]``, the last T tokens of a sequence of
-    ``context_len`` tokens whose K/V are already in the pool. Returns ``[T, heads, D]``."""
+    ``context_len`` tokens whose K/V are already in the pool. ``window``, from
+    ``quant.RecentWindow.rows``, replaces the quantized rows it holds. Returns ``[T, heads, D]``."""
     q_len, dtype = query.shape[0], query.dtype
     k = quant.read(tensors, fmt, "k", block_table, context_len, first_block, dtype)
     v = quant.read(tensors, fmt, "v", block_table, context_len, first_block, dtype)
+    if window is not None:
+        first, wk, wv = window
+        k = quant.substitute(k, first, wk) if fmt.k_bits < 16 else k
+        v = quant.substitute(v, first, wv) if fmt.v_bits < 16 else v
     q = quant.transform_queries(query, rotation.to(dtype), k_channel_scale) if fmt.k_bits < 16 else query
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None if q_len == 1 else causal_mask(q_len, context_len, query.device)

@@ -177,9 +177,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
 
 def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
-                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 64) -> torch.Tensor:
+                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 64,
+                 window: tuple | None = None) -> torch.Tensor:
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
-    Long contexts are split over the KV length; the splits are merged by their log-sum-exp."""
+    Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
+    ``window`` (B = 1; from ``quant.RecentWindow.rows``) serves its positions in full precision: the
+    kernel stops before them and they join the merge as one more split."""
     batch, heads, d = query.shape
     _, bs, kv_heads, _ = tensors["k"].shape
     q = query.float()
@@ -193,14 +196,31 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     m = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     dummy = tensors["k"]
+    if window is not None:
+        context_lens = torch.minimum(context_lens, torch.full_like(context_lens, window[0]))
     _paged_decode_kernel[(batch, heads, splits)](
         q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
         block_tables, context_lens, acc, m, l, scale, block_tables.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP)
+    if window is not None:
+        acc, m, l = _with_window_split(q, window, scale, acc, m, l)
     top = m.amax(-1, keepdim=True)
     w = torch.exp(m - top)
     out = (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
     if fmt.v_bits < 16:
         out = out @ rotation.float()
     return out.to(query.dtype)
+
+
+def _with_window_split(q, window, scale, acc, m, l):
+    """Append the full-precision window ``(first, K [w, kv_heads, D], V)`` as one more split."""
+    _, wk, wv = window
+    group = q.shape[1] // wk.shape[1]
+    wk, wv = (t.float().repeat_interleave(group, 1) for t in (wk, wv))
+    s = torch.einsum("bhd,whd->bhw", q, wk) * scale
+    wm = s.amax(-1)
+    p = torch.exp(s - wm[..., None])
+    wacc = torch.einsum("bhw,whd->bhd", p, wv)
+    return (torch.cat([acc, wacc[:, :, None]], 2), torch.cat([m, wm[..., None]], 2),
+            torch.cat([l, p.sum(-1)[..., None]], 2))

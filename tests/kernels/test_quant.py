@@ -76,3 +76,49 @@ def test_bytes_per_token_fractions():
     assert bytes_per_token(shape, "int8") / fp16 == (1 + 2 / 32) / 2
     assert bytes_per_token(shape, "k8v4") / fp16 == (1 + 0.5 + 4 / 32) / 4
     assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 2 / 32) / 2
+
+
+def test_recent_window_keeps_the_newest_positions_of_a_ring():
+    w = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4)
+    rows = lambda first, n: torch.arange(first, first + n, dtype=torch.float32)[:, None, None].expand(n, 1, 2)
+    w.store(0, 0, rows(0, 3), -rows(0, 3))
+    first, k, v = w.rows(0, 3)
+    assert first == 0 and k[:, 0, 0].tolist() == [0, 1, 2] and v[:, 0, 1].tolist() == [0, -1, -2]
+    w.store(0, 3, rows(3, 3), -rows(3, 3))  # wraps: positions 2..5 remain
+    first, k, _ = w.rows(0, 6)
+    assert first == 2 and k[:, 0, 0].tolist() == [2, 3, 4, 5]
+    w.store(0, 6, rows(6, 10), rows(6, 10))  # a chunk longer than the ring keeps its last 4
+    assert w.rows(0, 16)[1][:, 0, 0].tolist() == [12, 13, 14, 15]
+    assert w.rows(0, 15) is None  # asked for a length it was not written to
+    assert w.rows(1, 0)[0] == 0 and len(w.rows(1, 0)[1]) == 0  # layers are independent: layer 1 holds none
+    w.store(0, 40, rows(40, 1), rows(40, 1))  # a gap (a new turn after cached blocks) starts over
+    first, k, _ = w.rows(0, 41)
+    assert first == 40 and k[:, 0, 0].tolist() == [40]
+    assert quant.RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * quant.WINDOW * 3 * 64 * 2
+
+
+@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+def test_the_window_makes_its_rows_exact(name):
+    """Positions the window holds are read unquantized: a sequence shorter than the window gets exact
+    attention, a longer one less error than without it."""
+    fmt = quant.FORMATS[name]
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, bs = 4, 2, 64, 16
+    k = torch.randn(150, kv_heads, d, generator=g) * 3
+    v = torch.randn(150, kv_heads, d, generator=g)
+    q = torch.randn(1, heads, d, generator=g)
+    rot = quant.hadamard(d)
+    for length, exact_expected in ((40, True), (150, False)):
+        pool = quant.layer_tensors(fmt, 10, bs, kv_heads, d, torch.float32, "cpu")
+        table = torch.randperm(10, generator=g)
+        slots = table[torch.arange(length) // bs] * bs + torch.arange(length) % bs
+        reference.write_kv(pool, fmt, k[:length], v[:length], slots, rot)
+        window = quant.RecentWindow(1, kv_heads, d, torch.float32, "cpu")
+        window.store(0, 0, quant.rotate(k[:length], rot), quant.rotate(v[:length], rot))
+        exact = naive(q, k[:length], v[:length], d ** -0.5)
+        plain = reference.paged_attention(q, pool, fmt, table, length, d ** -0.5, rotation=rot)
+        held = reference.paged_attention(q, pool, fmt, table, length, d ** -0.5, rotation=rot,
+                                         window=window.rows(0, length))
+        if exact_expected:
+            torch.testing.assert_close(held, exact, atol=1e-5, rtol=1e-5)
+        assert (held - exact).norm() < (plain - exact).norm()

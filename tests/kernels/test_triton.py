@@ -63,3 +63,18 @@ def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
     for i, (table, n) in enumerate(zip(tables, lengths)):
         want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot, scale_vec)
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("window_len", [5, 70])  # part of the context; all of it
+def test_paged_decode_with_a_full_precision_window_matches_reference(name, window_len):
+    fmt = quant.FORMATS[name]
+    heads, kv_heads, head_dim, n = 8, 2, 64, 70
+    pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len)
+    query = torch.randn(1, heads, head_dim, generator=g)
+    rows = (n - window_len, torch.randn(window_len, kv_heads, head_dim, generator=g),
+            torch.randn(window_len, kv_heads, head_dim, generator=g))
+    out = triton_kv.paged_decode(query, pool, fmt, table[None].to(torch.int32), torch.tensor([n], dtype=torch.int32),
+                                 head_dim ** -0.5, rot, cscale, blocks_per_split=2, window=rows)
+    want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale, window=rows)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
