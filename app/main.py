@@ -12,20 +12,25 @@ from .main_window import MainWindow
 from .store import Store, StoreError
 
 
+def make_engine(settings: dict) -> Engine:
+    """An engine for the settings panel's values; it loads the model on its own thread."""
+    return Engine(EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
+                               max_context=settings.get("max_context", 8192),
+                               weights=settings.get("weights", "none"),
+                               headroom_bytes=int(settings.get("headroom_gib", 1.0) * (1 << 30))))
+
+
 def run() -> int:
-    app = QApplication(sys.argv)
+    app = QApplication.instance() or QApplication(sys.argv)
     app.setApplicationName("kvchat")
     try:
         store = Store(data_dir() / "chat.db")
     except StoreError as e:
         QMessageBox.critical(None, "kvchat", str(e))
         return 1
-    settings = store.setting("engine") or {}
-    engine = Engine(EngineConfig(model=settings.get("model", "starter"),
-                                 kv_precision=settings.get("kv_precision", "auto"),
-                                 max_context=settings.get("max_context", 8192)))
-    window = MainWindow(store, EngineBridge(engine))
+    engine = make_engine(store.setting("engine") or {})
+    window = MainWindow(store, EngineBridge(engine, make_engine))
     window.show()
     code = app.exec()
-    engine.close()
+    window.bridge.engine.close()
     return code

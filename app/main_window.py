@@ -5,9 +5,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit, QPushButton,
-                               QSplitter, QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow,
+                               QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QSplitter, QTextBrowser,
+                               QVBoxLayout, QWidget)
 
 from kvchat.engine.config import SamplingParams
 
@@ -17,6 +18,7 @@ from .settings_dialog import SettingsDialog
 from .store import Store
 
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
+NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
 
 
 class MainWindow(QMainWindow):
@@ -28,10 +30,13 @@ class MainWindow(QMainWindow):
         self.reply_id: int | None = None
         self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
         self.warm_personas: set[int] = set()
+        self.notices: list[str] = []
+        self.previous_engine_settings: dict | None = None  # what to go back to if a new model fails
         self.setWindowTitle("kvchat")
         self.resize(1100, 720)
         self._build()
         self._connect()
+        self.set_loading(self.bridge.loading)  # its ready signal may have gone before we connected
         self.refresh_conversations()
 
     # -- layout --
@@ -62,6 +67,9 @@ class MainWindow(QMainWindow):
         self.stop_button.setEnabled(False)
         self.gauge = MemoryGauge()
         self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
+        self.load_bar = QProgressBar(maximumWidth=260, textVisible=True, format="loading model...")
+        self.load_bar.setRange(0, 0)  # busy until a download reports its size
+        self.cancel_load_button = QPushButton("Cancel loading")
         top = QHBoxLayout()
         top.addWidget(QLabel("Persona:"))
         top.addWidget(self.persona_box, 1)
@@ -74,6 +82,8 @@ class MainWindow(QMainWindow):
         gauge_row = QHBoxLayout()
         gauge_row.addWidget(self.gauge, 1)
         gauge_row.addWidget(self.precision_label)
+        gauge_row.addWidget(self.load_bar)
+        gauge_row.addWidget(self.cancel_load_button)
         main = QVBoxLayout()
         main.addLayout(top)
         main.addWidget(self.chat_view, 1)
@@ -97,12 +107,14 @@ class MainWindow(QMainWindow):
 
     def _connect(self) -> None:
         b = self.bridge
-        b.ready.connect(lambda: self.precision_label.setText(f"KV {b.engine.precision.value}"))
-        b.load_failed.connect(lambda m: self.show_error(f"The model could not be loaded: {m}"))
+        b.ready.connect(self.on_ready)
+        b.load_failed.connect(self.on_load_failed)
+        b.load_progress.connect(self.on_load_progress)
+        self.cancel_load_button.clicked.connect(self.bridge.cancel_load)
         b.token.connect(self.on_token)
         b.finished.connect(self.on_finished)
         b.failed.connect(self.on_failed)
-        b.notice.connect(lambda kind, m: self.notice_label.setText(f"{kind}: {m}"))
+        b.notice.connect(lambda kind, m: self.notify(f"{kind}: {m}"))
         b.snapshot.connect(self.on_snapshot)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.bridge.stop)
@@ -226,7 +238,7 @@ class MainWindow(QMainWindow):
     def export_to(self, path: Path) -> None:
         text = (self.store.export_json if path.suffix == ".json" else self.store.export_markdown)(self.conversation_id)
         path.write_text(text, encoding="utf-8")
-        self.notice_label.setText(f"exported to {path}")
+        self.notify(f"exported to {path}")
 
     def update_badge(self) -> None:
         warm = self.persona_box.currentData() in self.warm_personas
@@ -243,6 +255,9 @@ class MainWindow(QMainWindow):
         text = self.input.toPlainText().strip()
         if not text or self.bridge.busy:
             return
+        if self.bridge.switching:
+            self.notify("a model is loading: your message stays in the box until it is ready")
+            return
         if self.conversation_id is None:
             self.new_conversation()
         if not self.store.messages(self.conversation_id):
@@ -253,7 +268,7 @@ class MainWindow(QMainWindow):
         self.start_reply()
 
     def regenerate(self) -> None:
-        if self.conversation_id is None or self.bridge.busy:
+        if self.conversation_id is None or self.bridge.busy or self.bridge.switching:
             return
         messages = self.store.messages(self.conversation_id)
         if messages and messages[-1].role == "assistant":
@@ -263,7 +278,7 @@ class MainWindow(QMainWindow):
 
     def edit_and_resend(self, position: int, text: str) -> None:
         """Replace the user message at ``position`` and everything after it."""
-        if self.bridge.busy or not text.strip():
+        if self.bridge.busy or self.bridge.switching or not text.strip():
             return
         self.store.truncate(self.conversation_id, position)
         self.store.add_message(self.conversation_id, "user", text.strip())
@@ -308,7 +323,7 @@ class MainWindow(QMainWindow):
             self.store.update_message(self.reply_id, self.reply_text or f"*Error: {message}*", self.reply_ids,
                                       interrupted=True)
         self.end_reply()
-        self.notice_label.setText(f"error: {message}")
+        self.notify(f"error: {message}")
 
     def end_reply(self) -> None:
         self.reply_id = None
@@ -349,7 +364,7 @@ class MainWindow(QMainWindow):
 
     def apply_settings(self, dialog: SettingsDialog) -> None:
         """Sampling applies to the next reply; context and precision without reloading the model;
-        a different model or weight format on the next start."""
+        a different model or weight format loads at once."""
         try:
             self.sampling = SamplingParams(**dialog.sampling())
         except ValueError as e:
@@ -360,22 +375,69 @@ class MainWindow(QMainWindow):
         before = self.store.setting("engine") or {}
         self.store.set_setting("engine", wanted)
         engine = self.bridge.engine
-        if (wanted["max_context"], wanted["kv_precision"]) != (engine.config.max_context,
-                                                               engine.config.kv_precision.value):
+        now = {"model": "starter", "weights": "none", **before, "max_context": engine.config.max_context,
+               "kv_precision": engine.config.kv_precision.value}
+        if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]):
+            self.load_model(wanted, previous=now)
+        elif (wanted["max_context"], wanted["kv_precision"]) != (now["max_context"], now["kv_precision"]):
             self.bridge.reconfigure(wanted["max_context"], wanted["kv_precision"])
-        if (wanted["model"], wanted["weights"]) != (before.get("model", "starter"), before.get("weights", "none")):
-            self.notice_label.setText("the new model or weight format is used from the next start")
+
+    # -- loading a model --
+
+    def load_model(self, settings: dict, previous: dict | None) -> None:
+        """Close the engine and load ``settings`` in a new one; the chat waits, the window does not."""
+        if self.bridge.busy:
+            self.bridge.stop()
+        self.previous_engine_settings = previous
+        self.set_loading(True)
+        self.notify(f"loading {settings.get('model', 'starter')}...")
+        self.bridge.switch_model(settings)
+
+    def set_loading(self, loading: bool) -> None:
+        self.load_bar.setVisible(loading)
+        self.cancel_load_button.setVisible(loading)
+        if loading:
+            self.load_bar.setRange(0, 0)
+            self.precision_label.setText("loading model...")
+
+    def on_load_progress(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        self.load_bar.setRange(0, 1000)
+        self.load_bar.setValue(int(1000 * done / total))
+        self.load_bar.setFormat(f"downloading {done / 1e9:.2f} / {total / 1e9:.2f} GB")
+
+    def on_ready(self) -> None:
+        self.set_loading(False)
+        self.previous_engine_settings = None
+        self.precision_label.setText(f"KV {self.bridge.engine.precision.value}")
+        self.notify(f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
+
+    def on_load_failed(self, message: str) -> None:
+        """Say why; after a failed switch, go back to the model that worked."""
+        self.set_loading(False)
+        self.show_error(f"The model could not be loaded: {message}")
+        previous, self.previous_engine_settings = self.previous_engine_settings, None
+        if previous is not None:
+            self.store.set_setting("engine", previous)
+            self.load_model(previous, previous=None)
 
     def on_link(self, url) -> None:
         if url.scheme() == "copy":
             QGuiApplication.clipboard().setText(self.code_blocks[int(url.path())])
-            self.notice_label.setText("code copied")
+            self.notify("code copied")
         else:
             QDesktopServices.openUrl(url)
 
+    def notify(self, message: str) -> None:
+        """The notice line shows the latest; its tooltip the ones before."""
+        self.notices = (self.notices + [f"{time.strftime('%H:%M:%S')}  {message}"])[-NOTICES_KEPT:]
+        self.notice_label.setText(message)
+        self.notice_label.setToolTip("\n".join(self.notices))
+
     def show_error(self, message: str) -> None:
         """In the notice line, and in a dialog that does not block the event loop."""
-        self.notice_label.setText(message)
+        self.notify(message)
         box = QMessageBox(QMessageBox.Warning, "kvchat", message, QMessageBox.Ok, self)
         box.setAttribute(Qt.WA_DeleteOnClose)
         box.open()

@@ -122,6 +122,25 @@ class BlockPool:
         del self.blocks[num_blocks:]
         return True
 
+    def compact(self, num_blocks: int) -> dict[int, int] | None:
+        """Give every in-use block with an id >= ``num_blocks`` a free id below it, so a shrink can
+        go ahead: the two blocks swap ids, the free one's cached prefix is forgotten (LRU first).
+        Returns ``{old id: new id}`` for the caller to move the data; None (and nothing done) when
+        too few low ids are free."""
+        movers = [b for b in self.blocks[num_blocks:] if b.ref_cnt]
+        spots = [b for q in (self.free_queue, self.pinned_queue) for b in q.values() if b.id < num_blocks]
+        if len(spots) < len(movers):
+            return None
+        moves = {}
+        for block, spot in zip(movers, spots):
+            (self.pinned_queue if spot.id in self.pinned_queue else self.free_queue).pop(spot.id)
+            self._forget(spot)
+            moves[block.id] = spot.id
+            block.id, spot.id = spot.id, block.id
+            self.blocks[block.id], self.blocks[spot.id] = block, spot
+            self.free_queue[spot.id] = spot
+        return moves
+
     def rehash(self, extra_key: str) -> dict[bytes, bytes]:
         """Re-key every cached block for a new layout, parents first; a block whose parent is gone
         can never be reached again and is dropped from the map. Returns old -> new hashes."""

@@ -12,7 +12,7 @@ from .block_pool import PoolExhausted
 from .chat import ChatError, ChatFormatter
 from .config import ConfigError, EngineConfig, Precision, SamplingParams
 from .detok import StopChecker, StreamDetokenizer
-from .events import EngineError, Error, Finished, Notice, Request, RequestHandle, Stats, TokenDelta
+from .events import EngineError, Error, Finished, LoadProgress, Notice, Request, RequestHandle, Stats, TokenDelta
 from .kv_cache import KVShape, bytes_per_token
 from .kv_manager import Sequence
 from .kv_pool import KVPool, kv_dtype
@@ -39,6 +39,7 @@ class Engine:
         self._next_snapshot = 0.0
         self._handle: RequestHandle | None = None
         self._requests: queue.Queue = queue.Queue()
+        self._cancel_load = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvchat-engine", daemon=True)
         self._thread.start()
 
@@ -63,6 +64,10 @@ class Engine:
         """``callback(event)`` with MemorySnapshot (about once a second) and Notice events. It runs
         on the engine thread: it must only hand the event on (a queue, a queued Qt signal)."""
         self._listeners.append(callback)
+
+    def cancel_load(self) -> None:
+        """Stop a model download in progress; loading then fails with "download cancelled"."""
+        self._cancel_load.set()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self.ready.wait(timeout):
@@ -120,7 +125,9 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if self.loaded is None:
-            self.loaded = load(cfg.model, cfg.device, cfg.dtype, cfg.weights)
+            self.loaded = load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=self._load_progress)
+        if self._cancel_load.is_set():
+            raise ModelError("loading cancelled")
         lm = self.loaded
         self.formatter = ChatFormatter(lm.tokenizer)
         self.eos_ids = eos_token_ids(lm)
@@ -148,6 +155,12 @@ class Engine:
         if available <= 0:
             raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
         return precision, min(want, available)
+
+    def _load_progress(self, done: int, total: int) -> None:
+        """Called from the download's progress bars; raising here is how a download stops."""
+        if self._cancel_load.is_set():
+            raise ModelError("download cancelled")
+        self._emit(LoadProgress(done, total))
 
     # -- memory: snapshots, pressure, reconfiguration --
 

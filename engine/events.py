@@ -40,6 +40,13 @@ class Finished:
 
 
 @dataclass
+class LoadProgress:
+    """Bytes of the model downloaded so far; ``total`` 0 while unknown."""
+    done: int
+    total: int
+
+
+@dataclass
 class Notice:
     """Something the user should know: kind is downshift, shrink or trim."""
     kind: str

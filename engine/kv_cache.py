@@ -140,6 +140,16 @@ class KVCache:
         return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
                                   device)
 
+    def move_blocks(self, moves: dict[int, int]) -> None:
+        """Copy blocks to new ids (a compaction before a shrink): ``{old id: new id}``."""
+        if not moves:
+            return
+        device = next(iter(self.layers[0].values())).device
+        old, new = (torch.tensor(ids, device=device) for ids in zip(*moves.items()))
+        for layer in self.layers:
+            for t in layer.values():
+                t.index_copy_(0, new, t.index_select(0, old))
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               window: quant.RecentWindow | None = None, first_pos: int = 0) -> None:
         center = self.k_centers[layer] if self.k_centers is not None else None

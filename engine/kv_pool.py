@@ -75,7 +75,11 @@ class KVPool:
         precision = Precision(precision)
         n = self.blocks_for(precision, budget)
         if n < self.pool.num_blocks and not self.pool.shrink(n):
-            return False
+            moves = self.pool.compact(n)
+            if moves is None:
+                return False
+            self.kv.move_blocks(moves)
+            self.pool.shrink(n)
         stats = self.key_stats() if precision != Precision.FP16 else (None, None)
         self.kv = self.kv.converted(precision, n, *stats, windows=self._carry_windows(precision, live))
         self.pool.grow(n)

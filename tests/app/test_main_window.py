@@ -24,14 +24,28 @@ def shared(starter):
 
 @pytest.fixture
 def app_parts(qtbot, tmp_path, shared):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)), persona_store=None)
-    bridge = EngineBridge(engine)
+    def make_engine(settings):
+        """The starter from memory (no reload per test); any other model loads for real."""
+        if settings.get("model", "starter") == "starter":
+            return Engine(EngineConfig(max_context=settings.get("max_context", 512)),
+                          loaded=LoadedModel(**vars(shared)), persona_store=None)
+        return Engine(EngineConfig(model=settings["model"], max_context=512), persona_store=None)
+
+    engine = make_engine({})
+    bridge = EngineBridge(engine, make_engine)
     store = Store(tmp_path / "chat.db")
     win = MainWindow(store, bridge, SamplingParams(max_new_tokens=12, temperature=0))
     qtbot.addWidget(win)
     qtbot.waitUntil(engine.ready.is_set, timeout=60000)
     yield win, store, bridge, tmp_path
+    bridge.engine.close()
     engine.close()
+
+
+def back_on_the_starter(qtbot, bridge, store):
+    qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set(), timeout=60000)
+    assert bridge.engine.load_error is None and bridge.engine.config.model == "starter"
+    assert store.setting("engine")["model"] == "starter"
 
 
 def send(qtbot, win, text):
@@ -163,3 +177,79 @@ def test_persona_editor_and_export(qtbot, app_parts, tmp_path):
     win.export_to(tmp_path / "chat.json")
     assert "You talk like a pirate." in (tmp_path / "chat.md").read_text()
     assert json.loads((tmp_path / "chat.json").read_text())["persona"]["name"] == "Pirate"
+
+
+def test_an_unreadable_model_path_says_why_and_the_last_model_comes_back(qtbot, app_parts):
+    win, store, bridge, tmp_path = app_parts
+    dialog = win.settings_dialog()
+    qtbot.addWidget(dialog)
+    dialog.model.setText(str(tmp_path / "no-such-model"))
+    with qtbot.waitSignal(bridge.load_failed, timeout=60000) as failed:
+        win.apply_settings(dialog)
+    assert "no such model" in failed.args[0]
+    back_on_the_starter(qtbot, bridge, store)
+    qtbot.waitUntil(lambda: win.load_bar.isHidden(), timeout=10000)
+    assert "could not be loaded" in win.notice_label.toolTip() and "model ready" in win.notice_label.text()
+    send(qtbot, win, "Hello")
+    assert store.messages(win.conversation_id)[-1].content
+
+
+def test_a_download_shows_progress_and_can_be_cancelled(qtbot, app_parts, monkeypatch):
+    import time
+
+    import huggingface_hub
+
+    win, store, bridge, _ = app_parts
+
+    def slow_snapshot(repo_id, allow_patterns=None, tqdm_class=None, **kw):
+        bar = tqdm_class(total=3 * 10 ** 9, unit="B", disable=True)  # sizes past 2 GiB must pass the signal
+        for _ in range(600):
+            bar.update(10 ** 7)
+            time.sleep(0.05)
+        raise AssertionError("the download was not cancelled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", slow_snapshot)
+    dialog = win.settings_dialog()
+    qtbot.addWidget(dialog)
+    dialog.model.setText("org/tiny")
+    win.apply_settings(dialog)
+    assert not win.load_bar.isHidden() and not win.cancel_load_button.isHidden()
+    qtbot.waitUntil(lambda: win.load_bar.maximum() == 1000 and win.load_bar.value() > 0, timeout=30000)
+    assert "/ 3.00 GB" in win.load_bar.format()
+    win.input.setPlainText("wait for me")
+    win.send()  # refused while loading, and the text stays
+    assert win.input.toPlainText() == "wait for me" and "loading" in win.notice_label.text()
+    with qtbot.waitSignal(bridge.load_failed, timeout=30000) as failed:
+        win.cancel_load_button.click()
+    assert failed.args[0] == "download cancelled"
+    back_on_the_starter(qtbot, bridge, store)
+
+
+def test_an_engine_error_becomes_a_message_and_the_next_turn_works(qtbot, app_parts, monkeypatch):
+    win, store, bridge, _ = app_parts
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(bridge.engine.runner, "forward", broken)
+    send(qtbot, win, "Hello")
+    failed = store.messages(win.conversation_id)[-1]
+    assert failed.interrupted and "device lost" in failed.content and "device lost" in win.notice_label.text()
+    monkeypatch.undo()
+    send(qtbot, win, "Hello again")
+    last = store.messages(win.conversation_id)[-1]
+    assert last.role == "assistant" and last.content and not last.interrupted
+
+
+def test_a_corrupt_database_at_start_is_reported_and_kept(qtbot, tmp_path, monkeypatch):
+    from kvchat.app import main
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.db").write_bytes(b"this is not a database " * 200)
+    shown = []
+    monkeypatch.setattr(main.QMessageBox, "critical", lambda parent, title, text: shown.append(text))
+    assert main.run() == 1
+    assert len(shown) == 1 and "damaged" in shown[0]
+    backups = [p for p in (tmp_path / "data").iterdir() if p.name != "chat.db"]
+    assert backups and backups[0].read_bytes() == b"this is not a database " * 200

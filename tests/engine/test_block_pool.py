@@ -120,6 +120,21 @@ def test_exhaustion_raises_and_leaks_nothing():
     assert pool.num_free == 2
 
 
+def test_compaction_gives_in_use_blocks_low_ids_so_a_shrink_can_go_ahead():
+    pool = BlockPool(8)
+    blocks = [pool.allocate() for _ in range(6)]
+    pool.cache(blocks[2], b"h2", (1, 2))
+    pool.release(blocks[:3])  # free queue: 6, 7, then 2, 1, 0 (tail first)
+    assert not pool.shrink(4)  # 4 and 5 are in use
+    assert pool.compact(2) is None and pool.num_blocks == 8  # two to move, only 0 and 1 free below 2
+    moved = blocks[4], blocks[5]
+    assert pool.compact(4) == {4: 2, 5: 1}
+    assert [b.id for b in moved] == [2, 1] and pool.blocks[2] is moved[0] and pool.blocks[1] is moved[1]
+    assert pool.lookup(b"h2", (1, 2)) is None and pool.evictions == 1  # the spot's prefix is gone
+    assert pool.shrink(4) and pool.num_blocks == 4
+    assert list(pool.free_queue) == [0] and [b.ref_cnt for b in pool.blocks] == [0, 1, 1, 1]
+
+
 def test_double_free_is_refused():
     pool, mgr = manager()
     seq = run(mgr, range(4))
@@ -175,6 +190,15 @@ class PoolMachine(RuleBasedStateMachine):
     def pin(self, i, pinned):
         for blk in self.running[i % len(self.running)].blocks:
             self.pool.set_pinned(blk, pinned)
+
+    @rule(n=st.integers(1, 12))
+    def resize(self, n):
+        """A shrink, compacting when it must (the data move is the KV cache's job), or a growth."""
+        if n >= self.pool.num_blocks:
+            self.pool.grow(n)
+        elif not self.pool.shrink(n) and self.pool.compact(n) is not None:
+            assert self.pool.shrink(n)
+        assert all(b.id == i for i, b in enumerate(self.pool.blocks))
 
     @invariant()
     def references_match_the_running_sequences(self):

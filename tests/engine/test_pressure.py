@@ -117,6 +117,29 @@ def test_downshift_keeps_outputs_close_to_an_unpressured_run(shared):
         assert kl < bound, (target, kl)
 
 
+@torch.inference_mode()
+def test_a_shrink_moves_live_blocks_off_the_dropped_ids(shared):
+    lm = LoadedModel(**vars(shared))
+    per_block = 16 * 2 * 30 * 3 * 64 * 4
+    ids = shared.tokenizer("The Alps are a mountain range in Europe. " * 8)["input_ids"]
+    reference = KVPool(lm, 16, "fp16", 32 * per_block, None)
+    ref_seq = Sequence(list(ids))
+    reference.manager.reserve(ref_seq, len(ids))
+    reference.runner.forward(ref_seq, len(ids) - 1, want_logits=False)
+    want = reference.runner.forward(ref_seq, len(ids), want_logits=True)
+    pool = KVPool(lm, 16, "fp16", 32 * per_block, None)
+    filler = Sequence(list(range(100, 420)))
+    pool.manager.reserve(filler, 320)  # ids 0..19
+    seq = Sequence(list(ids))
+    pool.manager.reserve(seq, len(ids))
+    assert min(b.id for b in seq.blocks) == 20
+    pool.runner.forward(seq, len(ids) - 1, want_logits=False)
+    pool.manager.free(filler)
+    assert pool.rebuild("fp16", 12 * per_block, [seq])
+    assert pool.pool.num_blocks == 12 and max(b.id for b in seq.blocks) < 12
+    torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want)
+
+
 def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(shared):
     e = engine(shared, max_context=512)
     model = e.loaded.model
