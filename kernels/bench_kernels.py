@@ -18,39 +18,54 @@ def kv_bytes(fmt, length: int, kv_heads: int, head_dim: int, full_bytes: int = 2
     return length * kv_heads * head_dim * per_element
 
 
-def build(fmt, length, heads, kv_heads, head_dim, device, seed=0):
+def build(fmt, length, heads, kv_heads, head_dim, device, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cpu").manual_seed(seed)
     blocks = -(-length // BS)
-    pool = quant.layer_tensors(fmt, blocks + 8, BS, kv_heads, head_dim, torch.bfloat16, device)
+    pool = quant.layer_tensors(fmt, blocks + 8, BS, kv_heads, head_dim, dtype, device)
     table = torch.randperm(blocks + 8, generator=g)[:blocks].to(device)
     rot = quant.hadamard(head_dim, device)
     slots = (table[torch.arange(length, device=device) // BS] * BS + torch.arange(length, device=device) % BS)
-    k = torch.randn(length, kv_heads, head_dim, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(length, kv_heads, head_dim, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(length, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(length, kv_heads, head_dim, generator=g).to(device, dtype)
     reference.write_kv(pool, fmt, k, v, slots, rot)
-    q = torch.randn(1, heads, head_dim, generator=g).to(device, torch.bfloat16)
+    q = torch.randn(1, heads, head_dim, generator=g).to(device, dtype)
     return pool, table, rot, q, (k, v, slots)
 
 
-def check(device) -> list[dict]:
+def check(device, dtype=torch.bfloat16, length: int = 1000) -> list[dict]:
+    """Writes: the share of stored bytes that differ from the reference's (on a GPU the rotation's
+    sums run in another order than torch's, so a value on a rounding edge may land one step away),
+    and the largest difference of a dequantized value, in quantization steps. Decode: max |error|."""
     from . import triton_kv
 
     rows = []
     for name in ("fp16", "int8", "k8v4", "int4"):
         fmt = quant.FORMATS[name]
-        pool, table, rot, q, (k, v, slots) = build(fmt, 1000, 8, 2, 128, device)
-        other = quant.layer_tensors(fmt, pool["k"].shape[0], BS, 2, 128, torch.bfloat16, device)
+        pool, table, rot, q, (k, v, slots) = build(fmt, length, 8, 2, 128, device, dtype=dtype)
+        row = {"precision": name}
         if fmt.quantized:
+            other = quant.layer_tensors(fmt, pool["k"].shape[0], BS, 2, 128, dtype, device)
             triton_kv.quantize_write(other, fmt, k, v, slots, rot)
-        write_exact = all(torch.equal(pool[n], other[n]) for n in pool) if fmt.quantized else True
-        want = reference.paged_attention(q.float(), {n: t if t.dtype != torch.bfloat16 else t.float()
-                                                     for n, t in pool.items()}, fmt, table, 1000, 128 ** -0.5,
-                                         None, rot)
-        got = triton_kv.paged_decode(q, pool, fmt, table[None].int(), torch.tensor([1000], device=device,
+            row["write_bytes_differing"] = sum((pool[n] != other[n]).sum().item() for n in pool) / sum(
+                pool[n].numel() for n in pool)
+            row["write_max_steps"] = max(_steps_apart(pool, other, fmt, n, table, length) for n in ("k", "v"))
+        want = reference.paged_attention(q.float(), {n: t.float() if t.dtype == dtype else t for n, t in pool.items()},
+                                         fmt, table, length, 128 ** -0.5, None, rot)
+        got = triton_kv.paged_decode(q, pool, fmt, table[None].int(), torch.tensor([length], device=device,
                                      dtype=torch.int32), 128 ** -0.5, rot).float()
-        rows.append({"precision": name, "write_byte_exact": write_exact,
-                     "decode_max_abs_err": (got - want).abs().max().item()})
+        row["decode_max_abs_err"] = (got - want).abs().max().item()
+        rows.append(row)
     return rows
+
+
+def _steps_apart(a, b, fmt, name, table, length: int) -> float:
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    if bits == 16:
+        return 0.0
+    x = quant.read(a, fmt, name, table, length, None, torch.float32)
+    y = quant.read(b, fmt, name, table, length, None, torch.float32)
+    step = quant.gather(a[name + "_scale"], table, length, None).float().repeat_interleave(quant.GROUP, -1)
+    return ((x - y).abs() / step).max().item()
 
 
 def time_decode(device) -> list[dict]:
@@ -94,8 +109,9 @@ def main(as_json: bool) -> None:
         return
     print(f"device: {result['device']}")
     for r in result["check"]:
-        print(f"  {r['precision']:<5} write byte-exact {r['write_byte_exact']}, decode max |err| "
-              f"{r['decode_max_abs_err']:.2e}")
+        write = (f"write: {r['write_bytes_differing']:.2e} of bytes differ, at most {r['write_max_steps']:.0f} "
+                 f"step(s) apart; " if "write_bytes_differing" in r else "")
+        print(f"  {r['precision']:<5} {write}decode max |err| {r['decode_max_abs_err']:.2e}")
     print("paged decode, 32 heads / 8 KV heads / head_dim 128, one sequence:")
     for r in result["decode"]:
         print(f"  {r['context']:>6} tokens {r['precision']:<5} {r['us']:8.1f} us  {r['bytes'] / 1e6:7.1f} MB  "

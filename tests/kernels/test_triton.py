@@ -78,3 +78,15 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, windo
                                  head_dim ** -0.5, rot, cscale, blocks_per_split=2, window=rows)
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale, window=rows)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_gpu_bench_check_runs_and_agrees():
+    """``kvchat bench kernels``' correctness part, here in the interpreter on a short context, so that
+    its first run on a GPU is not its first run."""
+    from kvchat.kernels import bench_kernels
+
+    rows = bench_kernels.check(torch.device("cpu"), dtype=torch.float32, length=40)
+    assert [r["precision"] for r in rows] == ["fp16", "int8", "k8v4", "int4"]
+    for r in rows:
+        assert r["decode_max_abs_err"] < 1e-5
+        assert r.get("write_bytes_differing", 0) < 1e-3 and r.get("write_max_steps", 0) <= 1.0
