@@ -67,7 +67,7 @@ class MainWindow(QMainWindow):
         self.stop_button.setEnabled(False)
         self.gauge = MemoryGauge()
         self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
-        self.load_bar = QProgressBar(maximumWidth=260, textVisible=True, format="loading model...")
+        self.load_bar = QProgressBar(minimumWidth=240, maximumWidth=320, textVisible=True, format="loading model")
         self.load_bar.setRange(0, 0)  # busy until a download reports its size
         self.cancel_load_button = QPushButton("Cancel loading")
         top = QHBoxLayout()
@@ -398,6 +398,7 @@ class MainWindow(QMainWindow):
         self.cancel_load_button.setVisible(loading)
         if loading:
             self.load_bar.setRange(0, 0)
+            self.load_bar.setFormat("loading model")
             self.precision_label.setText("loading model...")
 
     def on_load_progress(self, done: int, total: int) -> None:
@@ -405,7 +406,7 @@ class MainWindow(QMainWindow):
             return
         self.load_bar.setRange(0, 1000)
         self.load_bar.setValue(int(1000 * done / total))
-        self.load_bar.setFormat(f"downloading {done / 1e9:.2f} / {total / 1e9:.2f} GB")
+        self.load_bar.setFormat(f"{done / 1e9:.2f} / {total / 1e9:.2f} GB")
 
     def on_ready(self) -> None:
         self.set_loading(False)
