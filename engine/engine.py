@@ -267,6 +267,7 @@ class Engine:
         Finished or Error sees the pool as the engine leaves it."""
         seq, persona_len = None, 0
         self._handle = handle
+        evictions = self.pool.evictions
         try:
             if handle.cancelled:  # cancelled while queued: not even tokenized
                 last = Finished("", [], "cancelled", Stats(kv_precision=self.precision.value))
@@ -284,6 +285,10 @@ class Engine:
             if seq is not None:
                 self._release(seq, persona_len)
             self._handle = None
+        evicted = self.pool.evictions - evictions
+        if evicted:
+            self._notice("evict", f"{evicted} cached block(s) ({evicted * self.config.block_size} tokens of "
+                                  "earlier prefixes) evicted to make room")
         handle.events.put(last)
 
     def _release(self, seq: Sequence, persona_len: int) -> None:

@@ -48,7 +48,7 @@ class LoadProgress:
 
 @dataclass
 class Notice:
-    """Something the user should know: kind is downshift, shrink or trim."""
+    """Something the user should know: kind is downshift, shrink, evict, trim or pressure."""
     kind: str
     message: str
 

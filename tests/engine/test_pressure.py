@@ -93,6 +93,18 @@ def test_a_full_pool_steps_down_instead_of_failing(shared):
     e.close()
 
 
+def test_evicting_cached_prefixes_is_told(shared):
+    per_token_fp32 = 2 * 30 * 3 * 64 * 4
+    e = engine(shared, max_context=256, kv_precision="fp16", kv_budget_bytes=256 * per_token_fp32)
+    events = collect(e)
+    e.generate([{"role": "user", "content": "Tell me about the Alps. " * 20}], max_new_tokens=4, temperature=0)
+    assert not [x for x in events if isinstance(x, Notice)]
+    e.generate([{"role": "user", "content": "Tell me about the sea. " * 20}], max_new_tokens=4, temperature=0)
+    evicted = [x for x in events if isinstance(x, Notice) and x.kind == "evict"]
+    e.close()
+    assert len(evicted) == 1 and "evicted to make room" in evicted[0].message
+
+
 @torch.inference_mode()
 def test_downshift_keeps_outputs_close_to_an_unpressured_run(shared):
     """Prefill at fp16, convert the pool to int8 and int4 in place, decode on: the next-token
