@@ -1,4 +1,5 @@
 """The physical KV pool: per-layer tensors allocated once for a precision, and their size in bytes."""
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -6,6 +7,8 @@ import torch
 from kvchat.kernels import dispatch, quant
 
 from .config import Precision
+
+SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class KVCache:
         self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
         self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
+        self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +72,7 @@ class KVCache:
         """This pool's contents in another layout and size; block ids are kept (a shrink drops
         ids >= num_blocks). Layer by layer, so the peak is one layer above the two pools' sizes.
         ``windows``, ``(RecentWindow, block ids, length)`` of live sequences, are filled with their
-        newest tokens as this pool holds them (exact when it is the fp16 pool)."""
+        sinks and newest tokens as this pool holds them (exact when it is the fp16 pool)."""
         new = KVCache.__new__(KVCache)
         new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
@@ -76,6 +80,8 @@ class KVCache:
         new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
         new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
         new.layers = []
+        # every quantized mode transforms keys alike, so sinks carry over between them
+        new.sink_cache = self.sink_cache if self.format.quantized and new.format.quantized else OrderedDict()
         keep = min(num_blocks, self.num_blocks)
         slots = torch.arange(keep * self.block_size, device=device)
         for i in range(len(self.layers)):
@@ -86,12 +92,13 @@ class KVCache:
             scale = new.k_scales[i] if new.k_scales is not None else None
             quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
             for window, block_ids, length in windows:
-                first = max(0, length - window.size)
-                pos = torch.arange(first, length, device=device)
-                rows = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
-                    + pos % self.block_size
-                window.store(i, first, quant.transform_keys(k[rows], new.rotation, center, scale),
-                             quant.rotate(v[rows], new.rotation))
+                sinks = min(window.sinks, length)
+                for first, end in ((0, sinks), (max(sinks, length - window.size), length)):
+                    pos = torch.arange(first, end, device=device)
+                    rows = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
+                        + pos % self.block_size
+                    window.store(i, first, quant.transform_keys(k[rows], new.rotation, center, scale),
+                                 quant.rotate(v[rows], new.rotation))
             new.layers.append(layer)
             self.layers[i] = None  # this pool is being replaced: free its memory as we go
         return new
@@ -150,15 +157,40 @@ class KVCache:
             for t in layer.values():
                 t.index_copy_(0, new, t.index_select(0, old))
 
+    def window_for(self, token_ids: list[int], computed: int) -> quant.RecentWindow | None:
+        """A new window for a sequence of which ``computed`` tokens are already in the pool (a prefix
+        hit): its sinks come from the sink cache when an earlier sequence began the same way."""
+        window = self.new_window()
+        if window is not None and computed:
+            sinks = self.sink_cache.get(tuple(token_ids[:window.sinks]))
+            if sinks is not None:
+                window.set_sinks(*sinks)
+        return window
+
+    def remember_sinks(self, token_ids: list[int], window: quant.RecentWindow) -> None:
+        key = tuple(token_ids[:window.sinks])
+        if key in self.sink_cache:
+            self.sink_cache.move_to_end(key)
+            return
+        rows = window.complete_sinks()
+        if rows is not None:
+            self.sink_cache[key] = rows
+            if len(self.sink_cache) > SINK_CACHE_ENTRIES:
+                self.sink_cache.popitem(last=False)
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               window: quant.RecentWindow | None = None, first_pos: int = 0) -> None:
         center = self.k_centers[layer] if self.k_centers is not None else None
         s = self.k_scales[layer] if self.k_scales is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s)
-        if window is not None:
-            tail = slice(max(0, key.shape[0] - window.size), None)
-            window.store(layer, first_pos + tail.start, quant.transform_keys(key[tail].float(), self.rotation, center, s),
-                         quant.rotate(value[tail].float(), self.rotation))
+        if window is None:
+            return
+        n = key.shape[0]
+        sinks = max(0, min(n, window.sinks - first_pos))
+        for lo, hi in ((0, sinks), (max(sinks, n - window.size), n)):  # only the rows it keeps
+            if hi > lo:
+                window.store(layer, first_pos + lo, quant.transform_keys(key[lo:hi].float(), self.rotation, center, s),
+                             quant.rotate(value[lo:hi].float(), self.rotation))
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None,

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from kvchat.kernels.quant import RecentWindow
 
 from .config import Precision
-from .kv_cache import KVShape, bytes_per_token, config_value
+from .kv_cache import SINK_CACHE_ENTRIES, KVShape, bytes_per_token, config_value
 
 GiB = 1 << 30
 PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
@@ -50,12 +50,14 @@ def weights_bytes(config, weights: str = "bf16") -> int:
 
 def activations_bytes(config, chunk: int = 512, act_bytes: int = 2) -> int:
     """Peak working memory of one prefill chunk: hidden states, MLP intermediates, one row of fp32
-    logits, the sequence's full-precision window of newest K/V (quantized modes), and a fixed
-    allowance for the framework's workspaces."""
+    logits, the sequence's full-precision window of sink and newest K/V and the cache of sinks
+    (quantized modes), and a fixed allowance for the framework's workspaces."""
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
     window = RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
-    return chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab + window + 256 * (1 << 20)
+    sinks = SINK_CACHE_ENTRIES * RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                                     act_bytes, size=0)
+    return chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab + window + sinks + 256 * (1 << 20)
 
 
 @dataclass

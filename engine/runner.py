@@ -26,7 +26,7 @@ class ModelRunner:
         positions = torch.arange(start, end, device=dev).unsqueeze(0)
         block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
         if seq.window is None:
-            seq.window = self.kv.new_window()
+            seq.window = self.kv.window_for(seq.token_ids, start)
         meta = StepMeta(
             kv=self.kv,
             slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
@@ -37,6 +37,8 @@ class ModelRunner:
         )
         hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, kv_meta=meta).last_hidden_state
         seq.num_computed = end
+        if seq.window is not None and start < seq.window.sinks:
+            self.kv.remember_sinks(seq.token_ids, seq.window)
         if not want_logits:
             return None
         if want_logits == "all":

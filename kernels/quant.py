@@ -17,10 +17,10 @@
 - int4 keys pick, per group, the clipping of the scale that minimizes the group's squared error,
   among ``CLIP_RATIOS`` of the absolute maximum (first one wins a tie): measured on the starter, it
   takes int4's perplexity increase from +5.5% to +3.2% on GPL-3 and from +6.0% to +4.0% on GPL-2.
-- Each live sequence also keeps its newest ``WINDOW`` tokens in full precision, outside the pool
-  (``RecentWindow``), already centred, scaled and rotated; attention reads those rows from the window
-  instead of their quantized copies. The pool's blocks are the same with or without it, so cached
-  prefixes are unaffected. Measured on the starter (int4, GPL-3, context 512): +3.2% -> +1.1%.
+- Each live sequence also keeps its first ``SINKS`` and its newest ``WINDOW`` tokens in full
+  precision, outside the pool (``RecentWindow``), already centred, scaled and rotated; attention reads
+  those rows from there instead of their quantized copies. The pool's blocks are the same with or
+  without it. Measured on the starter (int4, GPL-3, context 512): +3.2% -> +1.1% (newest 64).
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
@@ -34,6 +34,7 @@ SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 WINDOW = 64
+SINKS = 4
 
 
 @dataclass(frozen=True)
@@ -190,41 +191,75 @@ def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, firs
 
 
 class RecentWindow:
-    """The newest ``size`` tokens of one sequence, per layer, transformed but not quantized: a ring
-    indexed by position. ``start``/``end`` per layer bound the positions written since the last gap."""
+    """One sequence's tokens kept in full precision, per layer, transformed but not quantized: its
+    first ``sinks`` positions (attention sinks: most queries look at them) in rows ``[0, sinks)``,
+    and its newest ``size`` in a ring after them, indexed by position. ``start``/``end`` per layer
+    bound the positions written to the ring since the last gap."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, size: int = WINDOW):
-        self.size = size
-        self.k = torch.zeros(layers, size, kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, size: int = WINDOW,
+                 sinks: int = SINKS):
+        self.size, self.sinks = size, sinks
+        self.k = torch.zeros(layers, sinks + size, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.start = [0] * layers
         self.end = [0] * layers
+        self.sink_len = [0] * layers
+        self._last_index = (None, None)
 
     @classmethod
-    def nbytes(cls, layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW) -> int:
-        return 2 * layers * size * kv_heads * head_dim * full_bytes
+    def nbytes(cls, layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,
+               sinks: int = SINKS) -> int:
+        return 2 * layers * (sinks + size) * kv_heads * head_dim * full_bytes
 
     def store(self, layer: int, first_pos: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """``key``/``value`` ``[T, kv_heads, D]``, transformed, for positions ``first_pos ..``."""
+        n = key.shape[0]
+        if first_pos < self.sinks:
+            m = min(self.sinks, first_pos + n) - first_pos
+            self.k[layer, first_pos:first_pos + m] = key[:m].to(self.k.dtype)
+            self.v[layer, first_pos:first_pos + m] = value[:m].to(self.v.dtype)
+            self.sink_len[layer] = first_pos + m
         if first_pos != self.end[layer]:  # not a continuation (a new turn, a rewind): start over
             self.start[layer] = first_pos
-        n = key.shape[0]
         keep = min(n, self.size)
-        index = torch.arange(first_pos + n - keep, first_pos + n, device=self.k.device) % self.size
+        index = self.sinks + torch.arange(first_pos + n - keep, first_pos + n, device=self.k.device) % self.size
         self.k[layer].index_copy_(0, index, key[n - keep:].to(self.k.dtype))
         self.v[layer].index_copy_(0, index, value[n - keep:].to(self.v.dtype))
         self.end[layer] = first_pos + n
 
-    def rows(self, layer: int, length: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """``(first position, K, V)`` of the rows it holds among ``.. length``, or None."""
+    def rows(self, layer: int, length: int) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """``(s, first, K, V)``: the rows it holds among ``.. length``, positions ``0 .. s`` then
+        ``first .. length``; None if this layer was not written up to ``length``."""
         if self.end[layer] != length:
             return None
-        first = max(self.start[layer], length - self.size)
-        index = torch.arange(first, length, device=self.k.device) % self.size
-        return first, self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+        s = min(self.sink_len[layer], length)
+        first = max(self.start[layer], length - self.size, s)
+        index = self._index(s, first, length)
+        return s, first, self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+
+    def _index(self, s: int, first: int, length: int) -> torch.Tensor:
+        """Rows of the positions held; the same for every layer of a step, so made once."""
+        if self._last_index[0] != (s, first, length):
+            rows = list(range(s)) + [self.sinks + p % self.size for p in range(first, length)]
+            self._last_index = ((s, first, length), torch.tensor(rows, dtype=torch.long, device=self.k.device))
+        return self._last_index[1]
+
+    def complete_sinks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sink rows of every layer, once all are written: ``[layers, sinks, kv_heads, D]``."""
+        if min(self.sink_len) < self.sinks:
+            return None
+        return self.k[:, :self.sinks].clone(), self.v[:, :self.sinks].clone()
+
+    def set_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sink rows computed by an earlier sequence with the same first tokens (their K/V depend on
+        nothing else)."""
+        self.k[:, :self.sinks], self.v[:, :self.sinks] = k, v
+        self.sink_len = [self.sinks] * len(self.sink_len)
 
 
-def substitute(x: torch.Tensor, first: int, rows: torch.Tensor) -> torch.Tensor:
-    """A dequantized sequence ``x`` (a fresh tensor) with positions ``first ..`` replaced by ``rows``."""
-    x[first:first + rows.shape[0]] = rows.to(x.dtype)
+def substitute(x: torch.Tensor, s: int, first: int, rows: torch.Tensor) -> torch.Tensor:
+    """A dequantized sequence ``x`` (a fresh tensor) with positions ``0 .. s`` and ``first ..``
+    replaced by ``rows``, as ``RecentWindow.rows`` gives them."""
+    x[:s] = rows[:s].to(x.dtype)
+    x[first:first + rows.shape[0] - s] = rows[s:].to(x.dtype)
     return x

@@ -37,9 +37,9 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     k = quant.read(tensors, fmt, "k", block_table, context_len, first_block, dtype)
     v = quant.read(tensors, fmt, "v", block_table, context_len, first_block, dtype)
     if window is not None:
-        first, wk, wv = window
-        k = quant.substitute(k, first, wk) if fmt.k_bits < 16 else k
-        v = quant.substitute(v, first, wv) if fmt.v_bits < 16 else v
+        s, first, wk, wv = window
+        k = quant.substitute(k, s, first, wk) if fmt.k_bits < 16 else k
+        v = quant.substitute(v, s, first, wv) if fmt.v_bits < 16 else v
     q = quant.transform_queries(query, rotation.to(dtype), k_channel_scale) if fmt.k_bits < 16 else query
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     mask = None if q_len == 1 else causal_mask(q_len, context_len, query.device)

@@ -131,7 +131,7 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                         sm_scale, table_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                         sm_scale, table_stride, kv_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                          BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr):
     b = tl.program_id(0)
@@ -151,10 +151,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
     offs = tl.arange(0, BS)
     for i in range(BLOCKS_PER_SPLIT):
         blk = split * BLOCKS_PER_SPLIT + i
-        if blk * BS < length:
+        if (blk * BS < length) & ((blk + 1) * BS > kv_start) & (kv_start < length):
             block_id = tl.load(table_ptr + b * table_stride + blk)
             row = (block_id * BS + offs) * KV_HEADS + kvh
-            valid = blk * BS + offs < length
+            valid = (blk * BS + offs < length) & (blk * BS + offs >= kv_start)
             k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
             k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
             s = (tl.sum(k_lo * q_lo[None, :], axis=1) + tl.sum(k_hi * q_hi[None, :], axis=1)) * sm_scale
@@ -182,7 +182,8 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
     Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
     ``window`` (B = 1; from ``quant.RecentWindow.rows``) serves its positions in full precision: the
-    kernel stops before them and they join the merge as one more split."""
+    kernel reads only those between its sinks and its newest, and the rest join the merge as one
+    more split."""
     batch, heads, d = query.shape
     _, bs, kv_heads, _ = tensors["k"].shape
     q = query.float()
@@ -196,11 +197,13 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     m = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     dummy = tensors["k"]
-    if window is not None:
-        context_lens = torch.minimum(context_lens, torch.full_like(context_lens, window[0]))
+    kv_start = 0
+    if window is not None:  # the kernel reads only the positions between the sinks and the newest
+        kv_start = window[0]
+        context_lens = torch.minimum(context_lens, torch.full_like(context_lens, window[1]))
     _paged_decode_kernel[(batch, heads, splits)](
         q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
-        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0),
+        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0), kv_start,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP)
     if window is not None:
@@ -214,8 +217,8 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
 
 
 def _with_window_split(q, window, scale, acc, m, l):
-    """Append the full-precision window ``(first, K [w, kv_heads, D], V)`` as one more split."""
-    _, wk, wv = window
+    """Append the full-precision rows ``(s, first, K [w, kv_heads, D], V)`` as one more split."""
+    _, _, wk, wv = window
     group = q.shape[1] // wk.shape[1]
     wk, wv = (t.float().repeat_interleave(group, 1) for t in (wk, wv))
     s = torch.einsum("bhd,whd->bhw", q, wk) * scale

@@ -78,23 +78,28 @@ def test_bytes_per_token_fractions():
     assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 2 / 32) / 2
 
 
-def test_recent_window_keeps_the_newest_positions_of_a_ring():
-    w = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4)
+def test_recent_window_keeps_the_sinks_and_the_newest_positions_of_a_ring():
+    w = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
     rows = lambda first, n: torch.arange(first, first + n, dtype=torch.float32)[:, None, None].expand(n, 1, 2)
+    held = lambda layer, length: w.rows(layer, length)[2][:, 0, 0].tolist()
     w.store(0, 0, rows(0, 3), -rows(0, 3))
-    first, k, v = w.rows(0, 3)
-    assert first == 0 and k[:, 0, 0].tolist() == [0, 1, 2] and v[:, 0, 1].tolist() == [0, -1, -2]
-    w.store(0, 3, rows(3, 3), -rows(3, 3))  # wraps: positions 2..5 remain
-    first, k, _ = w.rows(0, 6)
-    assert first == 2 and k[:, 0, 0].tolist() == [2, 3, 4, 5]
-    w.store(0, 6, rows(6, 10), rows(6, 10))  # a chunk longer than the ring keeps its last 4
-    assert w.rows(0, 16)[1][:, 0, 0].tolist() == [12, 13, 14, 15]
-    assert w.rows(0, 15) is None  # asked for a length it was not written to
-    assert w.rows(1, 0)[0] == 0 and len(w.rows(1, 0)[1]) == 0  # layers are independent: layer 1 holds none
-    w.store(0, 40, rows(40, 1), rows(40, 1))  # a gap (a new turn after cached blocks) starts over
-    first, k, _ = w.rows(0, 41)
-    assert first == 40 and k[:, 0, 0].tolist() == [40]
-    assert quant.RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * quant.WINDOW * 3 * 64 * 2
+    s, first, k, v = w.rows(0, 3)
+    assert (s, first) == (2, 2) and k[:, 0, 0].tolist() == [0, 1, 2] and v[:, 0, 1].tolist() == [0, -1, -2]
+    w.store(0, 3, rows(3, 4), rows(3, 4))  # the ring wraps: positions 3..6 remain after the sinks
+    assert w.rows(0, 7)[:2] == (2, 3) and held(0, 7) == [0, 1, 3, 4, 5, 6]
+    w.store(0, 7, rows(7, 10), rows(7, 10))  # a chunk longer than the ring keeps its last 4
+    assert held(0, 17) == [0, 1, 13, 14, 15, 16]
+    assert w.rows(0, 16) is None  # asked for a length it was not written to
+    assert w.rows(1, 0)[:2] == (0, 0) and len(w.rows(1, 0)[2]) == 0  # layers are independent
+    w.store(0, 40, rows(40, 1), rows(40, 1))  # a gap (a new turn after cached blocks) restarts the ring
+    assert w.rows(0, 41)[:2] == (2, 40) and held(0, 41) == [0, 1, 40]
+    assert w.complete_sinks() is None  # layer 1 has none yet
+    fresh = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
+    fresh.set_sinks(*(torch.stack([rows(0, 2)] * 2),) * 2)
+    fresh.store(0, 30, rows(30, 2), rows(30, 2))
+    assert fresh.rows(0, 32)[:2] == (2, 30) and fresh.rows(0, 32)[2][:, 0, 0].tolist() == [0, 1, 30, 31]
+    assert fresh.complete_sinks()[0].shape == (2, 2, 1, 2)
+    assert quant.RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * (quant.SINKS + quant.WINDOW) * 3 * 64 * 2
 
 
 @pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])

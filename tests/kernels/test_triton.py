@@ -66,14 +66,15 @@ def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("window_len", [5, 70])  # part of the context; all of it
+@pytest.mark.parametrize("window_len", [5, 14, 66, 70])  # a part; a part; all but the sinks; all
 def test_paged_decode_with_a_full_precision_window_matches_reference(name, window_len):
     fmt = quant.FORMATS[name]
     heads, kv_heads, head_dim, n = 8, 2, 64, 70
     pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len)
     query = torch.randn(1, heads, head_dim, generator=g)
-    rows = (n - window_len, torch.randn(window_len, kv_heads, head_dim, generator=g),
-            torch.randn(window_len, kv_heads, head_dim, generator=g))
+    sinks = min(4, n - window_len)  # with every position in the window, there is nothing to sink
+    rows = (sinks, n - window_len, torch.randn(sinks + window_len, kv_heads, head_dim, generator=g),
+            torch.randn(sinks + window_len, kv_heads, head_dim, generator=g))
     out = triton_kv.paged_decode(query, pool, fmt, table[None].to(torch.int32), torch.tensor([n], dtype=torch.int32),
                                  head_dim ** -0.5, rot, cscale, blocks_per_split=2, window=rows)
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale, window=rows)
