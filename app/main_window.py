@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
 from kvchat.engine.config import SamplingParams
 
 from .gauge import MemoryGauge, legend
-from .render import conversation_html
+from .render import Turn, conversation_html
 from .settings_dialog import SettingsDialog
 from .store import Store
 
@@ -31,6 +31,7 @@ class MainWindow(QMainWindow):
         self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
         self.warm_personas: set[int] = set()
         self.notices: list[str] = []
+        self.editing: int | None = None  # the position of the user message being edited in the box
         self.previous_engine_settings: dict | None = None  # what to go back to if a new model fails
         self.setWindowTitle("kvchat")
         self.resize(1100, 720)
@@ -58,7 +59,6 @@ class MainWindow(QMainWindow):
             QPushButton(t) for t in ("Edit persona", "New persona", "Export"))
         self.chat_view = QTextBrowser(openLinks=False)
         self.code_blocks: list[str] = []
-        self.stats_label = QLabel()
         self.input = QPlainTextEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
         self.input.setMaximumHeight(110)
         self.input.installEventFilter(self)
@@ -87,7 +87,6 @@ class MainWindow(QMainWindow):
         main = QVBoxLayout()
         main.addLayout(top)
         main.addWidget(self.chat_view, 1)
-        main.addWidget(self.stats_label)
         main.addWidget(self.input)
         main.addLayout(actions)
         main.addLayout(gauge_row)
@@ -132,7 +131,16 @@ class MainWindow(QMainWindow):
         self.chat_view.anchorClicked.connect(self.on_link)
         QShortcut(QKeySequence.New, self, self.new_conversation)
         QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
-        QShortcut(QKeySequence("Escape"), self, self.bridge.stop)
+        QShortcut(QKeySequence("Escape"), self, self.escape)
+
+    def escape(self) -> None:
+        """Stops a reply; otherwise leaves an edit, putting the box back as it was."""
+        if self.bridge.busy:
+            self.bridge.stop()
+        elif self.editing is not None:
+            self.stop_editing()
+            self.input.clear()
+            self.notify("edit cancelled")
 
     def eventFilter(self, obj, event) -> bool:
         if obj is self.input and event.type() == QEvent.KeyPress and event.key() in (Qt.Key_Return, Qt.Key_Enter):
@@ -155,12 +163,14 @@ class MainWindow(QMainWindow):
         self.conversation_list.blockSignals(False)
 
     def new_conversation(self) -> int:
+        self.stop_editing()
         self.conversation_id = self.store.create_conversation("New chat", self.persona_box.currentData())
         self.refresh_conversations()
         self.render_chat()
         return self.conversation_id
 
     def open_conversation(self, conversation_id: int) -> None:
+        self.stop_editing()
         self.conversation_id = conversation_id
         persona = self.store.conversation(conversation_id)["persona_id"]
         index = self.persona_box.findData(persona)
@@ -258,6 +268,12 @@ class MainWindow(QMainWindow):
         if self.bridge.switching:
             self.notify("a model is loading: your message stays in the box until it is ready")
             return
+        if self.editing is not None:
+            position = self.editing
+            self.stop_editing()
+            self.input.clear()
+            self.edit_and_resend(position, text)
+            return
         if self.conversation_id is None:
             self.new_conversation()
         if not self.store.messages(self.conversation_id):
@@ -275,6 +291,22 @@ class MainWindow(QMainWindow):
             self.store.truncate(self.conversation_id, messages[-1].position)
         if self.store.messages(self.conversation_id):
             self.start_reply()
+
+    def begin_edit(self, position: int) -> None:
+        """Put a user message back in the input box; Send then replaces it and what followed."""
+        message = next((m for m in self.store.messages(self.conversation_id) if m.position == position), None)
+        if message is None or message.role != "user" or self.bridge.busy:
+            return
+        self.editing = position
+        self.input.setPlainText(message.content)
+        self.input.setFocus()
+        self.send_button.setText("Resend")
+        self.notify("editing: Resend replaces the message and the replies after it; Escape cancels")
+
+    def stop_editing(self) -> None:
+        if self.editing is not None:
+            self.editing = None
+            self.send_button.setText("Send")
 
     def edit_and_resend(self, position: int, text: str) -> None:
         """Replace the user message at ``position`` and everything after it."""
@@ -310,12 +342,7 @@ class MainWindow(QMainWindow):
                                   interrupted=cancelled)
         if self.persona_box.currentData() is not None:
             self.warm_personas.add(self.persona_box.currentData())
-        s = done["stats"]
-        self.stats_label.setText(
-            f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {s['cached_tokens']} cached / "
-            f"{s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens · KV {s['kv_precision']}"
-            + (f" · {s['trimmed_messages']} oldest messages outside the context" if s["trimmed_messages"] else ""))
-        self.precision_label.setText(f"KV {s['kv_precision']}")
+        self.precision_label.setText(f"KV {done['stats']['kv_precision']}")
         self.end_reply()
 
     def on_failed(self, message: str) -> None:
@@ -341,8 +368,11 @@ class MainWindow(QMainWindow):
         if self.conversation_id is None:
             self.chat_view.setMarkdown("*Start a new chat: type below and press Enter.*")
             return
-        turns = [(m.role, self.reply_text if m.id == self.reply_id else m.content,
-                  m.interrupted and m.id != self.reply_id) for m in self.store.messages(self.conversation_id)]
+        turns = []
+        for m in self.store.messages(self.conversation_id):
+            live = m.id == self.reply_id
+            turns.append(Turn(m.role, self.reply_text if live else m.content, m.position,
+                              m.interrupted and not live, None if live else m.stats))
         page, self.code_blocks = conversation_html(turns)
         self.chat_view.setHtml(page)
         self.chat_view.verticalScrollBar().setValue(self.chat_view.verticalScrollBar().maximum())
@@ -427,6 +457,8 @@ class MainWindow(QMainWindow):
         if url.scheme() == "copy":
             QGuiApplication.clipboard().setText(self.code_blocks[int(url.path())])
             self.notify("code copied")
+        elif url.scheme() == "edit":
+            self.begin_edit(int(url.path()))
         else:
             QDesktopServices.openUrl(url)
 

@@ -2,6 +2,7 @@
 a copy link under each code block."""
 import html
 import re
+from dataclasses import dataclass
 
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
@@ -43,12 +44,34 @@ def message_html(content: str, code_blocks: list[str]) -> str:
     return "".join(out)
 
 
-def conversation_html(turns: list[tuple[str, str, bool]]) -> tuple[str, list[str]]:
-    """(role, content, interrupted) -> the page and its code blocks, in order."""
+def stats_line(s: dict) -> str:
+    """One reply's figures: TTFT, speed, what the prefix cache served, the KV precision."""
+    line = (f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {s['cached_tokens']} cached / "
+            f"{s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens · KV {s['kv_precision']}")
+    if s.get("trimmed_messages"):
+        line += f" · {s['trimmed_messages']} oldest messages outside the context"
+    return line
+
+
+@dataclass
+class Turn:
+    role: str
+    content: str
+    position: int
+    interrupted: bool = False
+    stats: dict | None = None
+
+
+def conversation_html(turns: list[Turn]) -> tuple[str, list[str]]:
+    """The page and its code blocks, in order. A user turn links ``edit:POSITION``; a finished
+    reply shows its stats under it."""
     blocks: list[str] = []
     parts = []
-    for role, content, interrupted in turns:
-        who = "You" if role == "user" else "Assistant"
-        mark = " <i>(interrupted)</i>" if interrupted else ""
-        parts.append(f"<p><b>{html.escape(who)}</b>{mark}</p>{message_html(content, blocks)}")
+    for t in turns:
+        who = "You" if t.role == "user" else "Assistant"
+        mark = " <i>(interrupted)</i>" if t.interrupted else ""
+        edit = f' &nbsp;<a href="edit:{t.position}">edit</a>' if t.role == "user" else ""
+        stats = (f'<p><span style="color:#777; font-size:small">{html.escape(stats_line(t.stats))}</span></p>'
+                 if t.stats else "")
+        parts.append(f"<p><b>{html.escape(who)}</b>{mark}{edit}</p>{message_html(t.content, blocks)}{stats}")
     return "<hr/>".join(parts), blocks
