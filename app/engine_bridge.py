@@ -100,8 +100,9 @@ class EngineBridge(QObject):
         if self.handle is not None:
             self.handle.cancel()
 
-    def reconfigure(self, max_context: int | None, kv_precision: str | None) -> None:
-        future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision)
+    def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
+        headroom = None if headroom_gib is None else int(headroom_gib * (1 << 30))
+        future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
 
         def wait():
             try:

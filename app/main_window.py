@@ -393,8 +393,8 @@ class MainWindow(QMainWindow):
             self.apply_settings(dialog)
 
     def apply_settings(self, dialog: SettingsDialog) -> None:
-        """Sampling applies to the next reply; context and precision without reloading the model;
-        a different model or weight format loads at once."""
+        """Sampling applies to the next reply; context, precision and headroom without reloading the
+        model; a different model or weight format loads at once."""
         try:
             self.sampling = SamplingParams(**dialog.sampling())
         except ValueError as e:
@@ -406,11 +406,13 @@ class MainWindow(QMainWindow):
         self.store.set_setting("engine", wanted)
         engine = self.bridge.engine
         now = {"model": "starter", "weights": "none", **before, "max_context": engine.config.max_context,
-               "kv_precision": engine.config.kv_precision.value}
+               "kv_precision": engine.config.kv_precision.value,
+               "headroom_gib": engine.config.headroom_bytes / (1 << 30)}
+        live = ("max_context", "kv_precision", "headroom_gib")
         if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]):
             self.load_model(wanted, previous=now)
-        elif (wanted["max_context"], wanted["kv_precision"]) != (now["max_context"], now["kv_precision"]):
-            self.bridge.reconfigure(wanted["max_context"], wanted["kv_precision"])
+        elif any(wanted[k] != now[k] for k in live):
+            self.bridge.reconfigure(*(wanted[k] for k in live))
 
     # -- loading a model --
 

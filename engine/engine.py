@@ -53,11 +53,13 @@ class Engine:
     def generate(self, messages: list[dict], **sampling) -> Finished:
         return self.submit(Request(messages=messages, sampling=SamplingParams(**sampling))).result()
 
-    def reconfigure(self, max_context: int | None = None, kv_precision: str | None = None) -> Future:
-        """Change the context length or the KV precision without reloading the weights: the pool is
-        rebuilt and its cached blocks converted. Applied between requests, on the engine thread."""
+    def reconfigure(self, max_context: int | None = None, kv_precision: str | None = None,
+                    headroom_bytes: int | None = None) -> Future:
+        """Change the context length, the KV precision or the memory headroom without reloading the
+        weights: the pool is rebuilt and its cached blocks converted. Applied between requests, on
+        the engine thread."""
         future = Future()
-        self._requests.put((future, max_context, kv_precision))
+        self._requests.put((future, max_context, kv_precision, headroom_bytes))
         return future
 
     def add_listener(self, callback) -> None:
@@ -220,19 +222,20 @@ class Engine:
             return
         self._notice("pressure", "memory is short and the KV cache cannot shrink further right now")
 
-    def _control(self, future: Future, max_context, kv_precision) -> None:
+    def _control(self, future: Future, max_context, kv_precision, headroom_bytes) -> None:
         try:
-            future.set_result(self._reconfigure(max_context, kv_precision))
+            future.set_result(self._reconfigure(max_context, kv_precision, headroom_bytes))
         except (ConfigError, ValueError) as e:
             future.set_exception(ConfigError(str(e)))
         except Exception as e:
             log.exception("reconfigure failed")
             future.set_exception(EngineError(f"reconfigure failed: {e}"))
 
-    def _reconfigure(self, max_context, kv_precision) -> dict:
+    def _reconfigure(self, max_context, kv_precision, headroom_bytes) -> dict:
         cfg, pool = self.config, self.kvpool
         new_cfg = replace(cfg, max_context=max_context or cfg.max_context,
-                          kv_precision=kv_precision or cfg.kv_precision)
+                          kv_precision=kv_precision or cfg.kv_precision,
+                          headroom_bytes=cfg.headroom_bytes if headroom_bytes is None else headroom_bytes)
         old_cfg, self.config = self.config, new_cfg
         self.auto = new_cfg.kv_precision == Precision.AUTO
         try:
