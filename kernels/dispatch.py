@@ -1,7 +1,8 @@
 """One dispatch: Triton on CUDA, the torch reference everywhere else.
 
-On CUDA, quantized writes go through the fused kernel and single-token decode through the paged
-decode kernel; prefill chunks dequantize into a temporary buffer and use SDPA (the reference path).
+On CUDA, writes go through the fused kernel (no host sync to find padding slots) and single-token
+decode through the paged decode kernel; prefill chunks dequantize into a temporary buffer and use
+SDPA (the reference path).
 """
 import functools
 
@@ -25,7 +26,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None) -> None:
-    if fmt.quantized and use_triton(key):
+    if use_triton(key):
         _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
     else:
         reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)

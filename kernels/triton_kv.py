@@ -19,7 +19,9 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
-    if slot >= 0:
+    if BITS == 16:  # the fp16 mode: stored as it is
+        _store_plain(x_ptr, data_ptr, slot, t, h, x_stride_t, x_stride_h, KV_HEADS, D)
+    elif slot >= 0:
         HALF: tl.constexpr = D // 2
         d = tl.arange(0, D)
         x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d).to(tl.float32)
@@ -47,6 +49,14 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
         else:
             packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
             tl.store(data_ptr + row * HALF + j, packed.to(tl.uint8))
+
+
+@triton.jit
+def _store_plain(x_ptr, data_ptr, slot, t, h, x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr):
+    if slot >= 0:
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
+        tl.store(data_ptr + (slot * KV_HEADS + h) * D + d, x.to(data_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -95,20 +105,18 @@ def _round(x):
 def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                    rotation: torch.Tensor, k_center: torch.Tensor | None = None,
                    k_channel_scale: torch.Tensor | None = None) -> None:
-    """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped."""
+    """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
+    the kernel, so the host never waits to find them."""
     t, kv_heads, d = key.shape
     for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
-        if bits == 16:
-            keep = slots >= 0
-            tensors[name].view(-1, kv_heads, d)[slots[keep]] = x[keep].to(tensors[name].dtype)
-            continue
-        center = name == "k" and k_center is not None
-        dummy = rotation
+        center = name == "k" and k_center is not None and bits < 16
+        dummy = tensors[name]
         _quantize_write_kernel[(t, kv_heads)](
             x, slots, k_center.float().contiguous() if center else dummy,
             (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
             if center else dummy,
-            rotation.float().contiguous(), tensors[name], tensors[name + "_scale"], x.stride(0), x.stride(1),
+            rotation.float().contiguous() if bits < 16 else dummy, tensors[name], tensors.get(name + "_scale", dummy),
+            x.stride(0), x.stride(1),
             KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
             CLIP=name == "k" and bits == 4)
 

@@ -28,7 +28,7 @@ def scene(fmt, heads, kv_heads, head_dim, lengths, seed):
     return pool, tables, rot, center, cscale, g
 
 
-@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_quantize_write_is_byte_exact_and_skips_padding(name, head_dim):
     fmt = quant.FORMATS[name]
