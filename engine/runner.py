@@ -30,7 +30,7 @@ class ModelRunner:
         meta = StepMeta(
             kv=self.kv,
             slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
-            block_table=torch.tensor(block_ids, device=dev),
+            block_table=torch.tensor(block_ids, device=dev, dtype=torch.int32),  # what the decode kernel reads
             context_len=end,
             first_block=consecutive_start(block_ids),
             window=seq.window,

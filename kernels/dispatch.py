@@ -32,11 +32,22 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
         reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
 
 
+_LENS: dict = {}
+
+
+def _context_lens(length: int, device) -> torch.Tensor:
+    """``[length]`` as the kernel's int32 tensor, made once per step, not once per layer."""
+    hit = _LENS.get(device)
+    if hit is None or hit[0] != length:
+        _LENS[device] = hit = (length, torch.tensor([length], device=device, dtype=torch.int32))
+    return hit[1]
+
+
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
                     k_channel_scale=None, window=None) -> torch.Tensor:
     if query.shape[0] == 1 and use_triton(query):
-        lens = torch.tensor([context_len], device=query.device, dtype=torch.int32)
-        return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
-                                      rotation, k_channel_scale, window=window)
+        return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32),
+                                         _context_lens(context_len, query.device), scale, rotation, k_channel_scale,
+                                         window=window)
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
                                      k_channel_scale, window)
