@@ -8,7 +8,7 @@ from PySide6.QtCore import QObject, Signal
 
 from kvchat.engine.config import SamplingParams
 from kvchat.engine.events import Error, Finished, LoadProgress, Notice, Request, TokenDelta
-from kvchat.engine.memory import MemorySnapshot
+from kvchat.engine.memory import GiB, MemorySnapshot
 
 
 class EngineBridge(QObject):
@@ -26,7 +26,7 @@ class EngineBridge(QObject):
         super().__init__()
         self.engine, self.make_engine = engine, make_engine
         self.handle = None
-        self.switching = False
+        self.switching, self._cancelled = False, False
         engine.add_listener(self._from_engine)
         threading.Thread(target=self._wait_ready, daemon=True).start()
 
@@ -101,7 +101,7 @@ class EngineBridge(QObject):
             self.handle.cancel()
 
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
-        headroom = None if headroom_gib is None else int(headroom_gib * (1 << 30))
+        headroom = None if headroom_gib is None else int(headroom_gib * GiB)
         future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
 
         def wait():

@@ -3,6 +3,8 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QLabel, QWidget
 
+from kvchat.engine.memory import GiB
+
 SEGMENTS = [  # snapshot key, label, colour
     ("other_processes", "other programs", "#9e9e9e"),
     ("weights", "weights", "#5c6bc0"),
@@ -31,10 +33,9 @@ class MemoryGauge(QWidget):
     def update_snapshot(self, snapshot: dict) -> None:
         self.snapshot = snapshot
         self.updates += 1
-        gib = 1 << 30
-        parts = [f"{label}: {size / gib:.2f} GiB" for label, size, _ in segments(snapshot)]
+        parts = [f"{label}: {size / GiB:.2f} GiB" for label, size, _ in segments(snapshot)]
         where = "system RAM (running on the CPU)" if snapshot["on_cpu"] else snapshot["device"]
-        self.setToolTip(f"{where}, total {snapshot['total'] / gib:.1f} GiB\n" + "\n".join(parts))
+        self.setToolTip(f"{where}, total {snapshot['total'] / GiB:.1f} GiB\n" + "\n".join(parts))
         self.update()
 
     def paintEvent(self, _event) -> None:

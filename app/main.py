@@ -5,6 +5,7 @@ from PySide6.QtWidgets import QApplication, QMessageBox
 
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
+from kvchat.engine.memory import GiB
 from kvchat.engine.paths import data_dir
 
 from .engine_bridge import EngineBridge
@@ -17,7 +18,7 @@ def make_engine(settings: dict) -> Engine:
     return Engine(EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
                                max_context=settings.get("max_context", 8192),
                                weights=settings.get("weights", "none"),
-                               headroom_bytes=int(settings.get("headroom_gib", 1.0) * (1 << 30))))
+                               headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB)))
 
 
 def run() -> int:

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
                                QVBoxLayout, QWidget)
 
 from kvchat.engine.config import SamplingParams
+from kvchat.engine.memory import GiB
 
 from .gauge import MemoryGauge, legend
 from .render import Turn, conversation_html
@@ -407,7 +408,7 @@ class MainWindow(QMainWindow):
         engine = self.bridge.engine
         now = {"model": "starter", "weights": "none", **before, "max_context": engine.config.max_context,
                "kv_precision": engine.config.kv_precision.value,
-               "headroom_gib": engine.config.headroom_bytes / (1 << 30)}
+               "headroom_gib": engine.config.headroom_bytes / GiB}
         live = ("max_context", "kv_precision", "headroom_gib")
         if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]):
             self.load_model(wanted, previous=now)

@@ -1,4 +1,5 @@
 """The physical KV pool: per-layer tensors allocated once for a precision, and their size in bytes."""
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,8 +36,7 @@ def bytes_per_token(shape: KVShape, precision: Precision, full_bytes: int = 2) -
     """K and V of one token over all layers, scales included; ``full_bytes`` is the size of the
     model dtype that fp16 mode stores (4 on the CPU, where it is fp32)."""
     fmt = quant.FORMATS[Precision(precision).value]
-    per_element = quant.element_bytes(fmt.k_bits, full_bytes) + quant.element_bytes(fmt.v_bits, full_bytes)
-    return shape.num_layers * shape.num_kv_heads * shape.head_dim * per_element
+    return shape.num_layers * quant.token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes)
 
 
 def blocks_for_budget(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int,
@@ -182,15 +182,8 @@ class KVCache:
               window: quant.RecentWindow | None = None, first_pos: int = 0) -> None:
         center = self.k_centers[layer] if self.k_centers is not None else None
         s = self.k_scales[layer] if self.k_scales is not None else None
-        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s)
-        if window is None:
-            return
-        n = key.shape[0]
-        sinks = max(0, min(n, window.sinks - first_pos))
-        for lo, hi in ((0, sinks), (max(sinks, n - window.size), n)):  # only the rows it keeps
-            if hi > lo:
-                window.store(layer, first_pos + lo, quant.transform_keys(key[lo:hi].float(), self.rotation, center, s),
-                             quant.rotate(value[lo:hi].float(), self.rotation))
+        keep_rows = functools.partial(window.store, layer, first_pos) if window is not None else None
+        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s, keep_rows)
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None,

@@ -1,6 +1,8 @@
 """Per-sequence block tables on top of the block pool: prefix matching, growth, caching, release."""
 from dataclasses import dataclass, field
 
+from kvchat.kernels.quant import RecentWindow
+
 from .block_pool import Block, BlockPool, PoolExhausted, block_hash
 
 
@@ -10,7 +12,7 @@ class Sequence:
     blocks: list[Block] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     num_computed: int = 0  # tokens whose K/V are in the pool
-    window: object = None  # kernels.quant.RecentWindow, made by the runner in the quantized modes
+    window: RecentWindow | None = None  # made by the runner in the quantized modes
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -13,11 +13,6 @@ CONTEXTS = (2048, 8192, 32768)
 BS = 16
 
 
-def kv_bytes(fmt, length: int, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
-    per_element = quant.element_bytes(fmt.k_bits, full_bytes) + quant.element_bytes(fmt.v_bits, full_bytes)
-    return length * kv_heads * head_dim * per_element
-
-
 def build(fmt, length, heads, kv_heads, head_dim, device, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cpu").manual_seed(seed)
     blocks = -(-length // BS)
@@ -88,7 +83,7 @@ def time_decode(device) -> list[dict]:
             end.record()
             torch.cuda.synchronize()
             us = start.elapsed_time(end) / 20 * 1000
-            moved = kv_bytes(fmt, length, SHAPE["kv_heads"], SHAPE["head_dim"])
+            moved = length * quant.token_bytes(fmt, SHAPE["kv_heads"], SHAPE["head_dim"])
             rows.append({"context": length, "precision": name, "us": us, "bytes": moved, "gb_s": moved / us / 1e3})
         base = next(r["us"] for r in rows if r["context"] == length and r["precision"] == "fp16")
         for r in rows:

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from . import reference
+from . import quant, reference
 
 
 @functools.cache
@@ -25,11 +25,16 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_kv() is not None
 
 
-def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None) -> None:
-    if use_triton(key):
-        _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
-    else:
-        reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
+def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
+             keep_rows=None) -> None:
+    """``keep_rows``: as in ``quant.write``; the fused kernel never hands its rows back, so on CUDA
+    they are transformed once more here, only when asked."""
+    if not use_triton(key):
+        return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows)
+    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
+    if keep_rows is not None:
+        keep_rows(quant.transform_keys(key.float(), rotation, k_center, k_channel_scale),
+                  quant.rotate(value.float(), rotation))
 
 
 _LENS: dict = {}

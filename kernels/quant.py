@@ -61,6 +61,11 @@ def element_bytes(bits: int, full_bytes: int = 2) -> float:
     return full_bytes if bits == 16 else bits / 8 + SCALE_DTYPE.itemsize / GROUP
 
 
+def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
+    """K and V of one token in one layer, scales included."""
+    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes) + element_bytes(fmt.v_bits, full_bytes))
+
+
 def hadamard(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
     if d & (d - 1):
         raise ValueError(f"head_dim {d} is not a power of two: no Walsh-Hadamard rotation")
@@ -124,21 +129,22 @@ def layer_tensors(fmt: KVFormat, num_blocks: int, block_size: int, kv_heads: int
 
 def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
           rotation: torch.Tensor | None, k_center: torch.Tensor | None = None,
-          k_channel_scale: torch.Tensor | None = None) -> None:
+          k_channel_scale: torch.Tensor | None = None, keep_rows=None) -> None:
     """Quantize on write: ``key``/``value`` ``[T, kv_heads, D]`` go to ``slots``; -1 is skipped.
     ``k_center`` ``[kv_heads, D]`` is subtracted from quantized keys, then ``k_channel_scale``
-    multiplies them."""
+    multiplies them. ``keep_rows(k, v)``, when given, receives the transformed rows before they are
+    quantized (the full-precision window; it expects no padding)."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
+    k = transform_keys(key.float(), rotation, k_center, k_channel_scale) if fmt.k_bits < 16 else key
+    v = rotate(value.float(), rotation) if fmt.v_bits < 16 else value
+    if keep_rows is not None:
+        keep_rows(k, v)
+    for name, x, bits in (("k", k, fmt.k_bits), ("v", v, fmt.v_bits)):
         if bits == 16:
             _store(tensors[name], slots, x)
             continue
-        if name == "k":
-            x = transform_keys(x.float(), rotation, k_center, k_channel_scale)
-        else:
-            x = rotate(x.float(), rotation)
         data, scale = quantize(x, bits, clip=name == "k" and bits == 4)
         _store(tensors[name], slots, data)
         _store(tensors[name + "_scale"], slots, scale)
