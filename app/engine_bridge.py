@@ -28,7 +28,13 @@ class EngineBridge(QObject):
         self.handle = None
         self.switching, self._cancelled = False, False
         engine.add_listener(self._from_engine)
-        threading.Thread(target=self._wait_ready, daemon=True).start()
+
+    def start(self) -> None:
+        """Emit ready or load_failed for the first engine. The window calls this once its slots are
+        connected: a model that fails in a millisecond would otherwise be reported to no one, and the
+        window would say "loading model..." for ever."""
+        if not self.switching:  # a switch under way announces its own outcome
+            threading.Thread(target=self._wait_ready, daemon=True).start()
 
     def _wait_ready(self) -> None:
         self.engine.ready.wait()

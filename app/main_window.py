@@ -29,16 +29,20 @@ class MainWindow(QMainWindow):
         self.sampling = sampling or SamplingParams(**(store.setting("sampling") or {}))
         self.conversation_id: int | None = None
         self.reply_id: int | None = None
+        self.reply_conversation: int | None = None  # the chat a reply streams into; the view may show another
+        self.reply_persona: int | None = None  # the persona that reply was asked with
         self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
         self.warm_personas: set[int] = set()
         self.notices: list[str] = []
         self.editing: int | None = None  # the position of the user message being edited in the box
         self.previous_engine_settings: dict | None = None  # what to go back to if a new model fails
+        self.pending_engine_settings: dict | None = None  # saved once they load: a failed model is never saved
         self.setWindowTitle("kvchat")
         self.resize(1100, 720)
         self._build()
         self._connect()
-        self.set_loading(self.bridge.loading)  # its ready signal may have gone before we connected
+        self.set_loading(self.bridge.loading)
+        self.bridge.start()  # after _connect: then ready or load_failed reaches us, however fast
         self.refresh_conversations()
 
     # -- layout --
@@ -182,7 +186,9 @@ class MainWindow(QMainWindow):
         self.render_chat()
 
     def on_select(self, item, _previous) -> None:
-        if item is not None and not self.bridge.busy:
+        # the view follows the highlight even while a reply streams (into its own chat), so the list and
+        # the view never name different chats
+        if item is not None:
             self.open_conversation(item.data(Qt.UserRole))
 
     def rename_conversation(self) -> None:
@@ -194,12 +200,20 @@ class MainWindow(QMainWindow):
             self.store.rename_conversation(self.conversation_id, title)
             self.refresh_conversations()
 
-    def delete_conversation(self, confirm: bool = True) -> None:
-        if self.conversation_id is None or self.bridge.busy:
+    def delete_conversation(self) -> None:
+        """Deletes the open chat, the one in view, after a confirmation that names it. No parameter:
+        the button's clicked(bool) must have nothing to fill."""
+        doomed = self.conversation_id
+        if doomed is None:
             return
-        if confirm and QMessageBox.question(self, "Delete chat", "Delete this chat for good?") != QMessageBox.Yes:
+        if doomed == self.reply_conversation:
+            self.notify("a reply is streaming into this chat: stop it (Escape) before deleting the chat")
             return
-        self.store.delete_conversation(self.conversation_id)
+        title = self.store.conversation(doomed)["title"]
+        if QMessageBox.question(self, "Delete chat", f"Delete “{title}” for good?",
+                                QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
+            return
+        self.store.delete_conversation(doomed)
         self.conversation_id = None
         self.refresh_conversations()
         self.render_chat()
@@ -321,6 +335,7 @@ class MainWindow(QMainWindow):
         messages = self.engine_messages()
         self.reply_text, self.reply_ids, self.last_save = "", [], time.monotonic()
         self.reply_id = self.store.add_message(self.conversation_id, "assistant", "", interrupted=True)
+        self.reply_conversation, self.reply_persona = self.conversation_id, self.persona_box.currentData()
         self.send_button.setEnabled(False)
         self.stop_button.setEnabled(True)
         self.bridge.send(messages, self.sampling)
@@ -333,16 +348,16 @@ class MainWindow(QMainWindow):
         if time.monotonic() - self.last_save > SAVE_EVERY_S:
             self.store.update_message(self.reply_id, self.reply_text, self.reply_ids, interrupted=True)
             self.last_save = time.monotonic()
-        if not self.render_timer.isActive():
-            self.render_timer.start()
+        if self.conversation_id == self.reply_conversation and not self.render_timer.isActive():
+            self.render_timer.start()  # only while its chat is in view: another one is not redrawn under the reader
 
     def on_finished(self, done: dict) -> None:
         cancelled = done["finish_reason"] == "cancelled"
         text = self.reply_text if cancelled else done["text"]
         self.store.update_message(self.reply_id, text, done["token_ids"] or self.reply_ids, done["stats"],
                                   interrupted=cancelled)
-        if self.persona_box.currentData() is not None:
-            self.warm_personas.add(self.persona_box.currentData())
+        if self.reply_persona is not None:  # not the persona box's: the view may show another chat by now
+            self.warm_personas.add(self.reply_persona)
         self.precision_label.setText(f"KV {done['stats']['kv_precision']}")
         self.end_reply()
 
@@ -354,7 +369,7 @@ class MainWindow(QMainWindow):
         self.notify(f"error: {message}")
 
     def end_reply(self) -> None:
-        self.reply_id = None
+        self.reply_id = self.reply_conversation = None
         self.send_button.setEnabled(True)
         self.stop_button.setEnabled(False)
         self.update_badge()
@@ -404,15 +419,17 @@ class MainWindow(QMainWindow):
         self.store.set_setting("sampling", dialog.sampling())
         wanted = dialog.engine_settings()
         before = self.store.setting("engine") or {}
-        self.store.set_setting("engine", wanted)
         engine = self.bridge.engine
         now = {"model": "starter", "weights": "none", **before, "max_context": engine.config.max_context,
                "kv_precision": engine.config.kv_precision.value,
                "headroom_gib": engine.config.headroom_bytes / GiB}
         live = ("max_context", "kv_precision", "headroom_gib")
-        if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]):
-            self.load_model(wanted, previous=now)
-        elif any(wanted[k] != now[k] for k in live):
+        if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]) or engine.load_error:
+            # saved by on_ready; after a failed start there is no working model to go back to
+            self.load_model(wanted, previous=None if engine.load_error else now)
+            return
+        self.store.set_setting("engine", wanted)
+        if any(wanted[k] != now[k] for k in live):
             self.bridge.reconfigure(*(wanted[k] for k in live))
 
     # -- loading a model --
@@ -421,7 +438,7 @@ class MainWindow(QMainWindow):
         """Close the engine and load ``settings`` in a new one; the chat waits, the window does not."""
         if self.bridge.busy:
             self.bridge.stop()
-        self.previous_engine_settings = previous
+        self.previous_engine_settings, self.pending_engine_settings = previous, settings
         self.set_loading(True)
         self.notify(f"loading {settings.get('model', 'starter')}...")
         self.bridge.switch_model(settings)
@@ -443,18 +460,24 @@ class MainWindow(QMainWindow):
 
     def on_ready(self) -> None:
         self.set_loading(False)
-        self.previous_engine_settings = None
+        if self.pending_engine_settings is not None:  # it loaded: now it is the setting
+            self.store.set_setting("engine", self.pending_engine_settings)
+        self.previous_engine_settings = self.pending_engine_settings = None
         self.precision_label.setText(f"KV {self.bridge.engine.precision.value}")
         self.notify(f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
 
     def on_load_failed(self, message: str) -> None:
-        """Say why; after a failed switch, go back to the model that worked."""
+        """Say why; after a failed switch, load the model that worked again (its setting was never
+        replaced). With none to go back to (the saved model fails at launch), say so and stay there."""
         self.set_loading(False)
-        self.show_error(f"The model could not be loaded: {message}")
-        previous, self.previous_engine_settings = self.previous_engine_settings, None
+        previous = self.previous_engine_settings
+        self.previous_engine_settings = self.pending_engine_settings = None
         if previous is not None:
-            self.store.set_setting("engine", previous)
+            self.show_error(f"The model could not be loaded: {message}")
             self.load_model(previous, previous=None)
+        else:
+            self.precision_label.setText("no model loaded")
+            self.show_error(f"The model could not be loaded: {message}. Choose another one in Settings.")
 
     def on_link(self, url) -> None:
         if url.scheme() == "copy":

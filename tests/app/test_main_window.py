@@ -1,10 +1,14 @@
 """The main window on the starter model, offscreen, with a real SQLite file."""
 import json
+from contextlib import contextmanager
 
 import pytest
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
 from kvchat.app.engine_bridge import EngineBridge
 from kvchat.app.main_window import MainWindow
+from kvchat.app.settings_dialog import SettingsDialog
 from kvchat.app.store import Store
 from kvchat.engine.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
@@ -54,6 +58,52 @@ def send(qtbot, win, text):
     win.input.setPlainText(text)
     win.send()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+@contextmanager
+def answering(kind, act):
+    """Answer the first ``kind`` dialog opened modally inside the block (exec() and
+    QMessageBox.question wait in their own event loop, where this timer runs). Yields a list that
+    holds what ``act`` returned, or nothing if no such dialog opened."""
+    answered = []
+
+    def poll():
+        dialog = QApplication.activeModalWidget()
+        if isinstance(dialog, kind) and dialog.isVisible() and not answered:
+            answered.append(act(dialog))
+
+    timer = QTimer(interval=20)
+    timer.timeout.connect(poll)
+    timer.start()
+    try:
+        yield answered
+    finally:
+        timer.stop()
+
+
+def press(button):
+    """A message box answer: returns the question the box asked."""
+    def act(box):
+        text = box.text()
+        box.button(button).click()
+        return text
+    return act
+
+
+def click_chat(qtbot, win, title):
+    chats = win.conversation_list
+    item = chats.findItems(title, Qt.MatchExactly)[0]
+    qtbot.mouseClick(chats.viewport(), Qt.LeftButton, pos=chats.visualItemRect(item).center())
+
+
+def chat_ids(store):
+    return {c["id"] for c in store.conversations("")}
+
+
+def shown(qtbot, win):
+    win.show()
+    qtbot.waitExposed(win)
+    return win
 
 
 def test_send_streams_the_reply_and_saves_it(qtbot, app_parts):
@@ -268,3 +318,98 @@ def test_a_corrupt_database_at_start_is_reported_and_kept(qtbot, tmp_path, monke
     assert len(shown) == 1 and "damaged" in shown[0]
     backups = [p for p in (tmp_path / "data").iterdir() if p.name != "chat.db"]
     assert backups and backups[0].read_bytes() == b"this is not a database " * 200
+
+
+def test_delete_asks_with_the_chats_title_and_deletes_only_on_yes(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    kept = store.create_conversation("Keep me")
+    doomed = store.create_conversation("Trip to Lisbon")
+    store.add_message(doomed, "user", "Plan three days in Lisbon")
+    win.refresh_conversations()
+    click_chat(qtbot, win, "Trip to Lisbon")
+    assert "Plan three days in Lisbon" in win.chat_view.toPlainText()
+    with answering(QMessageBox, press(QMessageBox.Cancel)) as asked:
+        qtbot.mouseClick(win.delete_button, Qt.LeftButton)  # clicked(bool) once filled confirm=False
+    assert len(asked) == 1 and "Trip to Lisbon" in asked[0]
+    assert chat_ids(Store(store.path)) == {kept, doomed}  # read back from the file
+    assert win.conversation_id == doomed and "Plan three days in Lisbon" in win.chat_view.toPlainText()
+    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+        qtbot.mouseClick(win.delete_button, Qt.LeftButton)
+    assert len(asked) == 1 and "Trip to Lisbon" in asked[0]
+    assert chat_ids(Store(store.path)) == {kept}
+    assert win.conversation_id is None and not win.conversation_list.findItems("Trip to Lisbon", Qt.MatchExactly)
+
+
+def test_a_chat_clicked_during_a_reply_opens_and_delete_removes_that_one(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    other = store.create_conversation("Older chat")
+    store.add_message(other, "user", "An older question")
+    win.sampling = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    win.input.setPlainText("Write a very long story.")
+    with qtbot.waitSignal(bridge.token, timeout=60000):
+        qtbot.mouseClick(win.send_button, Qt.LeftButton)
+    streaming = win.conversation_id
+    click_chat(qtbot, win, "Older chat")
+    assert bridge.busy  # the reply still streams, into its own chat
+    assert win.conversation_id == other and win.conversation_list.currentItem().text() == "Older chat"
+    assert "An older question" in win.chat_view.toPlainText()  # the view followed the highlight
+    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+        qtbot.mouseClick(win.delete_button, Qt.LeftButton)
+    assert len(asked) == 1 and "Older chat" in asked[0]
+    assert chat_ids(store) == {streaming}
+    click_chat(qtbot, win, "Write a very long story.")
+    assert win.conversation_id == streaming and "Write a very long story." in win.chat_view.toPlainText()
+    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+        qtbot.mouseClick(win.delete_button, Qt.LeftButton)  # refused while its reply streams
+    assert not asked and chat_ids(store) == {streaming} and "stop it" in win.notice_label.text()
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    reply = store.messages(streaming)[-1]
+    assert reply.role == "assistant" and reply.content and reply.interrupted
+
+
+def test_a_mistyped_model_is_never_saved_and_the_last_model_comes_back(qtbot, app_parts, monkeypatch):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    saved = []
+    set_setting = store.set_setting
+    monkeypatch.setattr(store, "set_setting", lambda key, value: (saved.append((key, value)), set_setting(key, value)))
+
+    def mistype(dialog):
+        dialog.model.clear()
+        qtbot.keyClicks(dialog.model, "startr")
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.Ok).click()
+        return dialog.engine_settings()["model"]
+
+    with qtbot.waitSignal(bridge.load_failed, timeout=60000) as failed:
+        with answering(SettingsDialog, mistype) as typed:
+            qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    assert typed == ["startr"] and "no such model: startr" in failed.args[0]
+    back_on_the_starter(qtbot, bridge, store)
+    qtbot.waitUntil(lambda: "model ready" in win.notice_label.text(), timeout=10000)
+    assert [value["model"] for key, value in saved if key == "engine"] in ([], ["starter"])  # never "startr"
+    send(qtbot, win, "Hello")
+    assert store.messages(win.conversation_id)[-1].content
+
+
+def test_a_saved_model_that_fails_at_launch_is_reported_not_loading_for_ever(qtbot, tmp_path, monkeypatch):
+    from kvchat.app import main
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+    Store(tmp_path / "data" / "chat.db").set_setting("engine", {"model": str(tmp_path / "moved-away.gguf")})
+    seen = {}
+
+    def event_loop(app):  # main.run's app.exec(): look at the window as the user would, then quit
+        win = next(w for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow) and w.isVisible())
+        qtbot.waitUntil(lambda: "could not be loaded" in win.notice_label.text(), timeout=10000)
+        seen.update(label=win.precision_label.text(), bar=win.load_bar.isVisible(),
+                    boxes=[b.text() for b in win.findChildren(QMessageBox) if b.isVisible()])
+        win.close()
+        return 0
+
+    monkeypatch.setattr(QApplication, "exec", event_loop)
+    assert main.run() == 0
+    assert "loading" not in seen["label"] and not seen["bar"]
+    assert any("no such model file" in text and "Settings" in text for text in seen["boxes"])
