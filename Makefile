@@ -30,12 +30,53 @@ run: install
 test: install
 	$(BIN)/pytest -q
 
-package: install
-	@# not part of CI: a one-folder app in dist/kvchat, started by double-click (packaging/kvchat.desktop)
-	$(PIP) pyinstaller
-	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
-	install -Dm644 packaging/kvchat.desktop dist/kvchat/kvchat.desktop
-	install -Dm644 assets/kvchat.svg dist/kvchat/kvchat.svg
+# -- the packaged app -----------------------------------------------------------------------------
+# dist/kvchat/: a one-folder app (PyInstaller), rebuilt when the code or the spec changed. Its
+# install.sh puts it in the desktop's menu (make install-desktop); make package-check starts it as a
+# new user would (CI); make package-tar wraps it in one .tar.gz.
+APP_DIR := dist/kvchat
+APP := $(APP_DIR)/kvchat
+APP_SOURCES := pyproject.toml $(wildcard app/*.py engine/*.py kernels/*.py assets/*) \
+	packaging/kvchat.spec packaging/kvchat_entry.py packaging/install.sh
+PACKAGE_VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+PACKAGE_TAR = dist/kvchat-$(PACKAGE_VERSION)-linux-$(shell uname -m).tar.gz
+# what package-check runs the app with: Xvfb, xdotool, the desktop-file validator and Qt's xcb libraries
+CHECK_DEBS := xvfb xdotool desktop-file-utils $(XCB_LIBS)
+
+.PHONY: install-desktop uninstall-desktop package-check package-tar
+
+package: $(APP)
+
+$(APP): $(APP_SOURCES) | $(VENV)/.installed
+	$(PIP) "pyinstaller>=6.11"
+	rm -rf $(APP_DIR)
+	$(BIN)/pyinstaller --noconfirm --log-level WARN --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
+	install -m644 assets/kvchat.svg $(APP_DIR)/kvchat.svg
+	install -m755 packaging/install.sh $(APP_DIR)/install.sh
+	@du -sh $(APP_DIR)
+	touch $@
+
+install-desktop: | $(APP)
+	$(APP_DIR)/install.sh
+
+uninstall-desktop:
+	packaging/install.sh --uninstall
+
+package-check: $(APP)
+	@# CI runs as root on a fresh machine: install what is missing; elsewhere say what to install
+	@missing=$$(command -v dpkg >/dev/null && for p in $(CHECK_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "package-check: apt-get install $$missing"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			(apt-get install -y -q $$missing || (apt-get update -q && apt-get install -y -q $$missing)) >/dev/null \
+				|| exit 1; \
+		else echo "package-check needs: sudo apt-get install $$missing" >&2; exit 1; fi; fi
+	$(BIN)/python packaging/check.py --app $(APP) --desktop $(APP_DIR)/install.sh
+
+package-tar: $(APP)
+	tar -C dist -czf $(PACKAGE_TAR) kvchat
+	@ls -l $(PACKAGE_TAR)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
