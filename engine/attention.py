@@ -1,4 +1,12 @@
-"""The attention function kvchat registers with transformers: K/V go to and come from our pool."""
+"""The attention kvchat registers with transformers: K/V go to and come from our pool.
+
+The work is one torch custom op, ``kvchat::paged_attention``, so that ``torch.compile`` traces the
+whole model forward without a graph break. The op finds the pool and the step's block table in the
+step being run (``running(meta)``), as vLLM's attention op finds its forward context: a model
+forward takes tensors only, and a per-step Python value passed through it would make the compiled
+step recompile every token.
+"""
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -13,31 +21,61 @@ ATTN_NAME = "kvchat_paged"
 
 @dataclass
 class StepMeta:
-    """What one forward step needs to find its K/V: passed to the model as ``kv_meta=``."""
+    """What one forward step needs to find its K/V."""
     kv: KVCache
     slots: torch.Tensor  # [T], one per new token
-    block_table: torch.Tensor  # [num_blocks of the sequence]
+    block_table: torch.Tensor  # [num_blocks of the sequence], int32; may be padded in a captured step
     context_len: int  # tokens in the sequence after this step
     first_block: int | None = None  # set when the block table is one run of consecutive ids
     window: RecentWindow | None = None  # the sequence's newest tokens in full precision (quantized modes)
+    context_lens: torch.Tensor | None = None  # [1] int32 holding context_len: a captured step reads it here
+
+
+_running: list[StepMeta | None] = [None]
+
+
+@contextmanager
+def running(meta: StepMeta):
+    """Make ``meta`` the step that the attention op of every layer serves."""
+    _running[0] = meta
+    try:
+        yield meta
+    finally:
+        _running[0] = None
+
+
+@torch.library.custom_op("kvchat::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                    sliding_window: int) -> torch.Tensor:
+    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` of the new tokens -> ``[T, H, D]``. Writes the
+    new K/V into the pool of the running step (a side effect the op's schema cannot name: the pool is
+    not an argument), then attends over the sequence."""
+    meta = _running[0]
+    if meta is None:
+        raise RuntimeError("kvchat attention was called outside a step (engine.attention.running)")
+    if 0 <= sliding_window < meta.context_len:
+        raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
+    first_pos = meta.context_len - key.shape[0]
+    meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos)
+    out = meta.kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
+                         meta.context_lens)
+    return out.contiguous()  # the strides the fake promises: compiled code relies on them
+
+
+@paged_attention.register_fake
+def _(query, key, value, layer, scale, sliding_window):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, kv_meta: StepMeta | None = None, **kwargs):
+                            sliding_window=None, **kwargs):
     """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` after RoPE; returns ``[1, T, H, D]``."""
-    if kv_meta is None:
-        raise RuntimeError("kvchat attention was called without step metadata (kv_meta)")
-    if sliding_window is not None and sliding_window < kv_meta.context_len:
-        raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence per forward")
-    layer = module.layer_idx
-    first_pos = kv_meta.context_len - key.shape[2]
-    kv_meta.kv.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), kv_meta.slots, kv_meta.window,
-                     first_pos)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = kv_meta.kv.attend(layer, query[0].transpose(0, 1), kv_meta.block_table, kv_meta.context_len, scale,
-                            kv_meta.first_block, kv_meta.window)
+    out = torch.ops.kvchat.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                           value[0].transpose(0, 1), module.layer_idx, float(scale),
+                                           -1 if sliding_window is None else int(sliding_window))
     return out.unsqueeze(0), None
 
 

@@ -4,7 +4,7 @@ import json
 import logging
 import sys
 
-from .config import ConfigError, EngineConfig, SamplingParams
+from .config import WEIGHTS, ConfigError, EngineConfig, SamplingParams
 
 USAGE_ERROR = 2
 
@@ -12,7 +12,10 @@ USAGE_ERROR = 2
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="starter", help="a model folder, a .gguf file, a hub id, or 'starter'")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--weights", default="none", choices=["none", "int8", "nf4"], help="bitsandbytes, CUDA only")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
+                   help="auto: int8 on the CPU; CPU: bf16, int8, int4 (torch's kernels); CUDA: int8, nf4 (bitsandbytes)")
+    p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
+                   help="compiled: inductor on the CPU, CUDA graphs on CUDA")
     p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
     p.add_argument("--context", type=int, default=8192, help="context length in tokens")
     p.add_argument("--threads", type=int, default=None)
@@ -52,6 +55,18 @@ def parser() -> argparse.ArgumentParser:
                             "kernels: Triton vs reference on CUDA")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
+    decode = bench.add_argument_group("decode")
+    decode.add_argument("--random-weights", metavar="CONFIG", default=None,
+                        help="a config.json (or folder) of the shape to measure, with random weights")
+    decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    decode.add_argument("--weights", default="none", choices=["none", "auto", "bf16", "int8", "int4", "nf4"])
+    decode.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
+    decode.add_argument("--prompt-len", type=int, default=512)
+    decode.add_argument("--new-tokens", type=int, default=128)
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--paths", default="eager,compiled,transformers",
+                        help="comma-separated: eager, compiled, transformers")
     pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
     pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
     pl.add_argument("--context", type=int, required=True)
@@ -65,12 +80,13 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
     ev.add_argument("--context", type=int, default=512)
     ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
+    ev.add_argument("--weights", default="none", choices=["none", "bf16", "int8", "int4", "nf4"])
     ev.add_argument("--json", action="store_true")
     return root
 
 
 def make_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, device=args.device, weights=args.weights,
+    return EngineConfig(model=args.model, device=args.device, weights=args.weights, decode=args.decode,
                         kv_precision=args.kv_precision, max_context=args.context, threads=args.threads)
 
 
@@ -162,7 +178,16 @@ def cmd_bench(args) -> int:
     from . import bench
 
     if args.which == "decode":
-        bench.report_decode(bench.bench_decode(args.model), args.json)
+        from . import bench_decode
+
+        paths = [p for p in args.paths.split(",") if p]
+        if not paths or set(paths) - set(bench_decode.PATHS):
+            raise ConfigError(f"--paths takes a comma-separated subset of {', '.join(bench_decode.PATHS)}")
+        if args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
+            raise ConfigError("--prompt-len, --new-tokens and --repeats must be positive")
+        bench_decode.report(bench_decode.bench_decode(
+            args.model, args.random_weights, args.device, args.dtype, args.weights, args.kv_precision,
+            args.prompt_len, args.new_tokens, args.repeats, paths), args.json)
     elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
     elif args.which == "memory":
@@ -201,7 +226,7 @@ def cmd_plan(args) -> int:
 def cmd_eval(args) -> int:
     from . import evaluate
 
-    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json)
+    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights)
     return 0
 
 

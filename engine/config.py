@@ -1,4 +1,5 @@
 """Validated settings: the engine's, a request's sampling parameters, the KV precision."""
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -15,12 +16,18 @@ class Precision(str, Enum):
     INT4 = "int4"
 
 
+WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
+
+
 @dataclass
 class EngineConfig:
     model: str = "starter"
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    weights: str = "none"  # none | int8 | nf4 (bitsandbytes, CUDA only)
+    weights: str = "none"  # none | auto | bf16 | int8 | int4 (CPU: torch's packed kernels) | nf4 (CUDA)
+    # auto | eager | compiled (inductor on the CPU, CUDA graphs on CUDA); KVCHAT_DECODE sets the
+    # default, so a test suite of many short-lived engines need not compile each one
+    decode: str = field(default_factory=lambda: os.environ.get("KVCHAT_DECODE", "auto"))
     kv_precision: Precision = Precision.FP16
     block_size: int = 16
     max_context: int = 8192
@@ -37,8 +44,10 @@ class EngineConfig:
                               f"not {self.kv_precision!r}") from None
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
-        if self.weights not in ("none", "int8", "nf4"):
-            raise ConfigError(f"weights must be none, int8 or nf4, not {self.weights!r}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}")
+        if self.decode not in ("auto", "eager", "compiled"):
+            raise ConfigError(f"decode must be auto, eager or compiled, not {self.decode!r}")
         for name in ("block_size", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive")

@@ -110,6 +110,7 @@ class Engine:
             try:
                 item = self._requests.get(timeout=SNAPSHOT_PERIOD)
             except queue.Empty:
+                self._warm_decode()
                 self._tick()
                 continue
             if item is None:
@@ -120,6 +121,7 @@ class Engine:
                 self._control(*item)
             else:
                 self._serve(item)
+                self._report_fallback()
             self._tick()
 
     def _setup(self) -> None:
@@ -139,7 +141,7 @@ class Engine:
         self.auto = cfg.kv_precision == Precision.AUTO
         store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
         precision, budget = self._initial_layout()
-        self.kvpool = KVPool(lm, cfg.block_size, precision, budget, store)
+        self.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode)
 
     def _initial_layout(self) -> tuple[Precision, int]:
         """The pool's precision and bytes. Auto starts at fp16, the best quality, in at most the bytes a
@@ -157,6 +159,25 @@ class Engine:
         if available <= 0:
             raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
         return precision, min(want, available)
+
+    def _warm_decode(self) -> None:
+        """Compile (or capture) the decode step in the first idle second, not in the first reply."""
+        if self.load_error or getattr(self, "_warmed", False) or not hasattr(self, "kvpool"):
+            return
+        self._warmed = True
+        started = time.perf_counter()
+        try:
+            self.runner.step.warm_up(self.kv)
+        except Exception:
+            log.exception("warming up the decode step failed")
+        log.info("decode step ready (%s) in %.1f s", self.runner.step.mode, time.perf_counter() - started)
+        self._report_fallback()
+
+    def _report_fallback(self) -> None:
+        reason = self.runner.step.fallback
+        if reason and not getattr(self, "_fallback_told", False):
+            self._fallback_told = True
+            self._notice("eager", reason)
 
     def _load_progress(self, done: int, total: int) -> None:
         """Called from the download's progress bars; raising here is how a download stops."""

@@ -61,7 +61,10 @@ def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: P
 LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c 512, same GGUF, GPL-3 (q8_0/q4_0)
 
 
-def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool) -> None:
+def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool,
+         weights: str = "none") -> None:
+    """``weights`` other than none: the baseline is the checkpoint's own weights with an fp16 KV
+    cache, against those weights with the ``precision`` cache."""
     import json
     from pathlib import Path
 
@@ -85,7 +88,13 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
               f"p99 {result['kl_p99']:.5f}")
         return
     base = perplexity(lm, tokens, context, Precision.FP16)
-    rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision))]
+    base["weights"] = "none"
+    if weights != "none":
+        other = perplexity(load(model, weights=weights), tokens, context, Precision(precision))
+        rows = [base, {**other, "weights": weights}]
+    else:
+        rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision))]
+        rows[-1]["weights"] = "none"
     for r in rows:
         r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
     if as_json:
@@ -94,8 +103,8 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
     print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
           f"{rows[0]['scored_tokens']} scored")
     for r in rows:
-        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" else None
-        print(f"  {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
+        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" and r["weights"] == "none" else None
+        print(f"  weights {r['weights']:<4} KV {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
               f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
 
 

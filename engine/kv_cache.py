@@ -187,8 +187,8 @@ class KVCache:
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None,
-               window: quant.RecentWindow | None = None) -> torch.Tensor:
+               window: quant.RecentWindow | None = None, context_lens: torch.Tensor | None = None) -> torch.Tensor:
         s = self.k_scales[layer] if self.k_scales is not None else None
         rows = window.rows(layer, context_len) if window is not None else None
         return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation, s, rows)
+                                         first_block, self.rotation, s, rows, context_lens)

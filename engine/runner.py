@@ -3,27 +3,28 @@ import torch
 
 from kvchat.kernels.reference import consecutive_start
 
-from .attention import ATTN_NAME, StepMeta
+from .attention import ATTN_NAME, StepMeta, running
+from .decode_step import decode_step_for
 from .kv_cache import KVCache
 from .kv_manager import KVCacheManager, Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, manager: KVCacheManager):
+    def __init__(self, model, kv: KVCache, manager: KVCacheManager, decode: str = "eager"):
         model.set_attn_implementation(ATTN_NAME)
         self.model, self.kv, self.manager = model, kv, manager
         self.decoder = getattr(model, model.base_model_prefix)
         self.device = next(model.parameters()).device
+        self.step = decode_step_for(model, decode)
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
         """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
         fp32 logits of the last one when asked. Only evaluation asks for ``"all"`` rows of a chunk;
-        generation never builds a ``[T, vocab]`` matrix."""
+        generation never builds a ``[T, vocab]`` matrix. One token with its logits wanted is a
+        decode step, which may run compiled or captured."""
         start = seq.num_computed
         dev = self.device
-        ids = torch.tensor([seq.token_ids[start:end]], device=dev)
-        positions = torch.arange(start, end, device=dev).unsqueeze(0)
         block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
         if seq.window is None:
             seq.window = self.kv.window_for(seq.token_ids, start)
@@ -35,12 +36,22 @@ class ModelRunner:
             first_block=consecutive_start(block_ids),
             window=seq.window,
         )
-        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, kv_meta=meta).last_hidden_state
-        seq.num_computed = end
-        if seq.window is not None and start < seq.window.sinks:
-            self.kv.remember_sinks(seq.token_ids, seq.window)
+        if end == start + 1 and want_logits is True:
+            logits = self.step(meta, seq.token_ids[start], start, block_ids)
+            self._computed(seq, start, end)
+            return logits
+        ids = torch.tensor([seq.token_ids[start:end]], device=dev)
+        positions = torch.arange(start, end, device=dev).unsqueeze(0)
+        with running(meta):
+            hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        self._computed(seq, start, end)
         if not want_logits:
             return None
         if want_logits == "all":
             return self.model.lm_head(hidden[0]).float()
         return self.model.lm_head(hidden[0, -1:]).float()[0]
+
+    def _computed(self, seq: Sequence, start: int, end: int) -> None:
+        seq.num_computed = end
+        if seq.window is not None and start < seq.window.sinks:
+            self.kv.remember_sinks(seq.token_ids, seq.window)

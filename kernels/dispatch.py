@@ -49,10 +49,12 @@ def _context_lens(length: int, device) -> torch.Tensor:
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
-                    k_channel_scale=None, window=None) -> torch.Tensor:
+                    k_channel_scale=None, window=None, context_lens=None) -> torch.Tensor:
+    """``context_lens``, ``[1]`` int32 equal to ``context_len``, lets a captured CUDA step read the
+    length from a tensor it updates in place; the block table may then be padded past the length."""
     if query.shape[0] == 1 and use_triton(query):
-        return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32),
-                                         _context_lens(context_len, query.device), scale, rotation, k_channel_scale,
-                                         window=window)
+        lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
+        return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
+                                         rotation, k_channel_scale, window=window)
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
                                      k_channel_scale, window)

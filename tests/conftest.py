@@ -6,6 +6,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU, checked against the reference
+os.environ.setdefault("KVCHAT_DECODE", "eager")  # tests of the compiled step ask for it by name
 os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or tempfile.mkdtemp(prefix="kvchat-test-")
 
 import pytest  # noqa: E402

@@ -1,11 +1,35 @@
-"""Triton kernels against the torch reference, in the interpreter (TRITON_INTERPRET=1, set in
-conftest before triton loads): byte-exact writes, decode attention within fp32 rounding."""
+"""Triton kernels against the torch reference: in the interpreter (TRITON_INTERPRET=1, set in
+conftest before triton loads), or on CUDA when the suite runs with TRITON_INTERPRET=0 on a GPU
+(``make gpu-check``). Inputs are made on the CPU; only the kernel runs on DEVICE."""
+import os
+
 import pytest
 import torch
 
 from kvchat.kernels import quant, reference, triton_kv
 
 BS = 16
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def on_device(x):
+    if isinstance(x, dict):
+        return {k: v.to(DEVICE) for k, v in x.items()}
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+def assert_same_store(want: dict, got: dict, fmt) -> None:
+    """Byte-exact in the interpreter. On a GPU the rotation's sums run in another order than
+    torch's, so a value on a rounding edge may land one step away: at most 1% of them."""
+    for name, w in want.items():
+        g = got[name].cpu()
+        if DEVICE == "cpu" or w.dtype not in (torch.int8, torch.uint8):
+            close = torch.equal(w, g) if DEVICE == "cpu" else torch.allclose(w.float(), g.float(), atol=1e-3, rtol=1e-3)
+            assert close, name
+            continue
+        a, b = (quant.unpack_int4(t) if t.dtype == torch.uint8 else t for t in (w, g))
+        steps = (a.int() - b.int()).abs()
+        assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, name
 
 
 def scene(fmt, heads, kv_heads, head_dim, lengths, seed):
@@ -43,9 +67,9 @@ def test_fused_quantize_write_is_byte_exact_and_skips_padding(name, head_dim):
     want = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
     got = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
     reference.write_kv(want, fmt, key, value, slots, rot, center, cscale)
-    triton_kv.quantize_write(got, fmt, key, value, slots, rot, center, cscale)
-    for name_ in want:
-        assert torch.equal(want[name_], got[name_]), name_
+    got = on_device(got)
+    triton_kv.quantize_write(got, fmt, *(on_device(t) for t in (key, value, slots, rot, center, cscale)))
+    assert_same_store(want, got, fmt)
 
 
 @pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
@@ -58,8 +82,9 @@ def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
     width = max(len(t) for t in tables)
     padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables]).to(torch.int32)
     scale_vec = cscale if fmt.quantized else None
-    out = triton_kv.paged_decode(query, pool, fmt, padded, torch.tensor(lengths, dtype=torch.int32),
-                                 head_dim ** -0.5, rot, scale_vec, blocks_per_split=2)
+    out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(padded),
+                                 on_device(torch.tensor(lengths, dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
+                                 on_device(scale_vec), blocks_per_split=2).cpu()
     for i, (table, n) in enumerate(zip(tables, lengths)):
         want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot, scale_vec)
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
@@ -75,8 +100,10 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, windo
     sinks = min(4, n - window_len)  # with every position in the window, there is nothing to sink
     rows = (sinks, n - window_len, torch.randn(sinks + window_len, kv_heads, head_dim, generator=g),
             torch.randn(sinks + window_len, kv_heads, head_dim, generator=g))
-    out = triton_kv.paged_decode(query, pool, fmt, table[None].to(torch.int32), torch.tensor([n], dtype=torch.int32),
-                                 head_dim ** -0.5, rot, cscale, blocks_per_split=2, window=rows)
+    out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table[None].to(torch.int32)),
+                                 on_device(torch.tensor([n], dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
+                                 on_device(cscale), blocks_per_split=2,
+                                 window=tuple(on_device(t) for t in rows)).cpu()
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale, window=rows)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
@@ -86,7 +113,7 @@ def test_the_gpu_bench_check_runs_and_agrees():
     its first run on a GPU is not its first run."""
     from kvchat.kernels import bench_kernels
 
-    rows = bench_kernels.check(torch.device("cpu"), dtype=torch.float32, length=40)
+    rows = bench_kernels.check(torch.device(DEVICE), dtype=torch.float32, length=40)
     assert [r["precision"] for r in rows] == ["fp16", "int8", "k8v4", "int4"]
     for r in rows:
         assert r["decode_max_abs_err"] < 1e-5

@@ -1,0 +1,163 @@
+"""The decode step, one token in and its logits out, run eager, compiled or replayed.
+
+Per token, an eager transformers forward costs more in Python and kernel launches than the weights
+cost to read. So the step's inputs live in tensors allocated once and updated in place, the paged
+attention is one custom op (``attention.paged_attention``), and the forward is
+- on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile);
+- on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
+  without Python, so attention reads the length and the padded block table from its tensors; the
+  quantized modes' full-precision window is indexed from Python, so those modes stay eager on CUDA.
+When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
+"""
+import logging
+import os
+import shutil
+import sysconfig
+import weakref
+from pathlib import Path
+
+import torch
+
+from .attention import StepMeta, running
+from .paths import cache_dir
+
+log = logging.getLogger("kvchat.decode")
+MODES = ("auto", "eager", "compiled")
+BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
+
+_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
+    """One step per model and mode, shared by every pool built on that model: compiling is paid once."""
+    per_model = _steps.setdefault(model, {})
+    if mode not in per_model:
+        per_model[mode] = DecodeStep(model, mode)
+    return per_model[mode]
+
+
+def cpu_compile_missing() -> str | None:
+    """Why inductor cannot compile for the CPU here (it builds C++ against Python's headers), or None.
+    A packaged app on a machine without a compiler decodes eagerly, and says so once."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return "decoding without compilation: no C++ compiler (g++) found"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
+        return "decoding without compilation: Python's headers (Python.h) are missing"
+    return None
+
+
+def use_disk_cache() -> None:
+    """Inductor's FX-graph and kernel caches in kvchat's cache dir, unless the user chose one."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+class DecodeStep:
+    def __init__(self, model, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.model = model
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.device = next(model.parameters()).device
+        self.fallback: str | None = None  # why a compiled mode fell back to eager
+        if mode == "auto":
+            mode, self.fallback = "compiled", None if self.device.type == "cuda" else cpu_compile_missing()
+        self.mode = mode
+        dev = self.device
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
+        self.lens = torch.ones(1, dtype=torch.int32, device=dev)
+        self._compiled = None
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, block table, logits)
+        self._graph_kv = None  # the pool the graphs were captured on
+
+    @property
+    def captured(self) -> bool:
+        return self.mode == "compiled" and self.fallback is None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The eager step: fp32 logits ``[1, vocab]`` of the last position."""
+        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        return self.model.lm_head(hidden[0, -1:]).float()
+
+    def __call__(self, meta: StepMeta, token: int, position: int, block_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[vocab]`` of ``token`` at ``position``; ``meta`` holds the step's slot,
+        block table and window as the eager path takes them."""
+        self.ids.fill_(token)
+        self.positions.fill_(position)
+        if self.captured and self.device.type == "cuda" and meta.window is None:
+            return self._replay(meta, block_ids)
+        with running(meta):
+            if self.captured and self.device.type == "cpu":
+                try:
+                    return self._compiled_forward()(self.ids, self.positions)[0]
+                except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
+                    self._fall_back(e)
+            return self.forward(self.ids, self.positions)[0]
+
+    def warm_up(self, kv) -> None:
+        """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
+        -1) and reads block 0, so the first reply does not wait for it."""
+        if not self.captured:
+            return
+        meta = StepMeta(kv=kv, slots=torch.full((1,), -1, device=self.device), block_table=self.lens.new_zeros(1),
+                        context_len=1, first_block=0, context_lens=self.lens)
+        with torch.inference_mode():
+            self(meta, 0, 0, [0])
+
+    def _fall_back(self, error: Exception) -> None:
+        self.fallback = f"decoding without compilation ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        log.warning("%s", self.fallback)
+
+    def _compiled_forward(self):
+        if self._compiled is None:
+            use_disk_cache()
+            # the weights never change under a step (another mode or model is another step), so
+            # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured
+            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False,
+                                           options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        return self._compiled
+
+    # -- CUDA graphs --
+
+    def _replay(self, meta: StepMeta, block_ids: list[int]) -> torch.Tensor:
+        if self._graph_kv is not meta.kv:  # the pool was rebuilt: its tensors moved
+            self._graphs.clear()
+            self._graph_kv = meta.kv
+        bucket = next((b for b in BUCKETS if b >= len(block_ids)), None)
+        if bucket is None:
+            with running(meta):
+                return self.forward(self.ids, self.positions)[0]
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = self._capture(meta.kv, bucket)
+            except Exception as e:
+                self._fall_back(e)
+                with running(meta):
+                    return self.forward(self.ids, self.positions)[0]
+        graph, table, logits = self._graphs[bucket]
+        table[:len(block_ids)].copy_(torch.tensor(block_ids, dtype=torch.int32), non_blocking=True)
+        self.slots.copy_(meta.slots)
+        self.lens.fill_(meta.context_len)
+        graph.replay()
+        return logits[0].clone()
+
+    def _capture(self, kv, bucket: int) -> tuple:
+        """Record the step for block tables up to ``bucket`` blocks. Warm-up and capture write to
+        slot -1, which the write kernel skips, so they leave the pool untouched."""
+        table = torch.zeros(bucket, dtype=torch.int32, device=self.device)
+        meta = StepMeta(kv=kv, slots=self.slots, block_table=table, context_len=1, context_lens=self.lens)
+        self.slots.fill_(-1)
+        self.lens.fill_(1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), running(meta):
+            for _ in range(2):  # compiles the Triton kernels and settles the allocator
+                self.forward(self.ids, self.positions)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool), running(meta):
+            logits = self.forward(self.ids, self.positions)
+        return graph, table, logits

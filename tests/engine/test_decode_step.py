@@ -1,0 +1,114 @@
+"""The compiled (CPU) and captured (CUDA) decode step against the eager one: same logits within
+1e-4 in fp32, same greedy tokens, in every KV precision and across a downshift."""
+import copy
+
+import pytest
+import torch
+
+from kvchat.engine.attention import StepMeta, running
+from kvchat.engine.bench_decode import IdTokenizer
+from kvchat.engine.config import EngineConfig, Precision
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import Notice
+from kvchat.engine.kv_manager import Sequence
+from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.runner import ModelRunner
+
+from tiny_models import ARCHS, as_loaded, tiny_model
+
+TOL = 1e-4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request):
+    lm = as_loaded(tiny_model(request.param), IdTokenizer(512), request.param)
+    lm.model.to(DEVICE)
+    lm.device = torch.device(DEVICE)
+    return lm
+
+
+def decode(lm, mode: str, precision: str, prompt: list[int], steps: int, downshift_at: int | None = None):
+    """Greedy tokens and the logits of each step, through a pool of ``precision``."""
+    pool = KVPool.for_tokens(lm, len(prompt) + steps + 1, Precision(precision))
+    pool.runner = ModelRunner(lm.model, pool.kv, pool.manager, mode)
+    seq = Sequence(list(prompt))
+    pool.manager.reserve(seq, len(prompt))
+    logits = pool.runner.forward(seq, len(prompt), want_logits=True)
+    tokens, rows = [], []
+    for i in range(steps):
+        if i == downshift_at:
+            assert pool.downshift([seq]) is not None
+        token = int(logits.argmax())
+        tokens.append(token)
+        seq.token_ids.append(token)
+        pool.manager.reserve(seq, len(seq))
+        logits = pool.runner.forward(seq, len(seq), want_logits=True)
+        rows.append(logits.cpu())
+    return tokens, torch.stack(rows), pool.runner.step
+
+
+def prompt_ids(n=40, vocab=512, seed=0):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_decode_forward_traces_without_a_graph_break(tiny):
+    pool = KVPool.for_tokens(tiny, 64, Precision.INT4)
+    step = ModelRunner(tiny.model, pool.kv, pool.manager, "eager").step
+    seq = Sequence(prompt_ids(20))
+    pool.manager.reserve(seq, 21)
+    meta = StepMeta(kv=pool.kv, slots=torch.tensor([20], device=DEVICE), block_table=torch.tensor(
+        [b.id for b in seq.blocks], dtype=torch.int32, device=DEVICE), context_len=21,
+        window=pool.kv.new_window())
+    with running(meta), torch.inference_mode():
+        explained = torch._dynamo.explain(step.forward)(step.ids, step.positions)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
+def test_compiled_decode_equals_eager(tiny, precision):
+    prompt = prompt_ids()
+    want_tokens, want, _ = decode(tiny, "eager", precision, prompt, 64)
+    got_tokens, got, step = decode(tiny, "compiled", precision, prompt, 64)
+    assert step.fallback is None and step.captured
+    assert got_tokens == want_tokens
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_compiled_decode_equals_eager_across_a_downshift(tiny):
+    prompt = prompt_ids(seed=3)
+    want_tokens, want, _ = decode(tiny, "eager", "fp16", prompt, 64, downshift_at=20)
+    got_tokens, got, _ = decode(tiny, "compiled", "fp16", prompt, 64, downshift_at=20)
+    assert got_tokens == want_tokens
+    assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_compiled_decode_equals_eager_on_the_starter(starter, precision):
+    lm = copy.copy(starter)  # the same weights; a step is kept per model object, compiled once
+    prompt = starter.tokenizer("The lighthouse keeper wrote in his log that the storm", add_special_tokens=False)["input_ids"]
+    want_tokens, want, _ = decode(lm, "eager", precision, prompt, 64)
+    got_tokens, got, _ = decode(lm, "compiled", precision, prompt, 64)
+    assert got_tokens == want_tokens
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    lm = copy.copy(starter)
+    lm.model = copy.deepcopy(starter.model)  # a fresh step, not the one other tests compiled
+    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, persona_store=False)
+    notices = []
+    engine.add_listener(lambda e: notices.append(e) if isinstance(e, Notice) else None)
+    engine.wait_ready(60)
+    hello = [{"role": "user", "content": "Hello"}]
+    first = engine.generate(hello, max_new_tokens=8, temperature=0)
+    second = engine.generate(hello, max_new_tokens=8, temperature=0)
+    engine.close()
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 8
+    eager = [n for n in notices if n.kind == "eager"]
+    assert len(eager) == 1 and "no C++ compiler found" in eager[0].message
