@@ -78,5 +78,21 @@ package-tar: $(APP)
 	tar -C dist -czf $(PACKAGE_TAR) kvchat
 	@ls -l $(PACKAGE_TAR)
 
+# -- a borrowed GPU machine (no network; Python 3.12 with torch, triton and transformers) ---------
+# make gpu-wheels here puts what it lacks in .whl/ (git-ignored, carried along); make gpu-check runs
+# there: kernel tests on CUDA, bench kernels, bench decode on an 8B shape. GPU_CHECK_ARGS=--device cpu
+# rehearses it here on a tiny shape.
+WHEEL_PLATFORMS := $(foreach n,2_28 2_27 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
+GPU_WHEELS ?= platformdirs==4.14.9 bitsandbytes==0.50.2
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
+
+gpu-check:
+	tools/gpu_check.sh $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -26,15 +26,19 @@ class Int8Linear(nn.Module):
         scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(_ACT)
         self.register_buffer("qweight", torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale)
+        self.register_buffer("row_scales", scale.float())
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_ACT)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
+        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
+            # the compiled decode step: inductor fuses this into one pass over the int8 rows, with
+            # the activations and the sums in the model's dtype (no bf16 rounding), and it measured
+            # faster than the packed kernel (lm_head: 1.9 ms against 3.9 ms on one core)
+            out = (x.reshape(1, self.in_features) * self.qweight.to(x.dtype)).sum(-1) * self.row_scales.to(x.dtype)
+        else:
+            flat = x.reshape(-1, self.in_features).to(_ACT)
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
