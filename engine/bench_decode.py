@@ -169,6 +169,9 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
               "kv_bytes_per_token": kv_bytes, "bytes_per_token": token_bytes,
               "roofline_tok_s": bandwidth / token_bytes, "paths": {}}
     tokens = {}
+    # transformers runs the checkpoint's own weights: the peer a user would otherwise run
+    reference = lm if weights == "none" or "transformers" not in paths else \
+        model_for(model, random_weights, device, dtype, "none")
     for path in paths:
         prefill, decode = [], []
         if path != "transformers":
@@ -177,7 +180,7 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
         for r in range(repeats + 1):  # round 0 warms up (compiles, captures) and is not counted
             prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=torch.Generator().manual_seed(r)).tolist()
             if path == "transformers":
-                p, d = transformers_round(lm, prompt, new_tokens)
+                p, d = transformers_round(reference, prompt, new_tokens)
             else:
                 t = time.perf_counter()
                 p, d, out = kvchat_round(lm, pool, runner, prompt, new_tokens)

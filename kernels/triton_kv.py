@@ -141,21 +141,27 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
 def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
                          sm_scale, table_stride, kv_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr):
+                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
+                         QG: tl.constexpr, QG_P2: tl.constexpr):
+    """One program per (sequence, KV head, split): the QG query heads that share a KV head (GQA)
+    are one tile, so each K/V row is read once, not once per query head. QG_P2 pads the group to a
+    power of two (the starter has 3 query heads per KV head)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     HALF: tl.constexpr = D // 2
-    kvh = h // (HEADS // KV_HEADS)
     length = tl.load(len_ptr + b)
     j = tl.arange(0, HALF)
-    qrow = (b * HEADS + h) * D
-    q_lo = tl.load(q_ptr + qrow + j).to(tl.float32)
-    q_hi = tl.load(q_ptr + qrow + HALF + j).to(tl.float32)
-    m = -float("inf")
-    l = 0.0
-    acc_lo = tl.zeros([HALF], dtype=tl.float32)
-    acc_hi = tl.zeros([HALF], dtype=tl.float32)
+    g = tl.arange(0, QG_P2)
+    real = g < QG
+    heads = kvh * QG + g
+    qrow = (b * HEADS + heads) * D
+    q_lo = tl.load(q_ptr + qrow[:, None] + j[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + qrow[:, None] + HALF + j[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    m = tl.full([QG_P2], -float("inf"), dtype=tl.float32)
+    l = tl.zeros([QG_P2], dtype=tl.float32)
+    acc_lo = tl.zeros([QG_P2, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([QG_P2, HALF], dtype=tl.float32)
     offs = tl.arange(0, BS)
     for i in range(BLOCKS_PER_SPLIT):
         blk = split * BLOCKS_PER_SPLIT + i
@@ -165,27 +171,27 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             valid = (blk * BS + offs < length) & (blk * BS + offs >= kv_start)
             k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
             k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
-            s = (tl.sum(k_lo * q_lo[None, :], axis=1) + tl.sum(k_hi * q_hi[None, :], axis=1)) * sm_scale
-            s = tl.where(valid, s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
+            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)
+            s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
+            p = tl.exp(s - m_new[:, None])
             v_lo = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 0, GROUP)
             v_hi = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 1, GROUP)
-            acc_lo = acc_lo * alpha + tl.sum(p[:, None] * v_lo, axis=0)
-            acc_hi = acc_hi * alpha + tl.sum(p[:, None] * v_hi, axis=0)
-            l = l * alpha + tl.sum(p, axis=0)
+            acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], axis=1)
+            acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
+            l = l * alpha + tl.sum(p, axis=1)
             m = m_new
-    out = ((b * HEADS + h) * SPLITS + split)
-    tl.store(acc_ptr + out * D + j, acc_lo)
-    tl.store(acc_ptr + out * D + HALF + j, acc_hi)
-    tl.store(m_ptr + out, m)
-    tl.store(l_ptr + out, l)
+    out = (b * HEADS + heads) * SPLITS + split
+    tl.store(acc_ptr + out[:, None] * D + j[None, :], acc_lo, mask=real[:, None])
+    tl.store(acc_ptr + out[:, None] * D + HALF + j[None, :], acc_hi, mask=real[:, None])
+    tl.store(m_ptr + out, m, mask=real)
+    tl.store(l_ptr + out, l, mask=real)
 
 
 def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
-                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 64,
+                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 8,
                  window: tuple | None = None) -> torch.Tensor:
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
     Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
@@ -209,11 +215,13 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     if window is not None:  # the kernel reads only the positions between the sinks and the newest
         kv_start = window[0]
         context_lens = torch.minimum(context_lens, torch.full_like(context_lens, window[1]))
-    _paged_decode_kernel[(batch, heads, splits)](
+    group = heads // kv_heads
+    _paged_decode_kernel[(batch, kv_heads, splits)](
         q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
         block_tables, context_lens, acc, m, l, scale, block_tables.stride(0), kv_start,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP)
+        BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP, QG=group,
+        QG_P2=triton.next_power_of_2(group))
     if window is not None:
         acc, m, l = _with_window_split(q, window, scale, acc, m, l)
     top = m.amax(-1, keepdim=True)

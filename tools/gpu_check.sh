@@ -6,6 +6,7 @@
 # status says whether all passed.
 #   tools/gpu_check.sh               on the GPU machine (its python3 holds torch, triton, transformers)
 #   tools/gpu_check.sh --device cpu  the rehearsal here, on a tiny shape
+#   STEPS="kernel_tests decode_bf16" tools/gpu_check.sh   only those steps
 # Wheels the GPU machine lacks come from .whl/ (make gpu-wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +31,10 @@ for p in app engine kernels; do ln -sfn "$PWD/$p" "$SITE/kvchat/$p"; done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 KV="$PY -m kvchat.engine.cli"
 
-step() {  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...; STEPS="a b" runs only the steps named
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
+    [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]] && return 0
     echo "== $name" | tee -a "$OUT/log.txt"
     if timeout "$limit" "$@" >"$OUT/stdout.tmp" 2>>"$OUT/log.txt"; then
         echo "   ok in $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
