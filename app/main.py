@@ -17,7 +17,7 @@ def make_engine(settings: dict) -> Engine:
     """An engine for the settings panel's values; it loads the model on its own thread."""
     return Engine(EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
                                max_context=settings.get("max_context", 8192),
-                               weights=settings.get("weights", "none"),
+                               weights=settings.get("weights", "auto"),
                                headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB)))
 
 

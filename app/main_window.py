@@ -420,7 +420,7 @@ class MainWindow(QMainWindow):
         wanted = dialog.engine_settings()
         before = self.store.setting("engine") or {}
         engine = self.bridge.engine
-        now = {"model": "starter", "weights": "none", **before, "max_context": engine.config.max_context,
+        now = {"model": "starter", "weights": "auto", **before, "max_context": engine.config.max_context,
                "kv_precision": engine.config.kv_precision.value,
                "headroom_gib": engine.config.headroom_bytes / GiB}
         live = ("max_context", "kv_precision", "headroom_gib")

@@ -129,7 +129,8 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if self.loaded is None:
-            self.loaded = load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=self._load_progress)
+            self.loaded = load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=self._load_progress,
+                               decode=cfg.decode)
         if self._cancel_load.is_set():
             raise ModelError("loading cancelled")
         lm = self.loaded

@@ -164,10 +164,10 @@ def folder_identity(folder: Path, revision: str = "") -> str:
 
 
 def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "none",
-         progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+         progress: Callable[[int, int], None] | None = None, decode: str = "auto") -> LoadedModel:
     source = resolve(spec)
     dev = pick_device(device)
-    weights = pick_weights(weights, dev)
+    weights = pick_weights(weights, dev, decode)
     torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
     if source.kind in ("gguf", "starter"):
         digest = file_digest(Path(source.location))
@@ -185,11 +185,15 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
     return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
 
 
-def pick_weights(weights: str, device: torch.device) -> str:
-    """``auto``: int8 on the CPU, the fastest mode within its quality bar there (README, Performance);
-    the checkpoint's own weights on CUDA."""
+def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> str:
+    """``auto``: int8 on the CPU when the decode step compiles, the fastest mode within its quality
+    bar there (README, Performance; int8 decodes fast only compiled); the checkpoint's own weights
+    on CUDA."""
     if weights == "auto":
-        return "int8" if device.type == "cpu" else "none"
+        from .decode_step import cpu_compile_missing
+
+        compiled = decode != "eager" and cpu_compile_missing() is None
+        return "int8" if device.type == "cpu" and compiled else "none"
     if device.type == "cpu" and weights == "nf4":
         raise ModelError("nf4 weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
     return weights

@@ -51,7 +51,8 @@ def back_on_the_starter(qtbot, bridge, store):
     qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set()
                     and bridge.engine.config.model == "starter", timeout=60000)
     assert bridge.engine.load_error is None
-    assert store.setting("engine")["model"] == "starter"
+    # the window saves the setting in its own queued slot, after the engine is ready
+    qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == "starter", timeout=10000)
 
 
 def send(qtbot, win, text):

@@ -138,9 +138,9 @@ def test_a_sliding_window_layer_that_would_cut_the_context_is_refused_clearly():
 
     import torch
 
-    from kvchat.engine.attention import StepMeta, paged_attention_forward
+    from kvchat.engine.attention import StepMeta, paged_attention_forward, running
 
     meta = StepMeta(kv=None, slots=torch.arange(8), block_table=torch.tensor([0]), context_len=8)
     q = torch.zeros(1, 2, 8, 4)
-    with pytest.raises(NotImplementedError, match="sliding-window attention"):
-        paged_attention_forward(types.SimpleNamespace(layer_idx=0), q, q, q, None, sliding_window=4, kv_meta=meta)
+    with running(meta), pytest.raises(NotImplementedError, match="sliding-window attention"):
+        paged_attention_forward(types.SimpleNamespace(layer_idx=0), q, q, q, None, sliding_window=4)

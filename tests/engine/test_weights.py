@@ -1,0 +1,82 @@
+"""CPU weight-only quantization against hand-computed twins."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from kvchat.engine.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, quantize_linears, weight_bytes
+
+from tiny_models import tiny_model
+
+
+def linear(n=96, k=128, bias=False, seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    nn.init.normal_(layer.weight, std=0.05)
+    return layer
+
+
+def test_int8_stores_each_weight_within_half_a_step_of_its_group_scale():
+    layer = linear()
+    q = Int8Linear(layer)
+    w = layer.weight.detach().view(96, -1, INT8_GROUP)
+    step = q.scales.float()[..., None]
+    assert torch.equal(q.scales.float(), (w.abs().amax(-1) / 127).to(torch.bfloat16).float())
+    assert ((q.weight_as(torch.float32).view_as(w) - w).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_forward_is_the_product_with_its_dequantized_weight(rows):
+    layer = linear(bias=True)
+    q = Int8Linear(layer)
+    x = torch.randn(1, rows, 128)
+    want = x @ q.weight_as(torch.float32).T + layer.bias
+    torch.testing.assert_close(q(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_compiled_single_row_equals_eager():
+    q = Int8Linear(linear(n=64, k=96, seed=1))
+    x = torch.randn(1, 1, 96)
+    compiled = torch.compile(q, fullgraph=True)
+    torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
+
+
+def test_int4_holds_q4_1_values_up_to_its_bf16_scale_and_zero():
+    """GGUF's Q4_1: w = q * d + m per group of 32. Built from such values with d and m exact in
+    bf16, the kernel's (q - 8) * d + (m + 8 d) gives them back up to bf16 rounding of the zero."""
+    g = torch.Generator().manual_seed(2)
+    n, k = 64, 128
+    d = torch.rand(n, k // INT4_GROUP, generator=g).add(0.5).mul(0.01).to(torch.bfloat16).float()
+    m = -8 * d
+    codes = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans its whole range, as Q4_1 makes it
+    layer = nn.Linear(k, n, bias=False)
+    layer.weight.data = (codes * d[..., None] + m[..., None]).view(n, k)
+    x = torch.randn(3, k, generator=g)
+    want = x.to(torch.bfloat16).float() @ layer.weight.detach().T
+    torch.testing.assert_close(Int4Linear(layer)(x), want, atol=2e-2, rtol=2e-2)
+
+
+def test_quantize_linears_replaces_every_linear_and_unties_the_head():
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    quantize_linears(model, "int8")
+    assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert isinstance(model.lm_head, Int8Linear) and not model.config.tie_word_embeddings
+    ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want, got = ref(ids).logits, model(ids).logits
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_weight_bytes_counts_what_a_token_reads():
+    model = tiny_model("llama")  # untied: the embedding is read one row a step
+    hidden, vocab = 256, 512
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert weight_bytes(model) == total - (vocab - 1) * hidden * 4
+    quantize_linears(model, "int8")
+    linears = sum(m.qweight.numel() * 1 + m.scales.numel() * 2 for m in model.modules() if isinstance(m, Int8Linear))
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert weight_bytes(model) == linears + norms + hidden * 4
