@@ -6,6 +6,7 @@ step being run (``running(meta)``), as vLLM's attention op finds its forward con
 forward takes tensors only, and a per-step Python value passed through it would make the compiled
 step recompile every token.
 """
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,17 +32,17 @@ class StepMeta:
     context_lens: torch.Tensor | None = None  # [1] int32 holding context_len: a captured step reads it here
 
 
-_running: list[StepMeta | None] = [None]
+_running = threading.local()  # per thread: two engines (a model switch, a benchmark) never share a step
 
 
 @contextmanager
 def running(meta: StepMeta):
-    """Make ``meta`` the step that the attention op of every layer serves."""
-    _running[0] = meta
+    """Make ``meta`` the step that the attention op of every layer on this thread serves."""
+    _running.meta = meta
     try:
         yield meta
     finally:
-        _running[0] = None
+        _running.meta = None
 
 
 @torch.library.custom_op("kvchat::paged_attention", mutates_args=())
@@ -50,7 +51,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` of the new tokens -> ``[T, H, D]``. Writes the
     new K/V into the pool of the running step (a side effect the op's schema cannot name: the pool is
     not an argument), then attends over the sequence."""
-    meta = _running[0]
+    meta = getattr(_running, "meta", None)
     if meta is None:
         raise RuntimeError("kvchat attention was called outside a step (engine.attention.running)")
     if 0 <= sliding_window < meta.context_len:

@@ -21,7 +21,7 @@ from .kv_manager import Sequence
 from .kv_pool import KVPool, kv_dtype
 from .models import LoadedModel, ModelSource, load, pick_device, pick_dtype
 from .runner import ModelRunner
-from .weights import quantize_linears, weight_bytes
+from .weights import Int4Linear, Int8Linear, quantize_linears, weight_bytes
 
 PATHS = ("eager", "compiled", "transformers")
 
@@ -170,8 +170,9 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
               "roofline_tok_s": bandwidth / token_bytes, "paths": {}}
     tokens = {}
     # transformers runs the checkpoint's own weights: the peer a user would otherwise run
-    reference = lm if weights == "none" or "transformers" not in paths else \
-        model_for(model, random_weights, device, dtype, "none")
+    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in lm.model.modules())
+    own = weights == "none" or (weights == "auto" and not quantized)
+    reference = lm if own or "transformers" not in paths else model_for(model, random_weights, device, dtype, "none")
     for path in paths:
         prefill, decode = [], []
         if path != "transformers":
@@ -194,8 +195,12 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
                 decode.append(d)
             log(f"{path} round {r}: prefill {p:.1f} tok/s, decode {d:.1f} tok/s")
         d = statistics.median(decode)
+        roofline = result["roofline_tok_s"]
+        if path == "transformers" and reference is not lm:  # its own weights, its KV in the model's dtype
+            roofline = bandwidth / (weight_bytes(reference.model)
+                                    + mean_context * bytes_per_token(shape, Precision.FP16, kv_dtype(reference).itemsize))
         result["paths"][path] = {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": d,
-                                 "roofline_fraction": d / result["roofline_tok_s"]}
+                                 "roofline_fraction": d / roofline}
     ours = result["paths"]
     if "eager" in ours and "compiled" in ours:
         result["compiled_vs_eager"] = ours["compiled"]["decode_tok_s"] / ours["eager"]["decode_tok_s"]

@@ -9,31 +9,30 @@ attention is one custom op (``attention.paged_attention``), and the forward is
   quantized modes' full-precision window is indexed from Python, so those modes stay eager on CUDA.
 When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
 """
+import inspect
 import logging
 import os
 import shutil
 import sysconfig
-import weakref
 from pathlib import Path
 
 import torch
 
 from .attention import StepMeta, running
+from .kv_cache import config_value
 from .paths import cache_dir
 
 log = logging.getLogger("kvchat.decode")
 MODES = ("auto", "eager", "compiled")
 BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
 
-_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
-    """One step per model and mode, shared by every pool built on that model: compiling is paid once."""
-    per_model = _steps.setdefault(model, {})
-    if mode not in per_model:
-        per_model[mode] = DecodeStep(model, mode)
-    return per_model[mode]
+    """One step per model and mode, shared by every pool built on that model: compiling is paid
+    once. Kept on the model, so it goes when the model goes (a model switch frees both)."""
+    steps = model.__dict__.setdefault("_kvchat_decode_steps", {})
+    if mode not in steps:
+        steps[mode] = DecodeStep(model, mode)
+    return steps[mode]
 
 
 def cpu_compile_missing() -> str | None:
@@ -47,8 +46,10 @@ def cpu_compile_missing() -> str | None:
 
 
 def use_disk_cache() -> None:
-    """Inductor's FX-graph and kernel caches in kvchat's cache dir, unless the user chose one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    """Inductor's FX-graph and kernel caches in kvchat's cache dir, so that they are where the user
+    expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
+    own default into the environment the first time anything asks it for its cache dir."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 class DecodeStep:
@@ -68,8 +69,15 @@ class DecodeStep:
         self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.lens = torch.ones(1, dtype=torch.int32, device=dev)
         self._compiled = None
+        self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, block table, logits)
         self._graph_kv = None  # the pool the graphs were captured on
+        self.replays = 0
+        # a captured graph never re-runs the op's Python, so the op cannot refuse a context longer
+        # than a sliding window there: such steps go eager, where it does
+        window = config_value(model.config, "sliding_window")
+        uses_window = config_value(model.config, "use_sliding_window", True) is not False
+        self.sliding_window = window if window and uses_window else None
 
     @property
     def captured(self) -> bool:
@@ -85,37 +93,50 @@ class DecodeStep:
         block table and window as the eager path takes them."""
         self.ids.fill_(token)
         self.positions.fill_(position)
-        if self.captured and self.device.type == "cuda" and meta.window is None:
+        if self.captured and self.device.type == "cuda" and meta.window is None and \
+                (self.sliding_window is None or meta.context_len <= self.sliding_window):
             return self._replay(meta, block_ids)
         with running(meta):
             if self.captured and self.device.type == "cpu":
                 try:
-                    return self._compiled_forward()(self.ids, self.positions)[0]
+                    logits = self._compiled_forward()(self.ids, self.positions)[0]
+                    self._compiled_ran = True
+                    return logits
+                except NotImplementedError:  # the op refusing this step, compiled or not
+                    raise
                 except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
+                    if self._compiled_ran:
+                        raise
                     self._fall_back(e)
             return self.forward(self.ids, self.positions)[0]
 
     def warm_up(self, kv) -> None:
         """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
         -1) and reads block 0, so the first reply does not wait for it."""
-        if not self.captured:
-            return
+        if not self.captured or (self.device.type == "cuda" and kv.format.quantized):
+            return  # quantized pools decode eagerly on CUDA: a graph captured now would never replay
         meta = StepMeta(kv=kv, slots=torch.full((1,), -1, device=self.device), block_table=self.lens.new_zeros(1),
                         context_len=1, first_block=0, context_lens=self.lens)
         with torch.inference_mode():
             self(meta, 0, 0, [0])
 
     def _fall_back(self, error: Exception) -> None:
-        self.fallback = f"decoding without compilation ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        lines = str(error).strip().splitlines()
+        self.fallback = f"decoding without compilation ({type(error).__name__}: {lines[0][:200] if lines else ''})"
         log.warning("%s", self.fallback)
 
     def _compiled_forward(self):
         if self._compiled is None:
             use_disk_cache()
             # the weights never change under a step (another mode or model is another step), so
-            # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured
-            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False,
-                                           options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured. Then
+            # the compiled code must not be shared by steps of other models: every step's forward
+            # is the same code object, and dynamo caches per code object unless told to isolate
+            options, kwargs = {}, {}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+                kwargs["isolate_recompiles"] = True
+            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options, **kwargs)
         return self._compiled
 
     # -- CUDA graphs --
@@ -140,6 +161,7 @@ class DecodeStep:
         self.slots.copy_(meta.slots)
         self.lens.fill_(meta.context_len)
         graph.replay()
+        self.replays += 1
         return logits[0].clone()
 
     def _capture(self, kv, bucket: int) -> tuple:

@@ -256,7 +256,10 @@ def _load_folder(folder: Path, device, dtype, weights, source):
     if weights in ("none", "bf16") or cpu_quant:
         model.to(device)
     if cpu_quant:
-        quantize_linears(model, weights)
+        try:
+            quantize_linears(model, weights)
+        except ValueError as e:
+            raise ModelError(f"{source.label}: {e}") from None
     return model.eval(), tokenizer
 
 

@@ -82,9 +82,12 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"weight mode must be int8 or int4, not {mode!r}")
     make = Int8Linear if mode == "int8" else Int4Linear
     group = INT8_GROUP if mode == "int8" else INT4_GROUP
-    bad = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % group]
+    rows = 16 if mode == "int4" else 1  # torch's int4 packing tiles output rows by 16
+    bad = [n for n, m in model.named_modules()
+           if isinstance(m, nn.Linear) and (m.in_features % group or m.out_features % rows)]
     if bad:
-        raise ValueError(f"{mode} weights need input sizes divisible by {group}: {bad[0]} is not")
+        raise ValueError(f"{mode} weights need input sizes divisible by {group}"
+                         + (f" and output sizes by {rows}" if rows > 1 else "") + f": {bad[0]} is not")
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

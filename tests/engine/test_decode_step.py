@@ -68,10 +68,16 @@ def test_the_decode_forward_traces_without_a_graph_break(tiny):
 
 @pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
 def test_compiled_decode_equals_eager(tiny, precision):
+    if DEVICE == "cuda" and precision != "fp16":
+        pytest.skip("on CUDA the quantized modes decode eagerly (their window is indexed from Python)")
     prompt = prompt_ids()
     want_tokens, want, _ = decode(tiny, "eager", precision, prompt, 64)
+    replays = tiny.model.__dict__.get("_kvchat_decode_steps", {}).get("compiled")
+    replays = replays.replays if replays else 0
     got_tokens, got, step = decode(tiny, "compiled", precision, prompt, 64)
     assert step.fallback is None and step.captured
+    if DEVICE == "cuda":
+        assert step.replays - replays == 64  # every step replayed the graph, none fell back to eager
     assert got_tokens == want_tokens
     assert (got - want).abs().max().item() <= TOL
 
@@ -98,9 +104,24 @@ def test_compiled_decode_equals_eager_on_the_starter(own_starter, precision):
     lm = own_starter
     prompt = lm.tokenizer("The lighthouse keeper wrote in his log that the storm", add_special_tokens=False)["input_ids"]
     want_tokens, want, _ = decode(lm, "eager", precision, prompt, 64)
-    got_tokens, got, _ = decode(lm, "compiled", precision, prompt, 64)
+    got_tokens, got, step = decode(lm, "compiled", precision, prompt, 64)
+    assert step.fallback is None
     assert got_tokens == want_tokens
     assert (got - want).abs().max().item() <= TOL
+
+
+def test_steps_of_two_models_compiled_one_after_the_other_keep_their_own_code():
+    """Every step's forward is the same code object and the weights are not guarded: without
+    isolation the second model would run the first one's compiled graph."""
+    prompt = prompt_ids(seed=5)
+    for arch in ("llama", "qwen3"):
+        lm = as_loaded(tiny_model(arch, seed=7), IdTokenizer(512), arch)
+        lm.model.to(DEVICE)
+        lm.device = torch.device(DEVICE)
+        want_tokens, want, _ = decode(lm, "eager", "fp16", prompt, 8)
+        got_tokens, got, step = decode(lm, "compiled", "fp16", prompt, 8)
+        assert step.fallback is None and got_tokens == want_tokens, arch
+        assert (got - want).abs().max().item() <= TOL, arch
 
 
 def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter, monkeypatch):

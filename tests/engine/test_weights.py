@@ -60,10 +60,13 @@ def test_int4_holds_q4_1_values_up_to_its_bf16_scale_and_zero():
 
 def test_quantize_linears_replaces_every_linear_and_unties_the_head():
     model = tiny_model("llama")
+    model.config.tie_word_embeddings = True  # as the starter's
+    model.lm_head.weight = model.model.embed_tokens.weight
     ref = copy.deepcopy(model)
     quantize_linears(model, "int8")
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert isinstance(model.lm_head, Int8Linear) and not model.config.tie_word_embeddings
+    assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup stays as it was
     ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want, got = ref(ids).logits, model(ids).logits
