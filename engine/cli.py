@@ -2,6 +2,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 
 from .config import WEIGHTS, ConfigError, EngineConfig, SamplingParams
@@ -14,8 +15,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
                    help="auto: int8 on the CPU; CPU: bf16, int8, int4 (torch's kernels); CUDA: int8, nf4 (bitsandbytes)")
-    p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
-                   help="compiled: inductor on the CPU, CUDA graphs on CUDA")
+    p.add_argument("--decode", default=None, choices=["auto", "eager", "compiled"],
+                   help="compiled: inductor on the CPU, CUDA graphs on CUDA (default: auto; eager for "
+                        "generate, where a compile costs more than one reply saves)")
     p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
     p.add_argument("--context", type=int, default=8192, help="context length in tokens")
     p.add_argument("--threads", type=int, default=None)
@@ -86,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def make_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, device=args.device, weights=args.weights, decode=args.decode,
+    decode = args.decode or os.environ.get("KVCHAT_DECODE") or ("eager" if args.command == "generate" else "auto")
+    return EngineConfig(model=args.model, device=args.device, weights=args.weights, decode=decode,
                         kv_precision=args.kv_precision, max_context=args.context, threads=args.threads)
 
 
