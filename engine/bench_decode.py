@@ -211,11 +211,9 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
 
 
 def _machine(dev: torch.device) -> str:
-    import platform
+    from .bench import machine
 
-    if dev.type == "cuda":
-        return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}" if dev.type == "cuda" else machine()
 
 
 def report(r: dict, as_json: bool) -> None:

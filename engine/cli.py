@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from .config import WEIGHTS, ConfigError, EngineConfig, SamplingParams
+from .config import DECODE_MODES, WEIGHTS, ConfigError, EngineConfig, SamplingParams
 
 USAGE_ERROR = 2
 
@@ -15,7 +15,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
                    help="auto: int8 on the CPU; CPU: bf16, int8, int4 (torch's kernels); CUDA: int8, nf4 (bitsandbytes)")
-    p.add_argument("--decode", default=None, choices=["auto", "eager", "compiled"],
+    p.add_argument("--decode", default=None, choices=list(DECODE_MODES),
                    help="compiled: inductor on the CPU, CUDA graphs on CUDA (default: auto; eager for "
                         "generate, where a compile costs more than one reply saves)")
     p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                         help="a config.json (or folder) of the shape to measure, with random weights")
     decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    decode.add_argument("--weights", default="none", choices=["none", "auto", "bf16", "int8", "int4", "nf4"])
+    decode.add_argument("--weights", default="none", choices=list(WEIGHTS))
     decode.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
     decode.add_argument("--prompt-len", type=int, default=512)
     decode.add_argument("--new-tokens", type=int, default=128)
@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
     ev.add_argument("--context", type=int, default=512)
     ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
-    ev.add_argument("--weights", default="none", choices=["none", "bf16", "int8", "int4", "nf4"])
+    ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
     ev.add_argument("--json", action="store_true")
     return root
 

@@ -17,6 +17,7 @@ class Precision(str, Enum):
 
 
 WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
+DECODE_MODES = ("auto", "eager", "compiled")
 
 
 @dataclass
@@ -46,8 +47,8 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}")
-        if self.decode not in ("auto", "eager", "compiled"):
-            raise ConfigError(f"decode must be auto, eager or compiled, not {self.decode!r}")
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"decode must be one of {', '.join(DECODE_MODES)}, not {self.decode!r}")
         for name in ("block_size", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive")

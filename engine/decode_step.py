@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 
 from .attention import StepMeta, running
+from .config import DECODE_MODES
 from .kv_cache import config_value
+from .models import _one_line
 from .paths import cache_dir
 
 log = logging.getLogger("kvchat.decode")
-MODES = ("auto", "eager", "compiled")
 BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
+
 
 def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
     """One step per model and mode, shared by every pool built on that model: compiling is paid
@@ -54,8 +56,8 @@ def use_disk_cache() -> None:
 
 class DecodeStep:
     def __init__(self, model, mode: str = "auto"):
-        if mode not in MODES:
-            raise ValueError(f"decode mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.device = next(model.parameters()).device
@@ -121,8 +123,7 @@ class DecodeStep:
             self(meta, 0, 0, [0])
 
     def _fall_back(self, error: Exception) -> None:
-        lines = str(error).strip().splitlines()
-        self.fallback = f"decoding without compilation ({type(error).__name__}: {lines[0][:200] if lines else ''})"
+        self.fallback = f"decoding without compilation ({type(error).__name__}: {_one_line(error)})"
         log.warning("%s", self.fallback)
 
     def _compiled_forward(self):

@@ -40,6 +40,7 @@ class Engine:
         self._handle: RequestHandle | None = None
         self._requests: queue.Queue = queue.Queue()
         self._cancel_load = threading.Event()
+        self._warmed = self._fallback_told = False  # the decode step compiled once; its fallback told once
         self._thread = threading.Thread(target=self._main, name="kvchat-engine", daemon=True)
         self._thread.start()
 
@@ -163,7 +164,7 @@ class Engine:
 
     def _warm_decode(self) -> None:
         """Compile (or capture) the decode step in the first idle second, not in the first reply."""
-        if self.load_error or getattr(self, "_warmed", False) or not hasattr(self, "kvpool"):
+        if self.load_error or self._warmed or not hasattr(self, "kvpool"):
             return
         self._warmed = True
         started = time.perf_counter()
@@ -176,7 +177,7 @@ class Engine:
 
     def _report_fallback(self) -> None:
         reason = self.runner.step.fallback
-        if reason and not getattr(self, "_fallback_told", False):
+        if reason and not self._fallback_told:
             self._fallback_told = True
             self._notice("eager", reason)
 

@@ -9,7 +9,6 @@ it is (a lookup reads one row); the output head gets its own quantized copy.
 import torch
 from torch import nn
 
-CPU_MODES = ("none", "bf16", "int8", "int4")
 INT8_GROUP = 32
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # what torch's int4 kernel takes
