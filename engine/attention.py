@@ -57,9 +57,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if 0 <= sliding_window < meta.context_len:
         raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
     first_pos = meta.context_len - key.shape[0]
-    meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos)
+    fresh = meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos)
     out = meta.kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
-                         meta.context_lens)
+                         meta.context_lens, fresh)
     return out.contiguous()  # the strides the fake promises: compiled code relies on them
 
 

@@ -83,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--context", type=int, default=512)
     ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
     ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
+    ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
     ev.add_argument("--json", action="store_true")
     return root
 
@@ -229,7 +230,8 @@ def cmd_plan(args) -> int:
 def cmd_eval(args) -> int:
     from . import evaluate
 
-    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights)
+    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
+                  args.chunk)
     return 0
 
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .config import Precision
+from .config import EngineConfig, Precision
 from .kv_cache import KVShape, bytes_per_token
 from .kv_manager import Sequence
 from .kv_pool import KVPool
@@ -62,9 +62,10 @@ LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c
 
 
 def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool,
-         weights: str = "none") -> None:
+         weights: str = "none", chunk: int | None = None) -> None:
     """``weights`` other than none: the baseline is the checkpoint's own weights with an fp16 KV
-    cache, against those weights with the ``precision`` cache."""
+    cache, against those weights with the ``precision`` cache. ``chunk``: the prefill chunk, by
+    default the engine's own, which is how a pasted document reaches the cache."""
     import json
     from pathlib import Path
 
@@ -77,33 +78,38 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
         raise ConfigError(f"cannot read {text_file}: {e}") from None
     if context < 4 or context % 2:
         raise ConfigError("--context must be an even number >= 4")
+    chunk = chunk or EngineConfig().prefill_chunk
+    if chunk < 1:
+        raise ConfigError("--chunk must be at least 1")
     lm = load(model)
     tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(tokens) < context:
         raise ConfigError(f"{text_file} has {len(tokens)} tokens, fewer than one window of {context}")
     if which == "kld":
-        result = kl_divergence(lm, tokens, context, Precision(precision))
+        result = kl_divergence(lm, tokens, context, Precision(precision), chunk)
         print(json.dumps(result, indent=2) if as_json else
               f"KL(fp16 || {precision}) over {result['positions']} positions: mean {result['kl_mean']:.5f}, "
               f"p99 {result['kl_p99']:.5f}")
         return
-    base = perplexity(lm, tokens, context, Precision.FP16)
+    base = perplexity(lm, tokens, context, Precision.FP16, chunk)
     base["weights"] = "none"
     if weights != "none":
-        other = perplexity(load(model, weights=weights), tokens, context, Precision(precision))
+        other = perplexity(load(model, weights=weights), tokens, context, Precision(precision), chunk)
         rows = [base, {**other, "weights": weights}]
     else:
-        rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision))]
+        rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision), chunk)]
         rows[-1]["weights"] = "none"
     for r in rows:
         r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
     if as_json:
-        print(json.dumps({"text": text_file, "context": context, "tokens": len(tokens), "results": rows}, indent=2))
+        print(json.dumps({"text": text_file, "context": context, "chunk": chunk, "tokens": len(tokens),
+                          "results": rows}, indent=2))
         return
     print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
-          f"{rows[0]['scored_tokens']} scored")
+          f"prefill chunks of {chunk}, {rows[0]['scored_tokens']} scored")
     for r in rows:
-        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" and r["weights"] == "none" else None
+        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" and r["weights"] == "none" \
+            and context == 512 else None
         print(f"  weights {r['weights']:<4} KV {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
               f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
 

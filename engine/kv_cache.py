@@ -179,16 +179,27 @@ class KVCache:
                 self.sink_cache.popitem(last=False)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              window: quant.RecentWindow | None = None, first_pos: int = 0) -> None:
+              window: quant.RecentWindow | None = None, first_pos: int = 0) -> tuple | None:
+        """Store the new tokens' K/V; in the quantized modes, return them as transformed before
+        rounding (``attend``'s ``fresh``) when there are several (a prefill chunk)."""
         center = self.k_centers[layer] if self.k_centers is not None else None
         s = self.k_scales[layer] if self.k_scales is not None else None
-        keep_rows = functools.partial(window.store, layer, first_pos) if window is not None else None
-        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s, keep_rows)
+        rows = []
+
+        def keep_rows(k, v):
+            if window is not None:
+                window.store(layer, first_pos, k, v)
+            rows.append((k, v))
+
+        wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
+        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
+                          keep_rows if wanted else None)
+        return rows[0] if rows and key.shape[0] > 1 else None
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
-               scale: float, first_block: int | None = None,
-               window: quant.RecentWindow | None = None, context_lens: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
+               context_lens: torch.Tensor | None = None, fresh: tuple | None = None) -> torch.Tensor:
         s = self.k_scales[layer] if self.k_scales is not None else None
         rows = window.rows(layer, context_len) if window is not None else None
         return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation, s, rows, context_lens)
+                                         first_block, self.rotation, s, rows, context_lens, fresh)

@@ -49,12 +49,13 @@ def _context_lens(length: int, device) -> torch.Tensor:
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
-                    k_channel_scale=None, window=None, context_lens=None) -> torch.Tensor:
+                    k_channel_scale=None, window=None, context_lens=None, fresh=None) -> torch.Tensor:
     """``context_lens``, ``[1]`` int32 equal to ``context_len``, lets a captured CUDA step read the
-    length from a tensor it updates in place; the block table may then be padded past the length."""
+    length from a tensor it updates in place; the block table may then be padded past the length.
+    ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
     if query.shape[0] == 1 and use_triton(query):
         lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
                                          rotation, k_channel_scale, window=window)
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
-                                     k_channel_scale, window)
+                                     k_channel_scale, window, fresh)

@@ -115,7 +115,7 @@ def test_downshift_keeps_outputs_close_to_an_unpressured_run(shared):
     seq = Sequence(list(ids))
     reference.manager.reserve(seq, len(ids))
     reference.runner.forward(seq, len(ids) - 1, want_logits=False)
-    for target, bound in (("int8", 0.002), ("int4", 0.1)):
+    for target, bound in (("int8", 2.5e-6), ("int4", 0.001)):  # twice the measured 1.26e-6 and 0.00051
         pool = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4, None)
         s = Sequence(list(ids))
         pool.manager.reserve(s, len(ids))
