@@ -98,7 +98,7 @@ def nf4_linears(model) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear) and child is not model.get_output_embeddings():
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
-                                      compute_dtype=torch.bfloat16, quant_type="nf4")
+                                      compute_dtype=child.weight.dtype, quant_type="nf4")
                 q.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
                 setattr(module, name, q.to(child.weight.device))
 

@@ -139,7 +139,7 @@ class Engine:
         self.eos_ids = eos_token_ids(lm)
         self.probe = self.probe or MemoryProbe(lm.device)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
-        self.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize)
+        self.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize, cfg.max_context)
         self.auto = cfg.kv_precision == Precision.AUTO
         store = PersonaStore() if self._store_arg is True else (self._store_arg or None)
         precision, budget = self._initial_layout()

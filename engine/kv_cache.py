@@ -10,6 +10,7 @@ from kvchat.kernels import dispatch, quant
 from .config import Precision
 
 SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
+SLICE_BLOCKS = 256  # blocks converted at a time in a rebuild
 
 
 @dataclass(frozen=True)
@@ -70,46 +71,56 @@ class KVCache:
     def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,
                   windows=()) -> "KVCache":
         """This pool's contents in another layout and size; block ids are kept (a shrink drops
-        ids >= num_blocks). Layer by layer, so the peak is one layer above the two pools' sizes.
-        ``windows``, ``(RecentWindow, block ids, length)`` of live sequences, are filled with their
-        sinks and newest tokens as this pool holds them (exact when it is the fp16 pool)."""
+        ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
+        only read, so an allocation failure at any point leaves it as it was; the caller swaps
+        and drops the old. Converted ``SLICE_BLOCKS`` at a time, so the working memory above the two
+        pools is bounded (``memory.slice_bytes``), not a whole layer in fp32. ``windows``,
+        ``(RecentWindow, block ids, length)`` of live sequences, get their sinks and newest tokens
+        as this pool holds them (exact when it is the fp16 pool)."""
         new = KVCache.__new__(KVCache)
         new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
-        device = next(iter(self.layers[0].values())).device
+        device = self.device
         new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
         new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
-        new.layers = []
+        new.layers = [quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
+                                          self.shape.head_dim, self.dtype, device) for _ in self.layers]
         # every quantized mode transforms keys alike, so sinks carry over between them
-        new.sink_cache = self.sink_cache if self.format.quantized and new.format.quantized else OrderedDict()
-        keep = min(num_blocks, self.num_blocks)
-        slots = torch.arange(keep * self.block_size, device=device)
-        for i in range(len(self.layers)):
-            k, v = self._plain(i, keep)
-            layer = quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
-                                        self.shape.head_dim, self.dtype, device)
+        new.sink_cache = self.sink_cache.copy() if self.format.quantized and new.format.quantized else OrderedDict()
+        keep_slots = min(num_blocks, self.num_blocks) * self.block_size
+        for i, layer in enumerate(new.layers):
             center = new.k_centers[i] if new.k_centers is not None else None
             scale = new.k_scales[i] if new.k_scales is not None else None
-            quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
+            for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
+                slots = torch.arange(first, min(first + SLICE_BLOCKS * self.block_size, keep_slots), device=device)
+                k, v = self._plain(i, slots)
+                quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
             for window, block_ids, length in windows:
                 sinks = min(window.sinks, length)
                 for first, end in ((0, sinks), (max(sinks, length - window.size), length)):
                     pos = torch.arange(first, end, device=device)
-                    rows = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
+                    slots = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
                         + pos % self.block_size
-                    window.store(i, first, quant.transform_keys(k[rows], new.rotation, center, scale),
-                                 quant.rotate(v[rows], new.rotation))
-            new.layers.append(layer)
-            self.layers[i] = None  # this pool is being replaced: free its memory as we go
+                    k, v = self._plain(i, slots)
+                    window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
+                                 quant.rotate(v, new.rotation))
         return new
 
-    def _plain(self, layer: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first blocks' K and V back in the model's own domain, fp32: ``[tokens, kv_heads, D]``."""
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0]["k"].device
+
+    def _plain(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` back in the model's own domain, fp32: ``[len(slots), kv_heads, D]``."""
         t, fmt = self.layers[layer], self.format
-        table = torch.arange(num_blocks, device=t["k"].device)
-        n = num_blocks * self.block_size
-        k = quant.read(t, fmt, "k", table, n, 0, torch.float32).float()
-        v = quant.read(t, fmt, "v", table, n, 0, torch.float32).float()
+
+        def rows(name: str, bits: int) -> torch.Tensor:
+            data = t[name].flatten(0, 1).index_select(0, slots)
+            if bits == 16:
+                return data.float()
+            return quant.dequantize(data, t[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
+
+        k, v = rows("k", fmt.k_bits), rows("v", fmt.v_bits)
         if fmt.k_bits < 16:
             k = quant.rotate(k, self.rotation)  # H is its own inverse
             if self.k_scales is not None:

@@ -8,9 +8,10 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from kvchat.kernels.quant import RecentWindow
+from kvchat.kernels.reference import READ_SLICE
 
 from .config import Precision
-from .kv_cache import SINK_CACHE_ENTRIES, KVShape, bytes_per_token, config_value
+from .kv_cache import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
 
 GiB = 1 << 30
 PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
@@ -48,16 +49,40 @@ def weights_bytes(config, weights: str = "bf16") -> int:
     return int(linear * WEIGHT_BYTES[weights] + other * (4 if weights == "fp32" else 2))
 
 
-def activations_bytes(config, chunk: int = 512, act_bytes: int = 2) -> int:
-    """Peak working memory of one prefill chunk: hidden states, MLP intermediates, one row of fp32
-    logits, the sequence's full-precision window of sink and newest K/V and the cache of sinks
-    (quantized modes), and a fixed allowance for the framework's workspaces."""
+def activations_bytes(config, chunk: int = 512, act_bytes: int = 2, context: int = 0) -> int:
+    """Peak working memory of one prefill chunk at the end of a ``context``-token sequence: hidden
+    states, MLP intermediates, one row of fp32 logits, attention's working set, the sequence's
+    full-precision window of sink and newest K/V and the cache of sinks (quantized modes), and a
+    fixed allowance for the framework's workspaces. A rebuild's conversion slice runs between
+    steps, so the larger of the two is reserved."""
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
     window = RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
     sinks = SINK_CACHE_ENTRIES * RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                                      act_bytes, size=0)
-    return chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab + window + sinks + 256 * (1 << 20)
+    model = chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab
+    working = max(attention_bytes(config, chunk, context, act_bytes), slice_bytes(shape))
+    return model + working + window + sinks + 256 * (1 << 20)
+
+
+def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int:
+    """One layer's attention over ``context`` tokens for a ``chunk`` of queries, as
+    ``reference.paged_attention`` runs it on CUDA: the context's K and V in the model's dtype, the
+    boolean mask (grouped query heads folded into its rows) and its conversion to the dtype, an fp32
+    slice of dequantized rows, and the queries and output in fp32. Measured in test_memory."""
+    shape = KVShape.from_config(config)
+    heads = config_value(config, "num_attention_heads")
+    groups = heads // shape.num_kv_heads
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * act_bytes + groups * chunk * (1 + act_bytes)
+    fp32_slice = 3 * READ_SLICE * shape.num_kv_heads * shape.head_dim * 4
+    return context * per_token + fp32_slice + 3 * chunk * heads * shape.head_dim * 4
+
+
+def slice_bytes(shape: KVShape, block_size: int = 16) -> int:
+    """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
+    their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
+    rounding). Measured in test_kv_cache: 0.9x of this."""
+    return 7 * SLICE_BLOCKS * block_size * shape.num_kv_heads * shape.head_dim * 4
 
 
 @dataclass
@@ -82,7 +107,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     """For each precision the largest context the memory holds, and Auto's pick: the highest
     precision that holds ``context`` plus the prefix-cache reserve."""
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
-    act = activations_bytes(config, chunk, kv_full_bytes)
+    act = activations_bytes(config, chunk, kv_full_bytes, context)
     budget = max(0, memory - w - act - headroom)
     shape = KVShape.from_config(config)
     p = Plan(memory, w, act, headroom, budget, context)

@@ -246,14 +246,15 @@ def _load_folder(folder: Path, device, dtype, weights, source):
     cpu_quant = device.type == "cpu" and weights in ("int8", "int4")
     kwargs = {"dtype": dtype}
     if weights not in ("none", "bf16") and not cpu_quant:
-        kwargs["quantization_config"] = _bnb_config(weights, device)
+        kwargs["quantization_config"] = _bnb_config(weights, device, dtype)
+    if device.type == "cuda":  # straight to the GPU: a CPU copy first would need the whole model in RAM
         kwargs["device_map"] = {"": device.index or 0}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except Exception as e:
         raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
-    if weights in ("none", "bf16") or cpu_quant:
+    if device.type != "cuda":
         model.to(device)
     if cpu_quant:
         try:
@@ -263,14 +264,15 @@ def _load_folder(folder: Path, device, dtype, weights, source):
     return model.eval(), tokenizer
 
 
-def _bnb_config(weights: str, device):
+def _bnb_config(weights: str, device, dtype: torch.dtype):
     if device.type != "cuda":
         raise ModelError(f"{weights} weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
     from transformers import BitsAndBytesConfig
 
     if weights == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    # computes in the model's dtype: fp16 on a GPU without bf16, as the rest of the model runs
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
 def _one_line(e: Exception) -> str:

@@ -21,15 +21,19 @@ def _triton_kv():
     return triton_kv
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and _triton_kv() is not None
+def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
+    """On CUDA with Triton, for a pool whose shape the kernels take (``triton_kv.unsupported``);
+    other shapes (a block of 24, a head_dim of 96) run on the reference, slower but right."""
+    if not t.is_cuda or _triton_kv() is None:
+        return False
+    return tensors is None or _triton_kv().unsupported(fmt, tensors["k"].shape[1], t.shape[-1]) is None
 
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
              keep_rows=None) -> None:
     """``keep_rows``: as in ``quant.write``; the fused kernel never hands its rows back, so on CUDA
     they are transformed once more here, only when asked."""
-    if not use_triton(key):
+    if not use_triton(key, tensors, fmt):
         return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows)
     _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
     if keep_rows is not None:
@@ -53,7 +57,7 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
     """``context_lens``, ``[1]`` int32 equal to ``context_len``, lets a captured CUDA step read the
     length from a tensor it updates in place; the block table may then be padded past the length.
     ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
-    if query.shape[0] == 1 and use_triton(query):
+    if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
                                          rotation, k_channel_scale, window=window)

@@ -36,39 +36,73 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
     vLLM's chunked prefill does. Returns ``[T, heads, D]``."""
-    q_len, dtype = query.shape[0], query.dtype
-    # Dequantize and rotate in fp32: in bf16, H @ H is 0.9998 I at D=128 and int8's error grows 9%.
-    work = torch.float32 if fmt.quantized else dtype
-    past = context_len - q_len if fresh is not None else context_len
-    k = quant.read(tensors, fmt, "k", block_table, past, first_block, work)
-    v = quant.read(tensors, fmt, "v", block_table, past, first_block, work)
-    if fresh is not None:
-        k, v = torch.cat([k, fresh[0].to(work)]), torch.cat([v, fresh[1].to(work)])
-    if window is not None:
-        s, first, wk, wv = window
-        k = quant.substitute(k, s, first, wk) if fmt.k_bits < 16 else k
-        v = quant.substitute(v, s, first, wv) if fmt.v_bits < 16 else v
+    dtype = query.dtype
+    k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window)
+            for name in ("k", "v"))
     q = query
-    if fmt.k_bits < 16:
-        q = quant.transform_queries(query.float(), rotation.float(), k_channel_scale)
-    q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if fmt.k_bits < 16:  # rotated in fp32: in bf16, H @ H is 0.9998 I at D=128
+        q = quant.transform_queries(query.float(), rotation.float(), k_channel_scale).to(dtype)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
     return quant.rotate(out.float(), rotation.float()).to(dtype) if fmt.v_bits < 16 else out
 
 
+READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy
+
+
+def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_len: int, first_block,
+                  dtype, fresh: tuple | None, window: tuple | None) -> torch.Tensor:
+    """A sequence's K or V ``[context_len, kv_heads, D]`` in the model's dtype, as attention reads
+    it: the pool's rows (a view when they are plain and consecutive), the last ones from ``fresh``,
+    the window's rows over their quantized copies. Dequantized in fp32 (int8 x an fp16 scale is
+    not exact in bf16) a slice at a time, so the fp32 copy never spans a long context."""
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    if bits == 16 and fresh is None:
+        return quant.read(tensors, fmt, name, block_table, context_len, first_block, dtype)
+    past = context_len - fresh[0].shape[0] if fresh is not None else context_len
+    out = torch.empty(context_len, *tensors[name].shape[2:-1], window_dim(tensors, name, bits), dtype=dtype,
+                      device=tensors[name].device)
+    for first in range(0, past, READ_SLICE):
+        n = min(READ_SLICE, past - first)
+        blocks, offset = slice_table(block_table, first, n, tensors[name].shape[1])
+        start = None if first_block is None else first_block + first // tensors[name].shape[1]
+        out[first:first + n] = quant.read(tensors, fmt, name, blocks, offset + n, start, torch.float32)[offset:]
+    if fresh is not None:
+        out[past:] = fresh[0 if name == "k" else 1]
+    if window is not None and bits < 16:
+        s, first, wk, wv = window
+        quant.substitute(out, s, first, wk if name == "k" else wv)
+    return out
+
+
+def window_dim(tensors: dict, name: str, bits: int) -> int:
+    """head_dim from the pool's last axis (int4 packs two values a byte)."""
+    return tensors[name].shape[-1] * (2 if bits == 4 else 1)
+
+
+def slice_table(block_table: torch.Tensor, first: int, n: int, block_size: int) -> tuple[torch.Tensor, int]:
+    """The blocks holding positions ``first .. first + n`` and the offset of ``first`` in them."""
+    lo, hi = first // block_size, -(-(first + n) // block_size)
+    return block_table[lo:hi], first - lo * block_size
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     expand_groups: bool | None = None) -> torch.Tensor:
+                     fold_groups: bool | None = None) -> torch.Tensor:
     """SDPA for ``q`` ``[1, H, T, D]``, the last T of the ``S`` positions of ``k``/``v``
     ``[1, Hkv, S, D]``, called so that a fused kernel takes it: the math kernel would build the
     ``[H, T, S]`` scores in fp32 (5 GiB for an 8B model's 512-token chunk at 32k context).
     A chunk that starts the sequence is plain causal. Later chunks need a mask, and no fused CUDA
-    kernel takes a mask with grouped K/V heads, so there K/V are expanded to the query heads
-    (``expand_groups``, CUDA by default); the CPU's fused kernel takes both."""
-    q_len, kv_len, groups = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
+    kernel takes a mask with grouped K/V heads. There (``fold_groups``, CUDA by default) each KV
+    head's query heads are folded into its query rows, ``[1, Hkv, g*T, D]``: K/V are read as they
+    are, and only the mask grows g-fold. The CPU's fused kernel takes a mask with groups."""
+    q_len, kv_len, heads, kv_heads = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     if q_len == 1 or q_len == kv_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=groups)
-    if groups and (q.is_cuda if expand_groups is None else expand_groups):
-        n = q.shape[1] // k.shape[1]
-        k, v, groups = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_len, kv_len, q.device), scale=scale,
-                                          enable_gqa=groups)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+    mask = causal_mask(q_len, kv_len, q.device)
+    if heads == kv_heads or not (q.is_cuda if fold_groups is None else fold_groups):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    g = heads // kv_heads
+    folded = q.reshape(1, kv_heads, g * q_len, q.shape[-1])
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(g, 1), scale=scale)
+    return out.reshape(q.shape)

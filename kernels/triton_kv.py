@@ -12,6 +12,24 @@ from . import quant
 from .quant import KVFormat
 
 
+def unsupported(fmt: KVFormat, block_size: int, head_dim: int) -> str | None:
+    """Why these kernels cannot serve a pool of this shape, or None. ``tl.arange`` spans powers of
+    two only: a block, a head_dim, its halves and (quantized) the halves' groups of 32."""
+    if block_size & (block_size - 1):
+        return f"block size {block_size} is not a power of two"
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        return f"head_dim {head_dim} is not a power of two"
+    if fmt.quantized and head_dim < 2 * quant.GROUP:
+        return f"head_dim {head_dim} is below {2 * quant.GROUP}, two groups of {quant.GROUP}, in {fmt.name}"
+    return None
+
+
+def _check(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
+    problem = unsupported(fmt, tensors["k"].shape[1], head_dim)
+    if problem:
+        raise ValueError(f"the Triton KV kernels cannot take this pool: {problem} (the torch reference can)")
+
+
 @triton.jit
 def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr,
                            x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
@@ -108,6 +126,7 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
     """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
     the kernel, so the host never waits to find them."""
     t, kv_heads, d = key.shape
+    _check(tensors, fmt, d)
     for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
         center = name == "k" and k_center is not None and bits < 16
         dummy = tensors[name]
@@ -137,12 +156,14 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
     return q * s
 
 
-@triton.jit
+# What changes with the context length is a runtime argument, never specialized on: a new value
+# would compile the kernel again mid-reply.
+@triton.jit(do_not_specialize=["table_stride", "kv_start", "splits"])
 def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                         sm_scale, table_stride, kv_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                         BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
-                         QG: tl.constexpr, QG_P2: tl.constexpr):
+                         sm_scale, table_stride, kv_start, splits, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                         D: tl.constexpr, BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                         BLOCKS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, QG: tl.constexpr,
+                         QG_P2: tl.constexpr):
     """One program per (sequence, KV head, split): the QG query heads that share a KV head (GQA)
     are one tile, so each K/V row is read once, not once per query head. QG_P2 pads the group to a
     power of two (the starter has 3 query heads per KV head)."""
@@ -182,7 +203,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
-    out = (b * HEADS + heads) * SPLITS + split
+    out = (b * HEADS + heads) * splits + split
     tl.store(acc_ptr + out[:, None] * D + j[None, :], acc_lo, mask=real[:, None])
     tl.store(acc_ptr + out[:, None] * D + HALF + j[None, :], acc_hi, mask=real[:, None])
     tl.store(m_ptr + out, m, mask=real)
@@ -199,6 +220,7 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     kernel reads only those between its sinks and its newest, and the rest join the merge as one
     more split."""
     batch, heads, d = query.shape
+    _check(tensors, fmt, d)
     _, bs, kv_heads, _ = tensors["k"].shape
     q = query.float()
     if k_channel_scale is not None:
@@ -218,10 +240,9 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     group = heads // kv_heads
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
-        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0), kv_start,
+        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0), kv_start, splits,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        BLOCKS_PER_SPLIT=blocks_per_split, SPLITS=splits, GROUP=quant.GROUP, QG=group,
-        QG_P2=triton.next_power_of_2(group))
+        BLOCKS_PER_SPLIT=blocks_per_split, GROUP=quant.GROUP, QG=group, QG_P2=triton.next_power_of_2(group))
     if window is not None:
         acc, m, l = _with_window_split(q, window, scale, acc, m, l)
     top = m.amax(-1, keepdim=True)

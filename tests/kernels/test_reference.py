@@ -37,6 +37,31 @@ def test_paged_attention_matches_naive_on_a_scrambled_block_table(heads, kv_head
     torch.testing.assert_close(out, naive(q, k, v, head_dim ** -0.5), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_causal_attention_with_folded_query_groups_matches_naive(fold):
+    """CUDA's path for a masked chunk folds each KV head's query heads into its rows; the CPU's
+    passes the groups to SDPA. Both against plain attention."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((13, 12, 64), (50, 4, 64), (50, 4, 64)))
+    out = reference.causal_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), 0.125, fold_groups=fold)
+    torch.testing.assert_close(out[0].transpose(0, 1), naive(q, k, v, 0.125), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_long_context_is_dequantized_in_slices_to_the_same_rows(name, monkeypatch):
+    fmt = quant.FORMATS[name]
+    g = torch.Generator().manual_seed(7)
+    pool = quant.layer_tensors(fmt, 8, 16, 2, 64, torch.float32, "cpu")
+    k = torch.randn(100, 2, 64, generator=g)
+    table = torch.randperm(8, generator=g)[:7]
+    slots = table[torch.arange(100) // 16] * 16 + torch.arange(100) % 16
+    reference.write_kv(pool, fmt, k, k, slots, quant.hadamard(64))
+    whole = quant.read(pool, fmt, "k", table, 100, None, torch.float32)
+    monkeypatch.setattr(reference, "READ_SLICE", 24)  # not a multiple of the block size
+    sliced = reference.sequence_rows(pool, fmt, "k", table, 100, None, torch.float32, None, None)
+    assert torch.equal(sliced, whole)
+
+
 def test_consecutive_table_is_a_view_with_the_same_result():
     torch.manual_seed(0)
     pool = {"k": torch.randn(8, 16, 2, 64), "v": torch.randn(8, 16, 2, 64)}

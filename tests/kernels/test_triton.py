@@ -2,6 +2,7 @@
 conftest before triton loads), or on CUDA when the suite runs with TRITON_INTERPRET=0 on a GPU
 (``make gpu-check``). Inputs are made on the CPU; only the kernel runs on DEVICE."""
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -118,3 +119,61 @@ def test_the_gpu_bench_check_runs_and_agrees():
     for r in rows:
         assert r["decode_max_abs_err"] < 1e-5
         assert r.get("write_bytes_differing", 0) < 1e-3 and r.get("write_max_steps", 0) <= 1.0
+
+
+@pytest.mark.parametrize("name, block_size, head_dim, problem", [
+    ("fp16", 24, 64, "block size 24 is not a power of two"),
+    ("fp16", 16, 96, "head_dim 96 is not a power of two"),
+    ("int8", 16, 32, "head_dim 32 is below 64"),
+])
+def test_shapes_the_kernels_cannot_take_get_a_clear_error_and_the_reference_path(name, block_size, head_dim,
+                                                                                   problem):
+    """A Triton compile error deep in a reply would be the first a user heard of it."""
+    from kvchat.kernels import dispatch
+
+    fmt = quant.FORMATS[name]
+    assert problem in triton_kv.unsupported(fmt, block_size, head_dim)
+    pool = quant.layer_tensors(fmt, 4, block_size, 2, head_dim, torch.float32, "cpu")
+    rot = quant.hadamard(head_dim) if fmt.quantized else None
+    x = torch.randn(3, 2, head_dim)
+    with pytest.raises(ValueError, match=problem):
+        triton_kv.quantize_write(pool, fmt, x, x, torch.arange(3), rot)
+    with pytest.raises(ValueError, match=problem):
+        triton_kv.paged_decode(torch.randn(1, 4, head_dim), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.tensor([3], dtype=torch.int32), 0.1, rot)
+    cuda_like = mock.Mock(is_cuda=True, shape=x.shape)
+    assert not dispatch.use_triton(cuda_like, pool, fmt)
+    ok = quant.layer_tensors(fmt, 4, 16, 2, 64, torch.float32, "cpu")
+    assert dispatch.use_triton(mock.Mock(is_cuda=True, shape=(3, 2, 64)), ok, fmt)
+
+
+def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context():
+    """``SPLITS`` was a constexpr: every 128 tokens of context compiled the kernel again, a stall
+    mid-reply. Two lengths launch with the same constants, and the integers that differ are all
+    kept out of Triton's specialization."""
+    import inspect
+
+    fmt = quant.FORMATS["int8"]
+    launches = []
+    real = triton_kv._paged_decode_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                launches.append((args, constants))
+                return real[grid](*args, **constants)
+            return launch
+
+    names = list(inspect.signature(real.fn).parameters)
+    with mock.patch.object(triton_kv, "_paged_decode_kernel", Recorder()):
+        for n in (20, 150):
+            pool, (table,), rot, _, cscale, g = scene(fmt, 4, 2, 64, [n], seed=n)
+            triton_kv.paged_decode(torch.randn(1, 4, 64, generator=g), pool, fmt, table[None].to(torch.int32),
+                                   torch.tensor([n], dtype=torch.int32), 0.125, rot, cscale, blocks_per_split=2)
+    (a, ca), (b, cb) = launches
+    assert ca == cb
+    varying = {names[i] for i, (x, y) in enumerate(zip(a, b)) if isinstance(x, int) and x != y}
+    assert varying == {"table_stride", "splits"}
+    listed = real.kwargs["do_not_specialize"] if hasattr(real, "kwargs") else real.do_not_specialize  # interpreted
+    unspecialized = {names[d] if isinstance(d, int) else d for d in listed}
+    assert varying <= unspecialized
