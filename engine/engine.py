@@ -22,6 +22,7 @@ from .persona_store import PersonaStore
 from .sampler import Sampler
 
 log = logging.getLogger("kvchat.engine")
+PRESSURE_SLACK = 256 << 20  # short by less (or an eighth of the pool): a module loaded late, not a program
 SNAPSHOT_PERIOD = 1.0  # seconds between memory snapshots
 
 
@@ -227,7 +228,7 @@ class Engine:
         (Auto) so that what is in use still fits. Unreferenced cached blocks go first."""
         pool = self.kvpool
         allowed = self._kv_room(total, other)
-        if allowed >= pool.budget:
+        if allowed >= pool.budget - min(PRESSURE_SLACK, pool.budget // 8):
             return
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
         old = pool.precision

@@ -178,6 +178,13 @@ class KVCache:
                 window.set_sinks(*sinks)
         return window
 
+    def keep_sinks(self, token_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sink rows ``[layers, sinks, kv_heads, D]`` read back from disk with a persona."""
+        device = self.layers[0]["k"].device
+        self.sink_cache[tuple(token_ids[:k.shape[1]])] = (k.to(device, self.dtype), v.to(device, self.dtype))
+        while len(self.sink_cache) > SINK_CACHE_ENTRIES:
+            self.sink_cache.popitem(last=False)
+
     def remember_sinks(self, token_ids: list[int], window: quant.RecentWindow) -> None:
         key = tuple(token_ids[:window.sinks])
         if key in self.sink_cache:

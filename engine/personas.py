@@ -2,11 +2,14 @@
 import logging
 from collections import OrderedDict
 
+from kvchat.kernels.quant import SINKS
+
 from .kv_cache import KVCache
 from .kv_manager import KVCacheManager, Sequence
 from .persona_store import PersonaStore
 
 log = logging.getLogger("kvchat.personas")
+SINK_NAMES = ("sink_k", "sink_v")  # in a persona file: the sink rows of a quantized pool
 
 
 class PersonaCache:
@@ -33,12 +36,15 @@ class PersonaCache:
         tensors = self.store.load(self.key(seq, n), self.manager.extra_key, tokens)
         if tensors is None:
             return 0
+        sinks = [tensors.pop(name, None) for name in SINK_NAMES]
         self.manager.reserve(seq, n * bs)
         try:
             self.kv.write_blocks([b.id for b in seq.blocks[have:n]], {k: v[:, have:n] for k, v in tensors.items()})
         except ValueError as e:
             log.warning("persona cache file does not fit this pool: %s", e)
             return 0
+        if None not in sinks:
+            self.kv.keep_sinks(tokens, *sinks)
         seq.num_computed = n * bs
         self.manager.commit(seq)
         return (n - have) * bs
@@ -52,6 +58,9 @@ class PersonaCache:
         self._pin(key, seq.blocks[:n], seq.hashes[:n])
         if self.store is not None and not self.store.has(key):
             tensors = self.kv.read_blocks([b.id for b in seq.blocks[:n]])
+            sinks = self.kv.sink_cache.get(tuple(seq.token_ids[:SINKS]))
+            if sinks is not None:  # a quantized pool: the first tokens in full precision, exact after a restart
+                tensors.update({name: t.cpu() for name, t in zip(SINK_NAMES, sinks)})
             try:
                 self.store.save(key, self.manager.extra_key, seq.token_ids[:n * self.manager.block_size], tensors)
             except OSError as e:

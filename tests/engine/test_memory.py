@@ -113,3 +113,31 @@ def test_the_reserve_for_an_8b_model_at_32k_counts_its_attention():
     per_token = 2 * 8 * 128 * 2 + 4 * 512 * 3  # K and V in bf16, the folded mask and its bf16 copy
     assert attention_bytes(cfg, 512, 32768) == 32768 * per_token + 3 * 2048 * 8 * 128 * 4 + 3 * 512 * 32 * 128 * 4
     assert activations_bytes(cfg, 512, 2, 32768) - activations_bytes(cfg, 512, 2, 0) > 0.2 * GiB
+
+
+def test_nvml_opens_the_gpu_torch_uses_by_its_uuid_not_index_0(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=1 (or a MIG slice) torch's cuda:0 is not NVML's device 0."""
+    import sys
+    import types
+
+    import torch
+
+    from kvchat.engine import memory
+
+    class FakeNVML(types.ModuleType):
+        NVMLError = RuntimeError
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            raise AssertionError("opened by index")
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            if uuid != "GPU-5f3c-second-card":
+                raise RuntimeError("not found")
+            return "second card"
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML("pynvml"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="5f3c-second-card"))
+    assert memory.nvml_handle(torch.device("cuda", 0)) == "second card"

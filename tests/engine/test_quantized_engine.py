@@ -151,3 +151,19 @@ def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(
     window = seq.window
     assert pool.rebuild("int8", pool.budget, [seq]) and seq.window is window
     torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want, atol=2e-3, rtol=1e-3)
+
+
+def test_a_persona_restored_from_disk_keeps_its_exact_sinks(starter, tmp_path):
+    """The persona file carries the full-precision rows of the first tokens, so a restarted app
+    attends to them as exactly as a warm one, not to their int4 copies."""
+    messages = [PERSONA, {"role": "user", "content": "Name a river."}]
+    engine = shared_engine(starter, "int4", PersonaStore(tmp_path))
+    engine.generate(messages, max_new_tokens=2, temperature=0)
+    (key, (warm_k, warm_v)), = engine.kvpool.kv.sink_cache.items()
+    engine.close()
+    restarted = shared_engine(starter, "int4", PersonaStore(tmp_path))
+    done = restarted.generate(messages, max_new_tokens=2, temperature=0)
+    restored = restarted.kvpool.kv.sink_cache.get(key)
+    restarted.close()
+    assert done.stats.cached_tokens > 0 and restored is not None
+    assert torch.equal(restored[0], warm_k) and torch.equal(restored[1], warm_v)
