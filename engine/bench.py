@@ -164,14 +164,15 @@ def report_kv(result: dict, as_json: bool) -> None:
 
 def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float = 3.5, max_turns: int = 60) -> dict:
     """A pool sized for ``pool_tokens`` at fp16 serves, under Auto, a conversation ``growth`` times
-    longer; the downshifts are logged and the last reply is scored against an fp16 cache."""
-    from .evaluate import continuation_ppl
+    longer; the downshifts are logged and the last reply is scored in the engine's own pool, as its
+    conversions left it, by KL divergence against an unconstrained fp16 cache."""
+    from .evaluate import reply_kl
     from .events import Finished, Notice
     from .kv_cache import KVShape, bytes_per_token
 
     lm = load(model)
     shape = KVShape.from_config(lm.model.config)
-    budget = int(pool_tokens * bytes_per_token(shape, "fp16", 2))  # fp16 bytes, though the CPU computes in fp32
+    budget = int(pool_tokens * bytes_per_token(shape, "fp16", lm.dtype.itemsize))  # fp32 on the CPU, bf16 on a GPU
     target = int(pool_tokens * growth)
     engine = Engine(EngineConfig(model=model, kv_precision="auto", kv_budget_bytes=budget,
                                  max_context=4 * pool_tokens), loaded=lm, persona_store=None)
@@ -203,17 +204,15 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
             break
     prompt = engine.formatter.encode(messages[:-1]).token_ids
     final = engine.precision.value
-    engine.close()
     reply = last.token_ids
-    fp16_ppl = continuation_ppl(lm, prompt, reply, "fp16")
-    final_ppl = continuation_ppl(lm, prompt, reply, final)
+    kl = reply_kl(lm, engine.kvpool, prompt, reply)  # the engine is idle: its pool is read as it is
+    engine.close()
     return {"machine": machine(), "model": model, "pool_tokens_at_fp16": pool_tokens, "pool_bytes": budget,
             "turns": turn, "conversation_tokens": last.stats.prompt_tokens + last.stats.generated_tokens,
             "ratio_to_pool": (last.stats.prompt_tokens + last.stats.generated_tokens) / pool_tokens,
             "errors": errors, "trimmed_messages": last.stats.trimmed_messages, "downshifts": shifts,
             "final_precision": final, "last_reply_tokens": len(reply),
-            "last_reply_ppl_fp16": fp16_ppl, "last_reply_ppl_final": final_ppl,
-            "last_reply_ppl_increase_pct": 100 * (final_ppl / fp16_ppl - 1)}
+            "last_reply_kl_mean": kl["kl_mean"], "last_reply_kl_max": kl["kl_max"]}
 
 
 def report_memory(r: dict, as_json: bool) -> None:
@@ -221,12 +220,12 @@ def report_memory(r: dict, as_json: bool) -> None:
         print(json.dumps(r, indent=2))
         return
     print(f"machine: {r['machine']}")
-    print(f"pool: {r['pool_bytes'] / 2**20:.1f} MiB = {r['pool_tokens_at_fp16']} tokens at fp16 (2 bytes; on the CPU "
-          f"the fp16 mode stores fp32, half as many), Auto")
+    print(f"pool: {r['pool_bytes'] / 2**20:.1f} MiB = {r['pool_tokens_at_fp16']} tokens in the fp16 mode (the "
+          f"model's dtype: fp32 on the CPU), Auto")
     print(f"conversation: {r['turns']} turns, {r['conversation_tokens']} tokens = {r['ratio_to_pool']:.2f} x the "
           f"fp16 pool, {r['errors']} errors, {r['trimmed_messages']} messages trimmed")
     for s in r["downshifts"]:
         print(f"  turn {s['turn']}: {s['message']}")
-    print(f"final precision {r['final_precision']}; last reply ({r['last_reply_tokens']} tokens) perplexity "
-          f"{r['last_reply_ppl_final']:.3f} vs {r['last_reply_ppl_fp16']:.3f} with an unconstrained fp16 cache "
-          f"({r['last_reply_ppl_increase_pct']:+.2f}%)")
+    print(f"final precision {r['final_precision']}; last reply ({r['last_reply_tokens']} tokens) in the engine's "
+          f"own pool against an unconstrained fp16 cache: KL mean {r['last_reply_kl_mean']:.5f}, "
+          f"max {r['last_reply_kl_max']:.5f} nats")

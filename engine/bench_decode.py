@@ -52,11 +52,16 @@ class IdTokenizer:
     """Stands in for a tokenizer beside random weights: text to ids by its bytes (what calibration
     needs), ids to placeholder text."""
 
+    eos_token_id = None  # random weights: nothing to stop at
+
     def __init__(self, vocab: int):
         self.vocab = vocab
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
         return {"input_ids": [3 + b % (self.vocab - 3) for b in text.encode()]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(0x4E00 + i % 20000) for i in ids)  # one printable character per id
 
 
 def random_model(config_path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:

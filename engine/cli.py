@@ -52,8 +52,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "capped"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
+                            "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
@@ -69,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--paths", default="eager,compiled,transformers",
                         help="comma-separated: eager, compiled, transformers")
+    decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
+    decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
     pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
     pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
     pl.add_argument("--context", type=int, required=True)
@@ -192,6 +195,20 @@ def cmd_bench(args) -> int:
         bench_decode.report(bench_decode.bench_decode(
             args.model, args.random_weights, args.device, args.dtype, args.weights, args.kv_precision,
             args.prompt_len, args.new_tokens, args.repeats, paths), args.json)
+    elif args.which == "capped":
+        from . import bench_capped
+        from .memory import parse_bytes
+
+        if not args.random_weights:
+            raise ConfigError("bench capped needs --random-weights CONFIG, e.g. engine/shapes/llama-3.1-8b.json")
+        try:
+            prompts = tuple(int(n) for n in args.prompts.split(","))
+        except ValueError:
+            raise ConfigError(f"--prompts takes comma-separated token counts, not {args.prompts!r}") from None
+        result = bench_capped.bench_capped(args.random_weights, args.device, args.dtype, parse_bytes(args.memory),
+                                           prompts)
+        bench_capped.report(result, args.json)
+        return 0 if all(p["ok"] for p in result["phases"]) else 1  # out of memory: the check failed
     elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
     elif args.which == "memory":

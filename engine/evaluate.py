@@ -114,18 +114,28 @@ def main(which: str, model: str, text_file: str, context: int, precision: str, a
               f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
 
 
-def continuation_ppl(lm: LoadedModel, prompt: list[int], reply: list[int], precision: Precision,
-                     chunk: int = 64) -> float:
-    """Perplexity of ``reply`` after ``prompt``, both prefilled in chunks through a paged cache."""
-    tokens = prompt + reply
-    pool = KVPool.for_tokens(lm, len(tokens), precision)
+@torch.inference_mode()
+def reply_logprobs(pool: KVPool, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[len(reply), vocab]`` of each reply token's position, decoded one token
+    at a time through ``pool`` as a chat decodes it. On a live engine's pool the conversation's
+    cached blocks are used as they are: after its conversions, what the reply really read."""
+    seq = Sequence(list(prompt) + list(reply))
     manager, runner = pool.manager, pool.runner
-    seq = Sequence(tokens)
-    manager.reserve(seq, len(tokens))
-    rows = []
-    while seq.num_computed < len(tokens):
-        start = seq.num_computed
-        rows.append(runner.forward(seq, min(start + chunk, len(tokens)), want_logits="all"))
-    logp = torch.log_softmax(torch.cat(rows)[len(prompt) - 1:-1], dim=-1)
-    target = torch.tensor(reply, device=logp.device)
-    return math.exp(-logp.gather(1, target[:, None]).mean().item())
+    manager.match_prefix(seq)
+    manager.reserve(seq, len(seq))
+    try:
+        while seq.num_computed < len(prompt) - 1:
+            runner.forward(seq, min(seq.num_computed + 512, len(prompt) - 1), want_logits=False)
+        rows = [runner.forward(seq, p + 1, want_logits=True) for p in range(len(prompt) - 1, len(seq) - 1)]
+    finally:
+        manager.free(seq)
+    return torch.log_softmax(torch.stack(rows), dim=-1)
+
+
+def reply_kl(lm: LoadedModel, pool: KVPool, prompt: list[int], reply: list[int]) -> dict:
+    """KL(fp16 || ``pool``) over a reply: ``pool`` (an engine's own, converted as the chat went)
+    against an unconstrained fp16 pool holding the whole conversation."""
+    ref = reply_logprobs(KVPool.for_tokens(lm, len(prompt) + len(reply), Precision.FP16), prompt, reply)
+    got = reply_logprobs(pool, prompt, reply)
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "positions": len(kl)}

@@ -69,26 +69,30 @@ class KVCache:
         return f"{self.precision.value}|{self.dtype}{rot}"
 
     def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,
-                  windows=()) -> "KVCache":
+                  windows=(), release: bool = False) -> "KVCache":
         """This pool's contents in another layout and size; block ids are kept (a shrink drops
         ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
         only read, so an allocation failure at any point leaves it as it was; the caller swaps
         and drops the old. Converted ``SLICE_BLOCKS`` at a time, so the working memory above the two
         pools is bounded (``memory.slice_bytes``), not a whole layer in fp32. ``windows``,
         ``(RecentWindow, block ids, length)`` of live sequences, get their sinks and newest tokens
-        as this pool holds them (exact when it is the fp16 pool)."""
+        as this pool holds them (exact when it is the fp16 pool). With ``release``, for when the
+        two pools cannot fit side by side, the new pool grows and this one is freed layer by layer:
+        the peak is one layer above the larger pool, but a failure midway leaves this pool unusable."""
         new = KVCache.__new__(KVCache)
         new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
         device = self.device
         new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
         new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
-        new.layers = [quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
-                                          self.shape.head_dim, self.dtype, device) for _ in self.layers]
+        allocate = lambda: quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
+                                               self.shape.head_dim, self.dtype, device)
+        new.layers = [None if release else allocate() for _ in self.layers]
         # every quantized mode transforms keys alike, so sinks carry over between them
         new.sink_cache = self.sink_cache.copy() if self.format.quantized and new.format.quantized else OrderedDict()
         keep_slots = min(num_blocks, self.num_blocks) * self.block_size
-        for i, layer in enumerate(new.layers):
+        for i in range(len(new.layers)):
+            layer = new.layers[i] = new.layers[i] or allocate()
             center = new.k_centers[i] if new.k_centers is not None else None
             scale = new.k_scales[i] if new.k_scales is not None else None
             for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
@@ -104,6 +108,8 @@ class KVCache:
                     k, v = self._plain(i, slots)
                     window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
                                  quant.rotate(v, new.rotation))
+            if release:
+                self.layers[i] = None
         return new
 
     @property

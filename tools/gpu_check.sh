@@ -59,6 +59,10 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 step kernel_tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_decode_step.py \
     -k "not starter and not falls_back" --junitxml="$OUT/kernel_tests.xml"
 step decode_bf16 150 $KV bench decode --random-weights "$SHAPE" --device "$DEVICE" --dtype "$DTYPE" --repeats 2 --json
+# a 24 GB RTX card on the big GPU: Auto's pool, a 16k and a 32k prompt, then the full pool to int8
+CAPPED="--memory 24GiB --prompts 16384,32768"
+[ "$DEVICE" = cpu ] && CAPPED="--memory 2GiB --prompts 1024,2048"
+step capped_24gb 150 $KV bench capped --random-weights "$SHAPE" --device "$DEVICE" --dtype "$DTYPE" $CAPPED --json
 CONTEXTS="32768 8192"
 [ "$DEVICE" = cpu ] && CONTEXTS=2048
 for ctx in $CONTEXTS; do

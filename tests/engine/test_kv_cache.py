@@ -68,3 +68,12 @@ def test_an_allocation_failure_mid_conversion_leaves_the_old_pool_whole():
         kv.converted("int4", 64, *STATS)
     assert all(layer is not None for layer in kv.layers)
     assert all(torch.equal(before[i][n], t) for i, layer in enumerate(kv.layers) for n, t in layer.items())
+
+
+def test_a_conversion_that_releases_frees_each_old_layer_once_converted():
+    """For when the two pools cannot fit side by side: same result, the old pool given up."""
+    kv, twin = filled("fp16", 64), filled("fp16", 64)
+    new = kv.converted("int8", 64, *STATS, release=True)
+    want = twin.converted("int8", 64, *STATS)
+    assert kv.layers == [None, None]
+    assert all(torch.equal(new.layers[i][n], want.layers[i][n]) for i in range(2) for n in want.layers[i])
