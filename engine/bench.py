@@ -107,7 +107,37 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     restarted.close()
     result.update({"c_restart_ttft_ms": again, "c_restart_cached_tokens": third.stats.cached_tokens,
                    "c_ratio": again / cold})
+    result.update(bench_long_chat(model))
     return result
+
+
+def long_chat(n: int) -> list[dict]:
+    """``n`` messages of a librarian chat, user and assistant in turn."""
+    out = []
+    for i in range(n // 2):
+        out.append({"role": "user", "content": USER_TURNS[i % len(USER_TURNS)] + f" (question {i})"})
+        out.append({"role": "assistant", "content": f"Shelf {i % 9}, row {i % 5}: the harbour books are there, "
+                                                    "with the old maps in the cabinet beside them."})
+    return out
+
+
+def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3) -> dict:
+    """(d) TTFT of a new turn after ``n`` messages whose prefix is cached: what is left is the
+    prompt's encoding, the prefix match and the last block, which must not grow with the chat."""
+    engine = Engine(EngineConfig(model=model, max_context=8192), persona_store=None)
+    engine.wait_ready()
+    out = {}
+    for n in lengths:
+        history = long_chat(n)
+        question = "Thank you. Is there a photocopier on the ground floor"
+        _ttft(engine, history + [{"role": "user", "content": question + "?"}])  # computes the whole history
+        runs = [_ttft(engine, history + [{"role": "user", "content": question + "!" * (r + 1)}]) for r in range(repeats)]
+        out[n] = (statistics.median(t for t, _ in runs), runs[-1][1].stats)
+    engine.close()
+    short, long_ = lengths
+    return {"d_messages": long_, "d_prompt_tokens": out[long_][1].prompt_tokens,
+            "d_cached_tokens": out[long_][1].cached_tokens, "d_ttft_short_ms": out[short][0],
+            "d_ttft_long_ms": out[long_][0], "d_ratio": out[long_][0] / out[short][0]}
 
 
 def report_prefix(r: dict, as_json: bool) -> None:
@@ -126,6 +156,9 @@ def report_prefix(r: dict, as_json: bool) -> None:
           f"{r['b_transformers_ttft_last_ms']:.0f} ms   ratio {r['b_transformers_ratio']:.2f}")
     print(f"(c) restart with the disk cache: TTFT {r['c_restart_ttft_ms']:.0f} ms "
           f"({r['c_restart_cached_tokens']} cached)   restart/cold {r['c_ratio']:.3f}  (target <= 0.3)")
+    print(f"(d) a new turn after {r['d_messages']} messages ({r['d_prompt_tokens']} prompt tokens, "
+          f"{r['d_cached_tokens']} cached): TTFT {r['d_ttft_long_ms']:.0f} ms against {r['d_ttft_short_ms']:.0f} ms "
+          f"after 2   ratio {r['d_ratio']:.2f}  (target <= 1.5)")
 
 
 def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 128, repeats: int = 3) -> dict:
@@ -229,3 +262,85 @@ def report_memory(r: dict, as_json: bool) -> None:
     print(f"final precision {r['final_precision']}; last reply ({r['last_reply_tokens']} tokens) in the engine's "
           f"own pool against an unconstrained fp16 cache: KL mean {r['last_reply_kl_mean']:.5f}, "
           f"max {r['last_reply_kl_max']:.5f} nats")
+
+
+def bench_switch(model: str = "starter") -> dict:
+    """Peak resident memory while the engine switches from ``model`` to ``model`` (sampled every
+    5 ms) against its steady state; the time from a quit mid-reply to the process being gone."""
+    import threading
+
+    import psutil
+
+    from .events import TokenDelta
+
+    proc = psutil.Process()
+    config = EngineConfig(model=model)
+    engine = Engine(config, persona_store=None)
+    engine.wait_ready()
+    engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=4, temperature=0)
+    time.sleep(1.5)
+    steady = proc.memory_info().rss
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append(proc.memory_info().rss)
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.perf_counter()
+    engine.load_model(config).result()
+    switch_s = time.perf_counter() - started
+    engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=4, temperature=0)
+    stop.set()
+    sampler.join()
+    after = proc.memory_info().rss
+    engine.close()
+    return {"machine": machine(), "model": model, "steady_rss": steady, "switch_peak_rss": max(samples),
+            "after_switch_rss": after, "peak_ratio": max(samples) / steady, "switch_s": switch_s,
+            "quit_mid_reply_s": _quit_mid_reply(model)}
+
+
+QUIT_SCRIPT = """
+import sys
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import Request, TokenDelta
+engine = Engine(EngineConfig(model=sys.argv[1]), persona_store=None)
+engine.wait_ready()
+handle = engine.submit(Request(messages=[{"role": "user", "content": "Write a long story."}],
+                               sampling=SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)))
+for n, event in enumerate(e for e in handle if isinstance(e, TokenDelta)):
+    if n == 5:
+        break
+print("streaming", flush=True)
+sys.stdin.readline()
+engine.close()
+"""
+
+
+def _quit_mid_reply(model: str) -> float:
+    """Seconds from "quit" (mid-reply) to the process being gone, interpreter teardown included."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", QUIT_SCRIPT, model], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child.stdout.readline()
+    started = time.perf_counter()
+    child.stdin.write("quit\n")
+    child.stdin.flush()
+    child.wait()
+    return time.perf_counter() - started
+
+
+def report_switch(r: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"
+    print(f"machine: {r['machine']}")
+    print(f"{r['model']} -> {r['model']}: steady {mib(r['steady_rss'])}, peak during the switch "
+          f"{mib(r['switch_peak_rss'])} ({r['peak_ratio']:.2f} x, target <= 1.1), after {mib(r['after_switch_rss'])}, "
+          f"switch {r['switch_s']:.1f} s")
+    print(f"quit mid-reply: process gone in {r['quit_mid_reply_s']:.2f} s (target <= 3)")

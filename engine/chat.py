@@ -5,6 +5,7 @@ difference between the rendering of the conversation up to it and up to the one 
 assistant message that carries ``token_ids`` (what the engine generated) keeps them verbatim:
 only the template's text around its content is tokenized.
 """
+from collections import OrderedDict
 from dataclasses import dataclass
 
 # Used when a model ships no chat template: ChatML, which most instruction-tuned small models
@@ -17,6 +18,7 @@ FALLBACK_TEMPLATE = (
 )
 ROLES = ("system", "user", "assistant")
 _SENTINEL = "\x00kvchat-content\x00"
+SEGMENT_CACHE = 4096  # messages whose text and tokens are remembered (a long chat has a few hundred)
 
 
 class ChatError(ValueError):
@@ -31,10 +33,17 @@ class Encoded:
 
 
 class ChatFormatter:
-    def __init__(self, tokenizer):
+    """Each message's text is what the template adds for it after the message before: one render
+    of two messages, cached, so a turn of a long chat costs one new render plus one full render to
+    check the pieces add up. A template for which they do not (one that rewrites history, or
+    numbers its messages) is rendered prefix by prefix instead, as a whole conversation must be."""
+
+    def __init__(self, tokenizer, cache_entries: int = SEGMENT_CACHE):
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
         self.uses_fallback = not getattr(tokenizer, "chat_template", None)
+        self.cache_entries = cache_entries
+        self._segments: OrderedDict[tuple, tuple[str, list[int]]] = OrderedDict()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         if not messages and not add_generation_prompt:
@@ -48,18 +57,58 @@ class ChatFormatter:
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
         validate(messages, need_user=add_generation_prompt)
+        pieces = self._by_pairs(messages, add_generation_prompt) or self._by_prefixes(messages, add_generation_prompt)
         ids: list[int] = []
         starts = []
-        before = ""
-        for i, message in enumerate(messages):
+        for tokens in pieces[:len(messages)]:
             starts.append(len(ids))
-            after = self.render(messages[:i + 1])
-            ids += self._message_tokens(messages[:i], message, before, after)
-            before = after
+            ids += tokens
         prompt_start = len(ids)
         if add_generation_prompt:
-            ids += self.tokenize(_delta(before, self.render(messages, add_generation_prompt=True)))
+            ids += pieces[-1]
         return Encoded(ids, starts, prompt_start)
+
+    def _by_pairs(self, messages: list[dict], add_generation_prompt: bool) -> list[list[int]] | None:
+        """Per-message tokens from renders of (previous message, message); None when the template
+        does not compose that way."""
+        try:
+            pieces = [self._piece(messages[i - 1] if i else None, m) for i, m in enumerate(messages)]
+            if add_generation_prompt:
+                last = messages[-1:]
+                pieces.append((_delta(self.render(last), self.render(last, True)), None))
+            whole = self.render(messages, add_generation_prompt)
+        except Exception:  # a template that insists on its own message order (raise_exception)
+            return None
+        if "".join(text for text, _ in pieces) != whole:
+            return None
+        return [tokens if tokens is not None else self.tokenize(text) for text, tokens in pieces]
+
+    def _piece(self, previous: dict | None, message: dict) -> tuple[str, list[int]]:
+        key = (_key(previous), _key(message))
+        hit = self._segments.get(key)
+        if hit is not None:
+            self._segments.move_to_end(key)
+            return hit
+        history = [previous] if previous is not None else []
+        before = self.render(history)
+        after = self.render(history + [message])
+        text = _delta(before, after)
+        piece = (text, self._message_tokens(history, message, before, after))
+        self._segments[key] = piece
+        if len(self._segments) > self.cache_entries:
+            self._segments.popitem(last=False)
+        return piece
+
+    def _by_prefixes(self, messages: list[dict], add_generation_prompt: bool) -> list[list[int]]:
+        pieces = []
+        before = ""
+        for i, message in enumerate(messages):
+            after = self.render(messages[:i + 1])
+            pieces.append(self._message_tokens(messages[:i], message, before, after))
+            before = after
+        if add_generation_prompt:
+            pieces.append(self.tokenize(_delta(before, self.render(messages, add_generation_prompt=True))))
+        return pieces
 
     def _message_tokens(self, history, message, before: str, after: str) -> list[int]:
         generated = message.get("token_ids")
@@ -74,6 +123,13 @@ class ChatFormatter:
                     body.pop()
                 return self.tokenize(head) + body + tail_ids
         return self.tokenize(_delta(before, after))
+
+
+def _key(message: dict | None) -> tuple | None:
+    if message is None:
+        return None
+    ids = message.get("token_ids")
+    return message["role"], message["content"], tuple(ids) if ids else None
 
 
 def _delta(before: str, after: str) -> str:
@@ -93,6 +149,10 @@ def validate(messages: list[dict], need_user: bool = True) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ChatError(f"message {i} needs a role ({', '.join(ROLES)}) and a string content")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (a shell argument)
+            raise ChatError(f"message {i} is not valid UTF-8 text") from None
     if not need_user:
         return
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):

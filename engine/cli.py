@@ -19,7 +19,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="compiled: inductor on the CPU, CUDA graphs on CUDA (default: auto; eager for "
                         "generate, where a compile costs more than one reply saves)")
     p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
-    p.add_argument("--context", type=int, default=8192, help="context length in tokens")
+    p.add_argument("--context", type=int, default=8192,
+                   help="context length in tokens (capped at the model's trained length)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let --context pass the model's trained length (answers get worse past it)")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -52,10 +55,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "capped"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "switch", "capped"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
-                            "kernels: Triton vs reference on CUDA")
+                            "kernels: Triton vs reference on CUDA; switch: memory during a model switch")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     decode = bench.add_argument_group("decode")
@@ -94,7 +97,8 @@ def parser() -> argparse.ArgumentParser:
 def make_config(args) -> EngineConfig:
     decode = args.decode or os.environ.get("KVCHAT_DECODE") or ("eager" if args.command == "generate" else "auto")
     return EngineConfig(model=args.model, device=args.device, weights=args.weights, decode=decode,
-                        kv_precision=args.kv_precision, max_context=args.context, threads=args.threads)
+                        kv_precision=args.kv_precision, max_context=args.context, threads=args.threads,
+                        allow_long_context=args.allow_long_context)
 
 
 def make_sampling(args) -> SamplingParams:
@@ -213,6 +217,8 @@ def cmd_bench(args) -> int:
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
     elif args.which == "memory":
         bench.report_memory(bench.bench_memory(args.model), args.json)
+    elif args.which == "switch":
+        bench.report_switch(bench.bench_switch(args.model), args.json)
     elif args.which == "kv":
         bench.report_kv(bench.bench_kv(args.model), args.json)
     else:
@@ -224,7 +230,8 @@ def cmd_bench(args) -> int:
 
 def cmd_plan(args) -> int:
     from . import memory
-    from .models import load_config, pick_device
+    from .config import check_model_config
+    from .models import SUPPORTED, load_config, pick_device
 
     try:
         headroom = memory.parse_bytes(args.headroom)
@@ -238,7 +245,12 @@ def cmd_plan(args) -> int:
         raise ConfigError(str(e)) from None
     if args.context <= 0:
         raise ConfigError("--context must be positive")
-    result = memory.plan(load_config(args.model), total, args.context, args.weights, headroom,
+    try:
+        config = load_config(args.model)
+    except ValueError as e:  # JSON that does not parse, a file that is not UTF-8
+        raise ConfigError(f"{args.model}: not a readable config.json ({_first_line(e)})") from None
+    check_model_config(config, args.model, SUPPORTED)
+    result = memory.plan(config, total, args.context, args.weights, headroom,
                          kv_full_bytes=4 if args.weights == "fp32" else 2)
     print(json.dumps(result.as_dict(), indent=2) if args.json else memory.format_plan(result))
     return 0
@@ -268,6 +280,10 @@ def main(argv=None) -> int:
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def _quiet_transformers() -> None:

@@ -36,6 +36,7 @@ class EngineConfig:
     headroom_bytes: int = 1 << 30  # device memory left free for everything else
     prefill_chunk: int = 512
     threads: int | None = None
+    allow_long_context: bool = False  # a context past the model's trained length (warned), else capped
 
     def __post_init__(self):
         try:
@@ -52,6 +53,8 @@ class EngineConfig:
         for name in ("block_size", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be a positive integer, not {self.threads!r}")
 
 
 @dataclass
@@ -79,6 +82,10 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise ConfigError("seed must be an integer")
+            self.seed %= 2 ** 64  # torch takes seeds in [0, 2**64); any integer names one
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
@@ -86,3 +93,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+MODEL_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def check_model_config(config, where: str, supported: tuple[str, ...]) -> None:
+    """A model config (a config.json dict or a transformers config) that the planner can use, or
+    ConfigError saying in one line what is wrong with it."""
+    config = getattr(config, "text_config", None) or config
+    if not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else None
+    if not config:
+        raise ConfigError(f"{where}: not a model config (an empty or non-object JSON)")
+    kind = config.get("model_type")
+    if kind not in supported:
+        raise ConfigError(f"{where}: architecture {kind!r} is not supported (supported: {', '.join(supported)})")
+    for name in MODEL_SIZES + ("num_key_value_heads", "head_dim"):
+        value = config.get(name)
+        if value is None and name not in MODEL_SIZES:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: {name} must be a positive integer, not {value!r}")

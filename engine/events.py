@@ -1,6 +1,8 @@
 """What a request hands back: events, and the handle that carries them across threads."""
+import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .config import SamplingParams
@@ -8,6 +10,10 @@ from .config import SamplingParams
 
 class EngineError(RuntimeError):
     """A request the engine could not serve; the message is one line for the user."""
+
+
+class Refused(EngineError):
+    """A command the engine declined without trying (shut down, no model, replaced); one line."""
 
 
 @dataclass
@@ -54,6 +60,32 @@ class Notice:
 
 
 @dataclass
+class ModelReady:
+    """A model finished loading and serves requests; ``settings`` are the engine's config as a
+    dict, ``model_config`` the model's own (transformers) config, for planning."""
+    label: str
+    settings: dict
+    model_config: object = None
+
+
+@dataclass
+class LoadFailed:
+    """A model could not be loaded. ``settings`` are those of the previous model when it is back
+    (and serves requests again), None when no model is loaded."""
+    message: str
+    settings: dict | None = None
+
+    @property
+    def restored(self) -> bool:
+        return self.settings is not None
+
+
+@dataclass
+class Reconfigured:
+    settings: dict  # kv_precision, max_context, kv_budget as applied
+
+
+@dataclass
 class Error:
     message: str
     internal: bool = False  # a bug or a device failure, not the request's fault
@@ -67,10 +99,35 @@ class Request:
 
 
 class RequestHandle:
-    def __init__(self, request: Request):
+    """A request's events, in order, ending with Finished or Error. ``listener``, when given, sees
+    each event too, on the engine thread (it must only hand it on). ``future`` resolves with the
+    last event (Finished, or EngineError for Error), so a request's end can be awaited like any
+    other command's."""
+
+    def __init__(self, request: Request, listener=None):
         self.request = request
         self.events: queue.Queue = queue.Queue()
+        self.future: Future = Future()
+        self.listener = listener
         self._cancel = threading.Event()
+
+    def put(self, event, refused: bool = False) -> None:
+        if self.future.done():  # a request ends once; later events (a shutdown's refusal) are moot
+            return
+        self.events.put(event)
+        if self.listener is not None:
+            try:
+                self.listener(event)
+            except Exception:  # a broken listener must not take the engine thread down
+                logging.getLogger("kvchat.engine").exception("a request listener failed")
+        if isinstance(event, Finished):
+            self.future.set_result(event)
+        elif isinstance(event, Error):
+            self.future.set_exception((Refused if refused else EngineError)(event.message))
+
+    def refuse(self, reason: str) -> None:
+        """End a request the engine will not run: an Error event, and Refused from the future."""
+        self.put(Error(reason), refused=True)
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -71,17 +71,22 @@ class KVPool:
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
         """Convert the pool to ``precision`` within ``budget`` bytes, keeping cached prefixes and
-        the live sequences' blocks. False when the live blocks would not fit."""
+        the live sequences' blocks. False when the live blocks would not fit. Allocate new,
+        convert, swap, free old: until the swap nothing but a compaction's block copies touches
+        this pool, so an error before it (calibration, allocation, conversion) leaves the pool, its
+        blocks and the live sequences' windows as they were."""
         precision = Precision(precision)
         n = self.blocks_for(precision, budget)
-        if n < self.pool.num_blocks and not self.pool.shrink(n):
-            moves = self.pool.compact(n)
-            if moves is None:
-                return False
-            self.kv.move_blocks(moves)
-            self.pool.shrink(n)
+        if n < self.pool.num_blocks and not self._clear_tail(n):
+            return False
         stats = self.key_stats() if precision != Precision.FP16 else (None, None)
-        self.kv = self.kv.converted(precision, n, *stats, windows=self._carry_windows(precision, live))
+        windows = self._new_windows(precision, live)
+        new_kv = self.kv.converted(precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
+        for seq, window, _ in windows:
+            seq.window = window
+        if n < self.pool.num_blocks:
+            self.pool.shrink(n)  # cannot fail: _clear_tail moved every live block below n
+        self.kv = new_kv
         self.pool.grow(n)
         self.budget = budget
         self.manager.relayout(self.extra_key(), list(live))
@@ -89,17 +94,29 @@ class KVPool:
         self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
         return True
 
-    def _carry_windows(self, precision: Precision, live) -> list:
+    def _clear_tail(self, n: int) -> bool:
+        """Move live blocks off the ids a shrink to ``n`` blocks drops (data copied within this
+        pool, to free ids); False when too few ids below ``n`` are free."""
+        if not any(b.ref_cnt for b in self.pool.blocks[n:]):
+            return True
+        moves = self.pool.compact(n)
+        if moves is None:
+            return False
+        self.kv.move_blocks(moves)
+        return True
+
+    def _new_windows(self, precision: Precision, live) -> list:
         """Live sequences keep their newest tokens in full precision through a conversion: a
         quantized window stays valid (every quantized mode transforms keys alike); leaving fp16, a
-        new one is filled from the fp16 pool. The ones to fill are returned."""
-        fill = []
+        new one is filled from the fp16 pool. Returns ``(seq, new window, what to fill)`` for the
+        sequences whose window changes; the caller sets them once the conversion succeeded."""
+        out = []
         for seq in live:
             if not self.kv.format.quantized or precision == Precision.FP16:
-                seq.window = self.kv.new_window(precision)
-                if seq.window is not None:
-                    fill.append((seq.window, [b.id for b in seq.blocks], seq.num_computed))
-        return fill
+                window = self.kv.new_window(precision)
+                fill = (window, [b.id for b in seq.blocks], seq.num_computed) if window is not None else None
+                out.append((seq, window, fill))
+        return out
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""

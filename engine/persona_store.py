@@ -8,6 +8,8 @@ is a miss and is deleted. The folder is capped in bytes, least recently used fir
 import hashlib
 import logging
 import os
+import stat
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from .paths import cache_dir
 
 log = logging.getLogger("kvchat.persona_store")
 DEFAULT_CAP = 2 << 30
+STALE_TMP_S = 600  # a .tmp this old is a write that died (a live one takes well under a second)
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -44,9 +47,12 @@ class PersonaStore:
     def save(self, key: bytes, extra_key: str, token_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         tensors = {**tensors, "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
         meta = {"key": key.hex(), "extra_key": extra_key, "checksum": checksum(tensors)}
-        tmp = self.path(key).with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
-        os.replace(tmp, self.path(key))  # a crash mid-write never leaves a half file under the real name
+        tmp = self.folder / f"{key.hex()}.{os.getpid()}.tmp"  # two apps writing one persona do not collide
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            os.replace(tmp, self.path(key))  # a crash mid-write never leaves a half file under the real name
+        finally:
+            tmp.unlink(missing_ok=True)
         self.trim()
 
     def load(self, key: bytes, extra_key: str, token_ids: list[int]) -> dict[str, torch.Tensor] | None:
@@ -74,10 +80,40 @@ class PersonaStore:
         return None
 
     def trim(self) -> None:
-        files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        while files and total > self.cap_bytes:
-            oldest = files.pop(0)
-            total -= oldest.stat().st_size
-            oldest.unlink(missing_ok=True)
+        """Keep the folder under the cap, least recently used first. Leftover ``.tmp`` files count,
+        and stale ones are removed; an entry that cannot be read or removed (a folder, a file
+        another program holds) is skipped, never the cap. Never raises: the write succeeded."""
+        entries = []
+        for path in self._entries():
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if path.suffix == ".tmp" and time.time() - st.st_mtime > STALE_TMP_S:
+                self._remove(path)
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries, key=lambda e: e[0]):
+            if total <= self.cap_bytes:
+                return
+            if path.suffix != ".tmp" and self._remove(path):  # a fresh .tmp is a write under way
+                total -= size
 
+    def _entries(self) -> list[Path]:
+        try:
+            return [p for p in self.folder.iterdir() if p.suffix in (".safetensors", ".tmp")]
+        except OSError as e:
+            log.warning("cannot list the persona cache %s: %s", self.folder, e)
+            return []
+
+    @staticmethod
+    def _remove(path: Path) -> bool:
+        try:
+            path.unlink(missing_ok=True)
+            return True
+        except OSError as e:
+            log.warning("cannot remove %s from the persona cache: %s", path, e)
+            return False

@@ -18,7 +18,11 @@ class Sampler:
             logits = apply_repetition_penalty(logits, seen_ids, p.repetition_penalty)
         if p.greedy:
             return int(torch.argmax(logits))
-        probs = filtered_probs(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+        scaled = logits / p.temperature
+        if not torch.isfinite(scaled.max()):
+            # a temperature or penalty so close to 0 that a logit overflowed: the limit is greedy
+            return int(torch.argmax(logits))
+        probs = filtered_probs(scaled, p.top_k, p.top_p, p.min_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -1,0 +1,108 @@
+"""The bridge as one adapter: its state changes only when a queued signal is delivered on the GUI
+thread, through real signals from a real engine on the starter model."""
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvchat.app.engine_bridge import EngineBridge
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.models import LoadedModel
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
+from tiny_models import as_loaded  # noqa: E402
+
+HELLO = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+@pytest.fixture(scope="module")
+def shared(starter):
+    return as_loaded(starter.model, starter.tokenizer, "starter")
+
+
+@pytest.fixture
+def bridge(qtbot, shared):
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)), persona_store=None)
+    b = EngineBridge(engine)
+    assert b.loading  # nothing delivered yet, whatever the engine thread has done meanwhile
+    with qtbot.waitSignal(b.ready, timeout=60000):
+        pass
+    yield b
+    engine.close()
+
+
+def test_the_first_load_arrives_as_a_signal_however_fast_it_failed(qtbot):
+    engine = Engine(EngineConfig(model="/no/such/model.gguf"), persona_store=None)
+    engine.ready.wait(60)  # the failure is over before the bridge exists
+    b = EngineBridge(engine)
+    with qtbot.waitSignal(b.load_failed, timeout=10000) as failed:
+        pass
+    assert "no such model file" in failed.args[0] and not b.loading and b.load_error
+    engine.close()
+
+
+def test_busy_ends_when_finished_is_delivered_not_before(qtbot, bridge):
+    ends = []
+    bridge.finished.connect(lambda done: ends.append(bridge.busy))
+    bridge.send(HELLO, SamplingParams(max_new_tokens=6, temperature=0))
+    assert bridge.busy
+    with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
+        pass
+    time.sleep(0.3)  # the engine has long finished; without delivery nothing changes
+    assert ends == [False] and done.args[0]["finish_reason"] == "length" and not bridge.busy
+
+
+def test_stop_gives_a_cancelled_finish_with_the_partial_reply(qtbot, bridge):
+    tokens = []
+    bridge.token.connect(lambda text, tid: (tokens.append(text), len(tokens) == 3 and bridge.stop()))
+    bridge.send(HELLO, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+    with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
+        pass
+    reply = done.args[0]
+    assert reply["finish_reason"] == "cancelled" and 3 <= len(reply["token_ids"]) < 400
+    assert reply["text"].startswith("".join(tokens[:3])) and not bridge.busy
+
+
+def test_two_switches_in_a_row_end_in_one_ready_with_the_second_settings(qtbot, bridge):
+    readies, failures = [], []
+    bridge.ready.connect(lambda: readies.append(dict(bridge.settings)))
+    bridge.load_failed.connect(failures.append)
+    bridge.switch_model({"model": "starter", "max_context": 256, "kv_precision": "fp16"})
+    bridge.switch_model({"model": "starter", "max_context": 384, "kv_precision": "int8"})
+    assert bridge.loading
+    qtbot.waitUntil(lambda: bool(readies), timeout=120000)
+    qtbot.wait(300)
+    assert failures == [] and len(readies) == 1 and readies[0]["max_context"] == 384
+    assert bridge.precision == "int8" and not bridge.loading
+
+
+def test_a_failed_switch_says_why_and_keeps_the_previous_settings(qtbot, bridge):
+    before = dict(bridge.settings)
+    with qtbot.waitSignal(bridge.load_failed, timeout=120000) as failed:
+        bridge.switch_model({"model": "/no/such/model.gguf"})
+    assert "the previous model is back" in failed.args[0]
+    assert bridge.settings["model"] == before["model"] and not bridge.loading and bridge.load_error is None
+    with qtbot.waitSignal(bridge.finished, timeout=60000):
+        bridge.send(HELLO, SamplingParams(max_new_tokens=2, temperature=0))
+
+
+def test_a_switch_during_a_reply_ends_it_cancelled(qtbot, bridge):
+    bridge.token.connect(lambda text, tid: bridge.loading or bridge.switch_model({"model": "starter",
+                                                                                "max_context": 256}))
+    with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
+        bridge.send(HELLO, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+    assert done.args[0]["finish_reason"] == "cancelled"
+    qtbot.waitUntil(lambda: not bridge.loading, timeout=120000)
+    assert bridge.settings["max_context"] == 256
+
+
+def test_reconfigure_and_after_close_a_failure_signal(qtbot, bridge):
+    with qtbot.waitSignal(bridge.reconfigured, timeout=60000) as got:
+        bridge.reconfigure(256, "int4")
+    assert got.args[0]["kv_precision"] == "int4" and bridge.precision == "int4"
+    bridge.engine.close()
+    with qtbot.waitSignal(bridge.failed, timeout=10000) as failed:
+        bridge.reconfigure(512, "fp16")
+    assert "shut down" in failed.args[0]

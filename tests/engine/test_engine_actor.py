@@ -1,0 +1,251 @@
+"""The engine as one actor: model switches, shutdown, cancel and reconfigure on the starter model,
+each command's future resolved whatever happens."""
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+
+from kvchat.engine import engine as engine_module
+from kvchat.engine.commands import Refused
+from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import EngineError, Finished, LoadFailed, ModelReady, Notice, Request, TokenDelta
+from kvchat.engine.models import load
+
+from tiny_models import as_loaded
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+LONG = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+
+
+def small(**kw) -> EngineConfig:
+    return EngineConfig(**{"max_context": 512, "prefill_chunk": 64, **kw})
+
+
+@pytest.fixture
+def engine(starter):
+    e = Engine(small(), loaded=as_loaded(starter.model, starter.tokenizer, "starter"), persona_store=None)
+    e.wait_ready(60)
+    yield e
+    e.close()
+
+
+def events_of(e):
+    seen = []
+    e.add_listener(seen.append)
+    return seen
+
+
+def started(handle, tokens: int = 3):
+    """Wait until the reply has streamed a few tokens."""
+    n = 0
+    for event in handle:
+        if isinstance(event, TokenDelta) and event.token_id >= 0:
+            n += 1
+            if n == tokens:
+                return
+
+
+def no_leak(e):
+    pool = e.pool
+    return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def greedy(e, n=6):
+    return e.generate(STORY, max_new_tokens=n, temperature=0).token_ids
+
+
+def test_every_command_after_shutdown_is_refused_at_once(engine):
+    assert engine.close()
+    futures = [engine.reconfigure(max_context=256), engine.load_model(small()), engine.shutdown(),
+               engine.submit(Request(messages=STORY)).future]
+    for future in futures:
+        with pytest.raises(Refused, match="shut down"):
+            future.result(timeout=1)
+    assert list(engine.submit(Request(messages=STORY)))[-1].message == "the engine is shut down"
+
+
+def test_quit_mid_reply_returns_within_two_seconds_with_the_partial_reply(engine):
+    handle = engine.submit(Request(messages=STORY, sampling=LONG))
+    queued = engine.submit(Request(messages=STORY, sampling=LONG))
+    started(handle)
+    t0 = time.perf_counter()
+    assert engine.close()
+    assert time.perf_counter() - t0 < 2.0
+    done = handle.future.result(timeout=1)
+    assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 400 and done.text
+    with pytest.raises(EngineError, match="shut"):
+        queued.future.result(timeout=1)
+
+
+def test_switch_during_a_reply_cancels_it_and_frees_the_old_model(engine, starter):
+    old = weakref.ref(engine.loaded.model)
+    handle = engine.submit(Request(messages=STORY, sampling=LONG))
+    started(handle)
+    settings = engine.load_model(small(kv_precision="int8")).result(timeout=120)
+    assert handle.future.result(timeout=1).finish_reason == "cancelled"
+    assert settings["model"] == "starter" and settings["precision"] == "int8"
+    gc.collect()
+    assert old() is None  # only ever one model
+    assert engine.loaded.model is not starter.model and len(greedy(engine)) == 6 and no_leak(engine)
+
+
+def test_a_second_switch_replaces_a_load_under_way(engine, monkeypatch):
+    gate, entered, loads = threading.Event(), threading.Event(), []
+
+    def slow_load(spec, *args, **kwargs):
+        loads.append(spec)
+        entered.set()
+        gate.wait(30)
+        return load(spec, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load", slow_load)
+    seen = events_of(engine)
+    first = engine.load_model(small(max_context=256))
+    assert entered.wait(30)
+    second = engine.load_model(small(max_context=384))
+    gate.set()
+    with pytest.raises(Refused, match="replaced"):
+        first.result(timeout=120)
+    assert second.result(timeout=120)["max_context"] == 384
+    assert loads == ["starter", "starter"]
+    assert [type(x) for x in seen if isinstance(x, (ModelReady, LoadFailed))] == [ModelReady]
+    assert engine.ready.is_set() and engine.config.max_context == 384 and len(greedy(engine)) == 6
+
+
+def test_two_switches_in_a_row_keep_one_model(engine):
+    models = []
+    for context in (256, 384):
+        engine.load_model(small(max_context=context)).result(timeout=120)
+        models.append(weakref.ref(engine.loaded.model))
+    gc.collect()
+    assert models[0]() is None and models[1]() is engine.loaded.model
+    assert engine.config.max_context == 384 and len(greedy(engine)) == 6 and no_leak(engine)
+
+
+def test_a_failed_switch_brings_the_previous_model_back(engine):
+    before = greedy(engine)
+    seen = events_of(engine)
+    with pytest.raises(EngineError, match="no such model file.*the previous model is back"):
+        engine.load_model(small(model="/no/such/model.gguf")).result(timeout=120)
+    failed = [x for x in seen if isinstance(x, LoadFailed)]
+    assert len(failed) == 1 and failed[0].restored and failed[0].settings["model"] == "starter"
+    assert engine.config.model == "starter" and engine.load_error is None
+    assert greedy(engine) == before
+
+
+def test_a_cancelled_load_brings_the_previous_model_back(engine, monkeypatch):
+    gate = threading.Event()
+
+    def slow_load(spec, *args, **kwargs):
+        gate.wait(30)
+        return load(spec, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load", slow_load)
+    future = engine.load_model(small(max_context=256))
+    engine.cancel_load()
+    gate.set()
+    with pytest.raises(EngineError, match="loading cancelled; the previous model is back"):
+        future.result(timeout=120)
+    assert engine.config.max_context == 512 and len(greedy(engine)) == 6
+
+
+def test_reconfigure_while_a_load_is_queued_applies_to_the_new_model(engine):
+    load = engine.load_model(small(max_context=256))
+    change = engine.reconfigure(kv_precision="int4")
+    assert load.result(timeout=120)["max_context"] == 256
+    assert change.result(timeout=60)["kv_precision"] == "int4" and engine.precision.value == "int4"
+
+
+def test_cancel_resolves_and_stops_the_request(engine):
+    handle = engine.submit(Request(messages=STORY, sampling=LONG))
+    started(handle)
+    assert engine.cancel(handle).result(timeout=10) is True
+    assert handle.future.result(timeout=10).finish_reason == "cancelled" and no_leak(engine)
+
+
+def test_a_context_past_the_trained_length_is_capped_and_said(starter):
+    from kvchat.engine.memory import ScriptedProbe
+
+    e = Engine(EngineConfig(max_context=100_000), loaded=as_loaded(starter.model, starter.tokenizer, "starter"),
+               persona_store=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
+    seen = events_of(e)
+    e.wait_ready(60)
+    trained = starter.model.config.max_position_embeddings
+    assert e.config.max_context == trained and e.context_limit() == trained
+    assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
+    assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
+    huge = EngineConfig(max_context=10 ** 12, allow_long_context=True, kv_precision="fp16")
+    with pytest.raises(EngineError, match="KV cache.*the previous model is back"):
+        e.load_model(huge, loaded=e.loaded).result(timeout=60)
+    assert e.config.max_context == trained
+    e.close()
+
+
+PERSONA = [{"role": "system", "content": "You are a calm travel guide for the Alps. " * 6},
+           {"role": "user", "content": "Where should I hike?"}]
+
+
+def fail_on_call(n: int, real):
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+        return real(*args, **kwargs)
+
+    return failing
+
+
+@pytest.mark.parametrize("stage", ["calibration", "allocation", "conversion"])
+def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engine, monkeypatch, stage):
+    from kvchat.engine import kv_pool
+    from kvchat.kernels import quant
+
+    first = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
+    config, kv, blocks = engine.config, engine.kv, engine.pool.num_blocks
+    target = {"calibration": (kv_pool, "calibrate", 1), "allocation": (quant, "layer_tensors", 3),
+              "conversion": (quant, "write", 3)}[stage]
+    module, name, nth = target
+    monkeypatch.setattr(module, name, fail_on_call(nth, getattr(module, name)))
+    seen = events_of(engine)
+    with pytest.raises(EngineError, match="could not be rebuilt.*unchanged"):
+        engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)
+    monkeypatch.undo()
+    assert any(isinstance(x, Notice) and "unchanged" in x.message for x in seen)
+    assert engine.config == config and engine.kv is kv and engine.pool.num_blocks == blocks
+    assert engine.precision.value == "fp16" and all(t is not None for t in kv.layers)
+    again = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
+    assert again.token_ids == first.token_ids and again.stats.cached_tokens > 0 and no_leak(engine)
+    assert engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)["kv_precision"] == "int8"
+
+
+def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(starter):
+    from kvchat.engine.memory import ScriptedProbe
+
+    gib = 1 << 30
+    probe = ScriptedProbe(total=8 * gib)
+    e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=as_loaded(starter.model, starter.tokenizer),
+               persona_store=None, probe=probe)
+    e.wait_ready(60)
+    seen = events_of(e)
+    kv, budget = e.kv, e.kvpool.budget
+    probe._own = e.weights_bytes + e.activations + kv.nbytes
+    probe.other = 8 * gib - probe._own + budget // 2  # the pool must halve, and nothing is free to build it in
+    assert wait_for(lambda: any(isinstance(x, Notice) for x in seen))
+    notice = next(x for x in seen if isinstance(x, Notice))
+    assert notice.kind == "pressure" and "MiB are free" in notice.message
+    assert e.kv is kv and e.kvpool.budget == budget
+    e.close()
+
+
+def wait_for(predicate, timeout=20):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,69 @@
+"""Prompt encoding is linear in the conversation: one render per new message and one to check,
+the same tokens as rendering prefix by prefix, and a trim that re-encodes once."""
+import pytest
+
+from kvchat.engine.chat import ChatFormatter
+from kvchat.engine.engine import drop_to_fit
+
+
+def conversation(n: int, tokenizer=None) -> list[dict]:
+    messages = [{"role": "system", "content": "You are terse."}]
+    for i in range(n):
+        messages.append({"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"})
+        reply = {"role": "assistant", "content": f"It is {2 * i}."}
+        if tokenizer is not None and i % 2:
+            reply["token_ids"] = tokenizer(reply["content"], add_special_tokens=False)["input_ids"]
+        messages.append(reply)
+    return messages + [{"role": "user", "content": "And now?"}]
+
+
+class Counting(ChatFormatter):
+    renders = 0
+
+    def render(self, messages, add_generation_prompt=False):
+        self.renders += 1
+        return super().render(messages, add_generation_prompt)
+
+
+@pytest.mark.parametrize("persona", [True, False])
+def test_pairwise_pieces_equal_prefix_by_prefix_rendering(tokenizer, persona):
+    messages = conversation(12, tokenizer)[0 if persona else 1:]
+    f = ChatFormatter(tokenizer)
+    fast = f.encode(messages)
+    assert f._by_pairs(messages, True) is not None  # the starter's template composes pairwise
+    slow = f._by_prefixes(messages, True)
+    assert fast.token_ids == [t for piece in slow for t in piece]
+    assert fast.message_starts == [sum(map(len, slow[:i])) for i in range(len(messages))]
+
+
+def test_a_new_turn_of_a_long_chat_costs_a_few_renders_not_one_per_message(tokenizer):
+    f = Counting(tokenizer)
+    messages = conversation(100)
+    f.encode(messages[:-2])
+    f.renders = 0
+    f.encode(messages)
+    assert f.renders <= 8  # the two new messages' pairs, the generation prompt, the check; not ~200
+
+
+def test_a_template_that_does_not_compose_pairwise_falls_back_to_prefixes(tokenizer):
+    f = ChatFormatter(tokenizer)
+    # numbers each message: a message's text depends on where it is, not only on the one before
+    f.template = ("{% for m in messages %}{{ loop.index }}:{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = conversation(3)
+    assert f._by_pairs(messages, True) is None
+    text = tokenizer.decode(f.encode(messages).token_ids)
+    assert text == f.render(messages, add_generation_prompt=True)
+
+
+def test_trimming_drops_enough_messages_in_one_go(tokenizer):
+    f = Counting(tokenizer)
+    messages = conversation(60)
+    encoded = f.encode(messages)
+    budget = len(encoded.token_ids) // 3
+    shorter = drop_to_fit(messages, encoded, budget)
+    assert shorter[0] == messages[0] and shorter[-1] == messages[-1] and shorter[1]["role"] == "user"
+    assert len(f.encode(shorter).token_ids) <= budget
+    kept_from = len(messages) - (len(shorter) - 1)
+    one_more = messages[:1] + messages[kept_from - 2:]  # the last exchange it dropped, back
+    assert len(f.encode(one_more).token_ids) > budget
