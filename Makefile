@@ -36,7 +36,7 @@ test: install
 # new user would (CI); make package-tar wraps it in one .tar.gz.
 APP_DIR := dist/kvchat
 APP := $(APP_DIR)/kvchat
-APP_SOURCES := pyproject.toml $(wildcard app/*.py engine/*.py kernels/*.py assets/*) \
+APP_SOURCES := pyproject.toml $(wildcard app/*.py app/qml/*.qml engine/*.py kernels/*.py assets/* assets/icons/*) \
 	packaging/kvchat.spec packaging/kvchat_entry.py packaging/install.sh
 PACKAGE_VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 PACKAGE_TAR = dist/kvchat-$(PACKAGE_VERSION)-linux-$(shell uname -m).tar.gz

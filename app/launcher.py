@@ -26,6 +26,10 @@ def display_problem() -> str | None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "ui"]:  # the GUI's own benchmark: the engine's CLI knows nothing of Qt
+        from .bench_ui import main as bench_ui
+
+        return bench_ui(argv[2:])
     if argv:
         from kvchat.engine.cli import main as cli_main
 

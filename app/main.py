@@ -1,20 +1,18 @@
-"""Start the desktop app: the database, the engine on its thread, the window."""
+"""Start the desktop app: a splash at once, then the database, the engine on its thread, the window.
+The engine's modules (torch) are imported after the splash shows: they take seconds to load."""
 import sys
 
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from kvchat.engine.config import EngineConfig
-from kvchat.engine.engine import Engine
-from kvchat.engine.memory import GiB
-from kvchat.engine.paths import data_dir
-
-from .engine_bridge import EngineBridge
-from .main_window import MainWindow
 from .store import Store, StoreError
 
 
-def make_engine(settings: dict) -> Engine:
+def make_engine(settings: dict):
     """An engine for the settings panel's values; it loads the model on its own thread."""
+    from kvchat.engine.config import EngineConfig
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.memory import GiB
+
     return Engine(EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
                                max_context=settings.get("max_context", 8192),
                                weights=settings.get("weights", "auto"),
@@ -22,16 +20,31 @@ def make_engine(settings: dict) -> Engine:
 
 
 def run() -> int:
+    from kvchat.engine.paths import data_dir
+
+    from .splash import Splash
+    from .theme import Theme
+
     app = QApplication.instance() or QApplication(sys.argv)
     app.setApplicationName("kvchat")
+    app.setStyle("Fusion")
     try:
         store = Store(data_dir() / "chat.db")
     except StoreError as e:
         QMessageBox.critical(None, "kvchat", str(e))
         return 1
+    theme = Theme(store.setting("theme") or "system")
+    splash = Splash(theme.dark)
+    splash.show()
+    splash.say("Starting the engine…")
+    app.processEvents()
+    from .engine_bridge import EngineBridge
+    from .main_window import MainWindow
+
     engine = make_engine(store.setting("engine") or {})
-    window = MainWindow(store, EngineBridge(engine, make_engine))
+    window = MainWindow(store, EngineBridge(engine, make_engine), theme=theme)
     window.show()
+    splash.finish(window)
     code = app.exec()
     window.bridge.engine.close()
     return code

@@ -1,113 +1,198 @@
-"""The main window: conversations, the chat, personas, the memory gauge. Everything the user does
+"""The main window: conversations, the chat, personas, the memory panel. Everything the user does
 is saved at once; the engine is only reached through the bridge's queued signals."""
 import time
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt, QTimer
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow,
-                               QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QSplitter, QTextBrowser,
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
+                               QFrame, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QMainWindow, QMessageBox,
+                               QPlainTextEdit, QProgressBar, QPushButton, QSizePolicy, QSplitter, QToolButton,
                                QVBoxLayout, QWidget)
 
 from kvchat.engine.config import SamplingParams
-from kvchat.engine.memory import GiB
+from kvchat.engine.memory import GiB, plan
 
-from .gauge import MemoryGauge, legend
-from .render import Turn, conversation_html
-from .settings_dialog import SettingsDialog
+from .chat_view import ChatView
+from .conversation_list import ConversationList
+from .icons import icon
+from .loop_guard import LoopGuard
+from .memory_panel import MemoryPanel
+from .model_library import ModelLibrary
+from .persona_badge import LABELS, BadgeAsker
+from .sampling_defaults import model_defaults
+from .settings_dialog import SettingsDialog, trained_context
 from .store import Store
+from .theme import COLOURS, Theme
+from .top_bar import Chip, model_name, size_label
 
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
+RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
 NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
+WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
 
 
 class MainWindow(QMainWindow):
-    def __init__(self, store: Store, bridge, sampling: SamplingParams | None = None):
+    def __init__(self, store: Store, bridge, sampling: SamplingParams | None = None, theme: Theme | None = None):
         super().__init__()
         self.store, self.bridge = store, bridge
-        self.sampling = sampling or SamplingParams(**(store.setting("sampling") or {}))
+        saved = store.setting("sampling")
+        # until the model says otherwise (on_ready), the fallback defaults
+        self.sampling = sampling or SamplingParams(**(saved or model_defaults(None)))
+        self.sampling_from_model = sampling is None and saved is None
+        self.theme = theme or Theme(store.setting("theme") or "system")
+        self.theme.apply()
         self.conversation_id: int | None = None
         self.reply_id: int | None = None
         self.reply_conversation: int | None = None  # the chat a reply streams into; the view may show another
-        self.reply_persona: int | None = None  # the persona that reply was asked with
         self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
-        self.warm_personas: set[int] = set()
+        self.loop_guard, self.loop_stopped = LoopGuard(), False
+        self.waiting: int | None = None  # a chat whose last message waits for the model to load
         self.notices: list[str] = []
         self.editing: int | None = None  # the position of the user message being edited in the box
         self.previous_engine_settings: dict | None = None  # what to go back to if a new model fails
         self.pending_engine_settings: dict | None = None  # saved once they load: a failed model is never saved
+        self.model_config = None  # the loaded model's config and name, read once when it is ready
+        self.model_label = ""
         self.setWindowTitle("kvchat")
         self.resize(1100, 720)
         self._build()
         self._connect()
+        self.memory_button.setChecked(bool(store.setting("memory_panel")))
         self.set_loading(self.bridge.loading)
         self.bridge.start()  # after _connect: then ready or load_failed reaches us, however fast
         self.refresh_conversations()
+        self.render_chat()
+        self.input.setFocus()
 
     # -- layout --
 
     def _build(self) -> None:
-        self.search = QLineEdit(placeholderText="Search chats")
-        self.conversation_list = QListWidget()
-        self.new_button, self.rename_button, self.delete_button = (QPushButton(t) for t in ("New", "Rename", "Delete"))
+        self.new_button = QPushButton("New chat", objectName="newChat")
+        self.search = QLineEdit(placeholderText="Search chats", objectName="search")
+        self.search.setClearButtonEnabled(True)
+        self.conversation_list = ConversationList()
+        self.rename_button, self.delete_button, self.theme_button = (
+            QToolButton(autoRaise=True, toolTip=t) for t in ("Rename chat", "Delete chat", "Theme"))
+        self.theme_button.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
         side = QVBoxLayout()
+        side.setContentsMargins(10, 12, 10, 10)
+        side.addWidget(self.new_button)
         side.addWidget(self.search)
-        side.addWidget(self.conversation_list)
-        buttons = QHBoxLayout()
-        for b in (self.new_button, self.rename_button, self.delete_button):
-            buttons.addWidget(b)
-        side.addLayout(buttons)
+        side.addWidget(self.conversation_list, 1)
+        row = QHBoxLayout()
+        for b in (self.rename_button, self.delete_button):
+            row.addWidget(b)
+        row.addStretch(1)
+        row.addWidget(self.theme_button)
+        side.addLayout(row)
+        sidebar = QFrame(objectName="sidebar")
+        sidebar.setLayout(side)
+        sidebar.setMinimumWidth(220)
+
         self.persona_box = QComboBox()
+        self.persona_box.setMinimumWidth(150)
         self.persona_badge = QLabel()
         self.persona_edit_button, self.persona_new_button, self.export_button = (
-            QPushButton(t) for t in ("Edit persona", "New persona", "Export"))
-        self.chat_view = QTextBrowser(openLinks=False)
-        self.code_blocks: list[str] = []
-        self.input = QPlainTextEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
-        self.input.setMaximumHeight(110)
-        self.input.installEventFilter(self)
-        self.send_button, self.stop_button, self.regen_button, self.settings_button = (
-            QPushButton(t) for t in ("Send", "Stop", "Regenerate", "Settings"))
-        self.stop_button.setEnabled(False)
-        self.gauge = MemoryGauge()
-        self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
-        self.load_bar = QProgressBar(minimumWidth=240, maximumWidth=320, textVisible=True, format="loading model")
-        self.load_bar.setRange(0, 0)  # busy until a download reports its size
-        self.cancel_load_button = QPushButton("Cancel loading")
+            QToolButton(autoRaise=True, toolTip=t) for t in ("Edit persona", "New persona", "Export chat"))
+        self.model_chip = Chip("model", "The model: click to change it")
+        self.context_chip = Chip("context", "Context length: click to change it")
+        self.kv_chip = Chip("precision", "KV cache precision: click to change it")
+        self.memory_button = QToolButton(autoRaise=True, toolTip="Memory (Ctrl+M)", checkable=True)
+        self.library_button = QToolButton(autoRaise=True, toolTip="Models on this computer")
+        self.settings_button = QToolButton(autoRaise=True, toolTip="Settings (Ctrl+,)")
         top = QHBoxLayout()
-        top.addWidget(QLabel("Persona:"))
-        top.addWidget(self.persona_box, 1)
+        top.setContentsMargins(14, 8, 10, 8)
+        top.addWidget(self.persona_box)
         top.addWidget(self.persona_badge)
-        for b in (self.persona_edit_button, self.persona_new_button, self.export_button):
+        for b in (self.persona_edit_button, self.persona_new_button):
             top.addWidget(b)
-        actions = QHBoxLayout()
-        for b in (self.send_button, self.stop_button, self.regen_button, self.settings_button):
-            actions.addWidget(b)
-        gauge_row = QHBoxLayout()
-        gauge_row.addWidget(self.gauge, 1)
-        gauge_row.addWidget(self.precision_label)
-        gauge_row.addWidget(self.load_bar)
-        gauge_row.addWidget(self.cancel_load_button)
+        top.addStretch(1)
+        for w in (self.model_chip, self.context_chip, self.kv_chip, self.library_button, self.export_button,
+                  self.memory_button,
+                  self.settings_button):
+            top.addWidget(w)
+        topbar = QFrame(objectName="topbar")
+        topbar.setLayout(top)
+
+        self.chat_view = ChatView(self.theme)
+        self.input = QPlainTextEdit(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
+        self.input.setFixedHeight(64)
+        self.input.installEventFilter(self)
+        self.send_button = QPushButton("Send", objectName="send")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.stop_button.hide()
+        composer_row = QHBoxLayout()
+        composer_row.setContentsMargins(10, 6, 8, 6)
+        composer_row.addWidget(self.input, 1)
+        composer_row.addWidget(self.send_button, 0, Qt.AlignBottom)
+        composer_row.addWidget(self.stop_button, 0, Qt.AlignBottom)
+        composer = QFrame(objectName="composer")
+        composer.setLayout(composer_row)
+        composer.setMaximumWidth(800)  # the message column's 760 px and the frame's padding
+        centre = QHBoxLayout()
+        centre.setContentsMargins(16, 4, 16, 4)
+        centre.addStretch(1)
+        centre.addWidget(composer, 100)
+        centre.addStretch(1)
+
+        self.precision_label, self.notice_label = QLabel("loading model..."), QLabel()
+        for label in (self.precision_label, self.notice_label):
+            label.setProperty("muted", True)
+        # a long notice must not widen the window: its size hint is ignored, the tooltip has it whole
+        self.notice_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.load_bar = QProgressBar(minimumWidth=240, maximumWidth=360, textVisible=True, format="loading model")
+        self.load_bar.setRange(0, 0)  # busy until a download or a conversion reports its size
+        self.cancel_load_button = QPushButton("Cancel loading")
+        status = QHBoxLayout()
+        status.setContentsMargins(16, 0, 16, 6)
+        status.addWidget(self.notice_label, 1)
+        status.addWidget(self.load_bar)
+        status.addWidget(self.cancel_load_button)
+        status.addWidget(self.precision_label)
+        statusbar = QFrame(objectName="statusbar")
+        statusbar.setLayout(status)
+
         main = QVBoxLayout()
-        main.addLayout(top)
+        main.setContentsMargins(0, 0, 0, 0)
+        main.setSpacing(0)
+        main.addWidget(topbar)
         main.addWidget(self.chat_view, 1)
-        main.addWidget(self.input)
-        main.addLayout(actions)
-        main.addLayout(gauge_row)
-        main.addWidget(legend())
-        main.addWidget(self.notice_label)
-        left, right = QWidget(), QWidget()
-        left.setLayout(side)
+        main.addLayout(centre)
+        main.addWidget(statusbar)
+        right = QWidget()
         right.setLayout(main)
-        splitter = QSplitter()
-        splitter.addWidget(left)
+        self.badge_asker = BadgeAsker()
+        self.memory_panel = MemoryPanel()
+        self.memory_panel.hide()
+        self.gauge = self.memory_panel.gauge
+        self.splitter = splitter = QSplitter()
+        splitter.setHandleWidth(1)
+        splitter.addWidget(sidebar)
         splitter.addWidget(right)
-        splitter.setSizes([260, 840])
+        splitter.addWidget(self.memory_panel)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([260, 840, 0])
+        splitter.setCollapsible(1, False)
         self.setCentralWidget(splitter)
-        self.render_timer = QTimer(self, singleShot=True, interval=50)
-        self.render_timer.timeout.connect(self.render_chat)
+        self.render_timer = QTimer(self, singleShot=True, interval=RENDER_EVERY_MS)
+        self.render_timer.timeout.connect(self.show_stream)
         self.reload_personas()
+        self.paint_icons()
+
+    def paint_icons(self) -> None:
+        colour = COLOURS[self.theme.dark]["text"]
+        for button, name in ((self.new_button, "plus"), (self.rename_button, "rename"), (self.delete_button, "trash"),
+                             (self.persona_edit_button, "edit"), (self.persona_new_button, "persona"),
+                             (self.export_button, "export"), (self.memory_button, "memory"),
+                             (self.library_button, "library"),
+                             (self.settings_button, "settings"), (self.send_button, "send"),
+                             (self.stop_button, "stop")):
+            button.setIcon(icon(name, COLOURS[self.theme.dark]["accentText"] if button is self.send_button else colour))
+        self.theme_button.setIcon(icon("moon" if self.theme.dark else "sun", colour))
+        self.theme_button.setText(self.theme.mode.capitalize())
+        self.update_badge()
 
     def _connect(self) -> None:
         b = self.bridge
@@ -120,23 +205,35 @@ class MainWindow(QMainWindow):
         b.failed.connect(self.on_failed)
         b.notice.connect(lambda kind, m: self.notify(f"{kind}: {m}"))
         b.snapshot.connect(self.on_snapshot)
+        b.reconfigured.connect(lambda _: (self.update_chips(), self.update_badge()))
+        self.badge_asker.answered.connect(self.on_badge)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.bridge.stop)
-        self.regen_button.clicked.connect(self.regenerate)
         self.new_button.clicked.connect(self.new_conversation)
         self.rename_button.clicked.connect(self.rename_conversation)
         self.delete_button.clicked.connect(self.delete_conversation)
+        self.theme_button.clicked.connect(self.cycle_theme)
+        self.theme.changed.connect(self.paint_icons)
         self.search.textChanged.connect(self.refresh_conversations)
         self.conversation_list.currentItemChanged.connect(self.on_select)
         self.persona_box.currentIndexChanged.connect(self.on_persona)
-        self.settings_button.clicked.connect(self.open_settings)
+        self.settings_button.clicked.connect(lambda: self.open_settings())
+        for chip in (self.model_chip, self.context_chip, self.kv_chip):
+            chip.opened.connect(self.open_settings)
+        self.memory_button.toggled.connect(self.show_memory_panel)
+        self.library_button.clicked.connect(lambda: self.model_library().exec())
         self.persona_edit_button.clicked.connect(lambda: self.edit_persona(new=False))
         self.persona_new_button.clicked.connect(lambda: self.edit_persona(new=True))
         self.export_button.clicked.connect(self.export_dialog)
-        self.chat_view.anchorClicked.connect(self.on_link)
+        actions = self.chat_view.actions
+        actions.copied.connect(lambda _text: self.notify("copied"))
+        actions.edit_requested.connect(self.begin_edit)
+        actions.regenerate_requested.connect(self.regenerate)
+        actions.prompt_chosen.connect(self.use_prompt)
         QShortcut(QKeySequence.New, self, self.new_conversation)
-        QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
+        QShortcut(QKeySequence("Ctrl+,"), self, lambda: self.open_settings())
         QShortcut(QKeySequence("Escape"), self, self.escape)
+        QShortcut(QKeySequence("Ctrl+M"), self, self.memory_button.toggle)
 
     def escape(self) -> None:
         """Stops a reply; otherwise leaves an edit, putting the box back as it was."""
@@ -154,24 +251,31 @@ class MainWindow(QMainWindow):
                 return True
         return super().eventFilter(obj, event)
 
+    def show_memory_panel(self, shown: bool) -> None:
+        self.memory_panel.setVisible(shown)
+        if shown:  # the splitter remembers it at zero width
+            sizes = self.splitter.sizes()
+            self.splitter.setSizes([sizes[0], max(200, sizes[1] - 280), 280])
+        self.store.set_setting("memory_panel", shown)
+
+    def cycle_theme(self) -> None:
+        """System, then light, then dark; saved."""
+        modes = ("system", "light", "dark")
+        mode = modes[(modes.index(self.theme.mode) + 1) % len(modes)]
+        self.theme.set_mode(mode)
+        self.store.set_setting("theme", mode)
+
     # -- conversations --
 
     def refresh_conversations(self) -> None:
-        self.conversation_list.blockSignals(True)
-        self.conversation_list.clear()
-        for conv in self.store.conversations(self.search.text()):
-            item = QListWidgetItem(conv["title"])
-            item.setData(Qt.UserRole, conv["id"])
-            self.conversation_list.addItem(item)
-            if conv["id"] == self.conversation_id:
-                self.conversation_list.setCurrentItem(item)
-        self.conversation_list.blockSignals(False)
+        self.conversation_list.fill(self.store.conversations(self.search.text()), self.conversation_id)
 
     def new_conversation(self) -> int:
         self.stop_editing()
         self.conversation_id = self.store.create_conversation("New chat", self.persona_box.currentData())
         self.refresh_conversations()
         self.render_chat()
+        self.input.setFocus()
         return self.conversation_id
 
     def open_conversation(self, conversation_id: int) -> None:
@@ -188,7 +292,7 @@ class MainWindow(QMainWindow):
     def on_select(self, item, _previous) -> None:
         # the view follows the highlight even while a reply streams (into its own chat), so the list and
         # the view never name different chats
-        if item is not None:
+        if item is not None and item.data(Qt.UserRole) is not None:
             self.open_conversation(item.data(Qt.UserRole))
 
     def rename_conversation(self) -> None:
@@ -214,6 +318,8 @@ class MainWindow(QMainWindow):
                                 QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
             return
         self.store.delete_conversation(doomed)
+        if self.waiting == doomed:
+            self.waiting = None
         self.conversation_id = None
         self.refresh_conversations()
         self.render_chat()
@@ -222,6 +328,7 @@ class MainWindow(QMainWindow):
         if self.conversation_id is not None:
             self.store.set_persona(self.conversation_id, self.persona_box.currentData())
         self.update_badge()
+        self.render_chat()
 
     def reload_personas(self, select: int | None = None) -> None:
         current = select if select is not None else self.persona_box.currentData()
@@ -233,11 +340,13 @@ class MainWindow(QMainWindow):
         self.persona_box.blockSignals(False)
 
     def edit_persona(self, new: bool) -> None:
-        persona = None if new else next((p for p in self.store.personas()
-                                         if p["id"] == self.persona_box.currentData()), None)
+        persona = None if new else self.persona(self.persona_box.currentData())
         dialog = PersonaDialog(self, persona)
         if dialog.exec():
             self.save_persona(persona["id"] if persona else None, *dialog.values())
+
+    def persona(self, persona_id: int | None) -> dict | None:
+        return next((p for p in self.store.personas() if p["id"] == persona_id), None)
 
     def save_persona(self, persona_id: int | None, name: str, prompt: str) -> None:
         """A changed prompt is a new prefix: the old one's cache simply goes cold."""
@@ -246,7 +355,6 @@ class MainWindow(QMainWindow):
                 persona_id = self.store.add_persona(name, prompt)
             else:
                 self.store.update_persona(persona_id, name, prompt)
-                self.warm_personas.discard(persona_id)
         except ValueError as e:
             self.show_error(f"Could not save the persona: {e}")
             return
@@ -266,22 +374,43 @@ class MainWindow(QMainWindow):
         self.notify(f"exported to {path}")
 
     def update_badge(self) -> None:
-        warm = self.persona_box.currentData() in self.warm_personas
-        self.persona_badge.setText("warm (cached)" if warm else "cold")
+        """Asks the engine whether the persona's prefix is in the pool or on disk; on_badge shows it."""
+        persona = self.persona(self.persona_box.currentData())
+        if self.bridge.loading or self.bridge.engine.load_error:
+            self.persona_badge.setText("")
+            return
+        if self.persona_badge.property("persona") != self.persona_box.currentData():
+            self.persona_badge.setText("…")
+        self.badge_asker.ask(self.bridge.engine, persona and persona["id"], persona and persona["system_prompt"])
+
+    def on_badge(self, persona_id, state: str) -> None:
+        if persona_id != self.persona_box.currentData():
+            return  # answered for a persona no longer shown
+        self.persona_badge.setProperty("persona", persona_id)
+        self.persona_badge.setProperty("state", state)
+        self.persona_badge.setText(LABELS[state])
+        self.persona_badge.setToolTip({"warm": "This persona's prefix is in the KV cache: it is not computed again.",
+                                       "disk": "This persona's prefix is saved on disk: it is restored, not computed.",
+                                       "cold": "This persona's prefix would be computed for the next reply.",
+                                       "short": "No persona prefix long enough to cache."}[state])
+        colours = COLOURS[self.theme.dark]
+        self.persona_badge.setStyleSheet(f"color: {colours['warm' if state in ('warm', 'disk') else 'cold']};")
 
     # -- the chat --
 
-    def engine_messages(self) -> list[dict]:
-        persona = next((p for p in self.store.personas() if p["id"] == self.persona_box.currentData()), None)
+    def engine_messages(self, conversation_id: int) -> list[dict]:
+        persona = self.persona(self.store.conversation(conversation_id)["persona_id"])
         head = [{"role": "system", "content": persona["system_prompt"]}] if persona else []
-        return head + [m.for_engine() for m in self.store.messages(self.conversation_id)]
+        return head + [m.for_engine() for m in self.store.messages(conversation_id)]
+
+    def use_prompt(self, text: str) -> None:
+        """An example prompt from the empty chat: sent as if typed."""
+        self.input.setPlainText(text)
+        self.send()
 
     def send(self) -> None:
         text = self.input.toPlainText().strip()
-        if not text or self.bridge.busy:
-            return
-        if self.bridge.switching:
-            self.notify("a model is loading: your message stays in the box until it is ready")
+        if not text or self.bridge.busy or self.waiting is not None:
             return
         if self.editing is not None:
             position = self.editing
@@ -292,14 +421,19 @@ class MainWindow(QMainWindow):
         if self.conversation_id is None:
             self.new_conversation()
         if not self.store.messages(self.conversation_id):
-            self.store.rename_conversation(self.conversation_id, text[:40])
-            self.refresh_conversations()
+            self.store.rename_conversation(self.conversation_id, text.splitlines()[0][:40])
         self.input.clear()
         self.store.add_message(self.conversation_id, "user", text)
+        self.refresh_conversations()
+        if self.bridge.loading:  # answered by on_ready
+            self.waiting = self.conversation_id
+            self.notify(WAITING_NOTE)
+            self.render_chat()
+            return
         self.start_reply()
 
     def regenerate(self) -> None:
-        if self.conversation_id is None or self.bridge.busy or self.bridge.switching:
+        if self.conversation_id is None or self.bridge.busy or self.bridge.loading:
             return
         messages = self.store.messages(self.conversation_id)
         if messages and messages[-1].role == "assistant":
@@ -325,19 +459,23 @@ class MainWindow(QMainWindow):
 
     def edit_and_resend(self, position: int, text: str) -> None:
         """Replace the user message at ``position`` and everything after it."""
-        if self.bridge.busy or self.bridge.switching or not text.strip():
+        if self.bridge.busy or self.bridge.loading or not text.strip():
             return
         self.store.truncate(self.conversation_id, position)
         self.store.add_message(self.conversation_id, "user", text.strip())
         self.start_reply()
 
-    def start_reply(self) -> None:
-        messages = self.engine_messages()
+    def start_reply(self, conversation_id: int | None = None) -> None:
+        conversation_id = conversation_id or self.conversation_id
+        messages = self.engine_messages(conversation_id)
         self.reply_text, self.reply_ids, self.last_save = "", [], time.monotonic()
-        self.reply_id = self.store.add_message(self.conversation_id, "assistant", "", interrupted=True)
-        self.reply_conversation, self.reply_persona = self.conversation_id, self.persona_box.currentData()
+        self.loop_guard, self.loop_stopped = LoopGuard(), False
+        self.reply_id = self.store.add_message(conversation_id, "assistant", "", interrupted=True)
+        self.reply_conversation = conversation_id
         self.send_button.setEnabled(False)
+        self.send_button.hide()
         self.stop_button.setEnabled(True)
+        self.stop_button.show()
         self.bridge.send(messages, self.sampling)
         self.render_chat()
 
@@ -345,20 +483,29 @@ class MainWindow(QMainWindow):
         self.reply_text += text
         if token_id >= 0:
             self.reply_ids.append(token_id)
+            if self.loop_guard.add(token_id) and not self.loop_stopped:
+                self.loop_stopped = True
+                self.bridge.stop()
+                self.notify(f"stopped the reply: it was repeating its last {self.loop_guard.window} tokens")
         if time.monotonic() - self.last_save > SAVE_EVERY_S:
             self.store.update_message(self.reply_id, self.reply_text, self.reply_ids, interrupted=True)
             self.last_save = time.monotonic()
         if self.conversation_id == self.reply_conversation and not self.render_timer.isActive():
             self.render_timer.start()  # only while its chat is in view: another one is not redrawn under the reader
 
+    def show_stream(self) -> None:
+        """The streaming reply's row, and only it, shows the text so far."""
+        if self.reply_id is not None:
+            self.chat_view.model.set_text(self.reply_id, self.reply_text)
+
     def on_finished(self, done: dict) -> None:
         cancelled = done["finish_reason"] == "cancelled"
         text = self.reply_text if cancelled else done["text"]
-        self.store.update_message(self.reply_id, text, done["token_ids"] or self.reply_ids, done["stats"],
-                                  interrupted=cancelled)
-        if self.reply_persona is not None:  # not the persona box's: the view may show another chat by now
-            self.warm_personas.add(self.reply_persona)
-        self.precision_label.setText(f"KV {done['stats']['kv_precision']}")
+        stats = done["stats"]
+        if cancelled and self.loop_stopped:  # a finished reply, not an interrupted one
+            stats = {**stats, "finish_reason": "loop"}
+        self.store.update_message(self.reply_id, text, done["token_ids"] or self.reply_ids, stats,
+                                  interrupted=cancelled and not self.loop_stopped)
         self.end_reply()
 
     def on_failed(self, message: str) -> None:
@@ -370,41 +517,53 @@ class MainWindow(QMainWindow):
 
     def end_reply(self) -> None:
         self.reply_id = self.reply_conversation = None
+        self.render_timer.stop()
         self.send_button.setEnabled(True)
+        self.send_button.show()
         self.stop_button.setEnabled(False)
+        self.stop_button.hide()
         self.update_badge()
         self.render_chat()
 
     def on_snapshot(self, snapshot: dict) -> None:
-        self.gauge.update_snapshot(snapshot)
+        self.memory_panel.show_snapshot(snapshot)
         where = " · on the CPU" if snapshot["on_cpu"] else ""
         self.precision_label.setText(f"KV {snapshot['precision']}{where}")
+        self.kv_chip.setText(f"KV {snapshot['precision']}")
+        if self.model_config is not None:
+            full = 4 if snapshot["on_cpu"] else 2
+            p = plan(self.model_config, snapshot["total"] - snapshot["other_processes"], 4096,
+                     weights_size=snapshot["weights"], headroom=self.bridge.engine.config.headroom_bytes,
+                     kv_full_bytes=full)
+            self.memory_panel.show_contexts(p.max_context, trained_context(self.model_config))
 
     def render_chat(self) -> None:
+        """The whole conversation, when another one opens or a message is added or removed."""
         if self.conversation_id is None:
-            self.chat_view.setMarkdown("*Start a new chat: type below and press Enter.*")
+            self.chat_view.model.reset([], "Assistant")
             return
-        turns = []
-        for m in self.store.messages(self.conversation_id):
-            live = m.id == self.reply_id
-            turns.append(Turn(m.role, self.reply_text if live else m.content, m.position,
-                              m.interrupted and not live, None if live else m.stats))
-        page, self.code_blocks = conversation_html(turns)
-        self.chat_view.setHtml(page)
-        self.chat_view.verticalScrollBar().setValue(self.chat_view.verticalScrollBar().maximum())
+        persona = self.persona(self.store.conversation(self.conversation_id)["persona_id"])
+        live = self.reply_id if self.reply_conversation == self.conversation_id else None
+        self.chat_view.model.reset(self.store.messages(self.conversation_id), persona["name"] if persona else
+                                   "Assistant", live, self.reply_text)
+        if self.waiting == self.conversation_id:
+            self.chat_view.model.set_note(WAITING_NOTE)
+
+    # -- settings --
 
     def settings_dialog(self) -> SettingsDialog:
         engine = self.bridge.engine
         snap = self.gauge.snapshot
-        config = engine.loaded.model.config if engine.ready.is_set() and engine.loaded else None
         memory = snap["total"] - snap["other_processes"] if snap else None
         current = {**(self.store.setting("engine") or {}), "max_context": engine.config.max_context,
                    "kv_precision": engine.config.kv_precision.value}
-        return SettingsDialog(self, current, vars(self.sampling), config, memory,
+        return SettingsDialog(self, current, vars(self.sampling), self.model_config, memory,
                               on_cuda=bool(snap and not snap["on_cpu"]))
 
-    def open_settings(self) -> None:
+    def open_settings(self, focus: str | None = None) -> None:
         dialog = self.settings_dialog()
+        if focus:
+            dialog.focus_on(focus)
         if dialog.exec():
             self.apply_settings(dialog)
 
@@ -417,6 +576,7 @@ class MainWindow(QMainWindow):
             self.show_error(str(e))
             return
         self.store.set_setting("sampling", dialog.sampling())
+        self.sampling_from_model = False
         wanted = dialog.engine_settings()
         before = self.store.setting("engine") or {}
         engine = self.bridge.engine
@@ -434,6 +594,23 @@ class MainWindow(QMainWindow):
 
     # -- loading a model --
 
+    def model_library(self, roots=None) -> ModelLibrary:
+        snap = self.gauge.snapshot
+        memory = snap["total"] - snap["other_processes"] if snap else None
+        library = ModelLibrary(self, self.store.setting("model_folders") or [], memory,
+                               bool(snap and not snap["on_cpu"]), roots)
+        library.chosen.connect(self.load_from_library)
+        library.finished.connect(lambda _: self.store.set_setting("model_folders", library.folders))
+        return library
+
+    def load_from_library(self, path: str) -> None:
+        """Like choosing the model in Settings: saved only once it has loaded."""
+        engine = self.bridge.engine
+        now = {"model": "starter", "weights": "auto", **(self.store.setting("engine") or {}),
+               "max_context": engine.config.max_context, "kv_precision": engine.config.kv_precision.value,
+               "headroom_gib": engine.config.headroom_bytes / GiB}
+        self.load_model({**now, "model": path}, previous=None if engine.load_error else now)
+
     def load_model(self, settings: dict, previous: dict | None) -> None:
         """Close the engine and load ``settings`` in a new one; the chat waits, the window does not."""
         if self.bridge.busy:
@@ -450,6 +627,7 @@ class MainWindow(QMainWindow):
             self.load_bar.setRange(0, 0)
             self.load_bar.setFormat("loading model")
             self.precision_label.setText("loading model...")
+            self.model_chip.setText("loading…")
 
     def on_load_progress(self, done: int, total: int) -> None:
         if total <= 0:
@@ -463,8 +641,32 @@ class MainWindow(QMainWindow):
         if self.pending_engine_settings is not None:  # it loaded: now it is the setting
             self.store.set_setting("engine", self.pending_engine_settings)
         self.previous_engine_settings = self.pending_engine_settings = None
+        loaded = self.bridge.engine.loaded  # read once, now that the engine thread is done with loading
+        self.model_config = loaded.model.config
+        self.model_label = loaded.source.label
+        if self.sampling_from_model:
+            self.sampling = SamplingParams(**model_defaults(getattr(loaded.model, "generation_config", None)))
         self.precision_label.setText(f"KV {self.bridge.engine.precision.value}")
+        self.update_chips()
+        self.update_badge()
         self.notify(f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
+        self.answer_waiting()
+
+    def answer_waiting(self) -> None:
+        """The message sent while the model loaded gets its reply now."""
+        if self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            self.start_reply(waiting)
+
+    def update_chips(self) -> None:
+        if self.model_config is None:
+            return
+        engine = self.bridge.engine
+        weights = (self.store.setting("engine") or {}).get("weights", "auto")
+        parts = [model_name(self.model_label), size_label(self.model_config), f"weights {weights}"]
+        self.model_chip.setText(" · ".join(p for p in parts if p))
+        self.context_chip.setText(f"{engine.config.max_context:,} ctx")
+        self.kv_chip.setText(f"KV {engine.config.kv_precision.value}")
 
     def on_load_failed(self, message: str) -> None:
         """Say why; after a failed switch, load the model that worked again (its setting was never
@@ -472,21 +674,21 @@ class MainWindow(QMainWindow):
         self.set_loading(False)
         previous = self.previous_engine_settings
         self.previous_engine_settings = self.pending_engine_settings = None
-        if previous is not None:
+        if previous is not None and getattr(self.bridge, "load_error", "") is None:
+            # the engine brought the previous model back itself: it is the setting again
+            self.show_error(f"The model could not be loaded: {message}")
+            self.store.set_setting("engine", previous)
+            self.update_chips()
+            self.update_badge()
+            self.notify(f"model ready: {previous.get('model', 'starter')} (back after the failed load)")
+            self.answer_waiting()
+        elif previous is not None:
             self.show_error(f"The model could not be loaded: {message}")
             self.load_model(previous, previous=None)
         else:
             self.precision_label.setText("no model loaded")
+            self.model_chip.setText("no model")
             self.show_error(f"The model could not be loaded: {message}. Choose another one in Settings.")
-
-    def on_link(self, url) -> None:
-        if url.scheme() == "copy":
-            QGuiApplication.clipboard().setText(self.code_blocks[int(url.path())])
-            self.notify("code copied")
-        elif url.scheme() == "edit":
-            self.begin_edit(int(url.path()))
-        else:
-            QDesktopServices.openUrl(url)
 
     def notify(self, message: str) -> None:
         """The notice line shows the latest; its tooltip the ones before."""

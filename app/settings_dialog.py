@@ -1,11 +1,18 @@
 """The settings panel: model, context, KV precision, weights, headroom and sampling, with the
-planner's estimate updated as the values change. Context and precision apply without a reload."""
+planner's estimate updated as the values change, capped at the context the model was trained on.
+Context and precision apply without a reload."""
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
                                QLineEdit, QSpinBox)
 
 from kvchat.engine.memory import GiB, plan
 
+from .sampling_defaults import FALLBACK
+
 PRECISIONS = ["auto", "fp16", "int8", "k8v4", "int4"]
+
+
+def trained_context(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None) if config is not None else None
 
 
 class SettingsDialog(QDialog):
@@ -31,21 +38,24 @@ class SettingsDialog(QDialog):
                                 "none keeps the checkpoint's own" + ("" if on_cuda else " (fp32 on the CPU)"))
         self.headroom = QDoubleSpinBox(minimum=0, maximum=64, singleStep=0.25, suffix=" GiB",
                                        value=engine_settings.get("headroom_gib", 1.0))
-        self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", 0.7))
-        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", 1.0))
+        self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", FALLBACK["temperature"]))
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", FALLBACK["top_p"]))
         self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.get("top_k", 0))
         self.min_p = QDoubleSpinBox(minimum=0, maximum=0.99, singleStep=0.01, value=sampling.get("min_p", 0.0))
         self.repetition = QDoubleSpinBox(minimum=0.5, maximum=2, singleStep=0.05,
-                                         value=sampling.get("repetition_penalty", 1.0))
-        self.max_new = QSpinBox(minimum=1, maximum=32768, value=sampling.get("max_new_tokens", 512))
+                                         value=sampling.get("repetition_penalty", FALLBACK["repetition_penalty"]))
+        self.max_new = QSpinBox(minimum=1, maximum=32768, value=sampling.get("max_new_tokens", FALLBACK["max_new_tokens"]))
         self.seed = QSpinBox(minimum=-1, maximum=2 ** 31 - 1, value=sampling.get("seed") or -1, specialValueText="random")
         self.estimate = QLabel()
         self.estimate.setWordWrap(True)
+        self.warning = QLabel()
+        self.warning.setWordWrap(True)
+        self.warning.setStyleSheet("color: #c2410c;")
         rows = [("Model", self.model), ("Context length", self.context), ("KV precision", self.precision),
                 ("Weights", self.weights), ("Memory headroom", self.headroom),
                 ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
                 ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
-                ("Seed", self.seed), ("Estimate", self.estimate)]
+                ("Seed", self.seed), ("Estimate", self.estimate), ("", self.warning)]
         for label, widget in rows:
             form.addRow(label, widget)
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
@@ -57,7 +67,18 @@ class SettingsDialog(QDialog):
         self.weights.currentTextChanged.connect(self.update_estimate)
         self.update_estimate()
 
+    def focus_on(self, setting: str) -> None:
+        """A top-bar chip opens the dialog at its own setting."""
+        widget = {"model": self.model, "context": self.context, "precision": self.precision}.get(setting)
+        if widget is not None:
+            widget.setFocus()
+
     def update_estimate(self) -> None:
+        trained = trained_context(self.model_config)
+        over = trained is not None and self.context.value() > trained
+        self.warning.setText(f"{self.context.value():,} tokens is more than the {trained:,} this model was trained "
+                             "on: replies past that length are likely to go wrong." if over else "")
+        self.warning.setVisible(over)
         if self.model_config is None or not self.memory:
             self.estimate.setText("(the estimate appears once the model is loaded)")
             return
@@ -65,7 +86,9 @@ class SettingsDialog(QDialog):
         weights = {"auto": full if self.on_cuda else "int8", "none": full, "bf16": "bf16", "int8": "int8",
                    "int4": "nf4", "nf4": "nf4"}[self.weights.currentText()]
         p = plan(self.model_config, self.memory, self.context.value(), weights, int(self.headroom.value() * GiB))
-        holds = ", ".join(f"{name} {tokens:,}" for name, tokens in p.max_context.items())
+        holds = ", ".join(f"{name} {min(tokens, trained or tokens):,}" for name, tokens in p.max_context.items())
+        if trained is not None and any(tokens > trained for tokens in p.max_context.values()):
+            holds += f" (capped at the trained {trained:,})"
         self.estimate.setText(f"largest context: {holds} tokens. Auto would pick: {p.auto or 'nothing fits'}")
 
     def engine_settings(self) -> dict:

@@ -1,112 +1,16 @@
 """The main window on the starter model, offscreen, with a real SQLite file."""
 import json
-from contextlib import contextmanager
 
-import pytest
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
-from kvchat.app.engine_bridge import EngineBridge
-from kvchat.app.main_window import MainWindow
+from kvchat.app.main_window import WAITING_NOTE, MainWindow
 from kvchat.app.settings_dialog import SettingsDialog
 from kvchat.app.store import Store
-from kvchat.engine.config import EngineConfig, SamplingParams
-from kvchat.engine.engine import Engine
-from kvchat.engine.models import LoadedModel
+from kvchat.engine.config import SamplingParams
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
-from tiny_models import as_loaded  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def shared(starter):
-    return as_loaded(starter.model, starter.tokenizer, "starter")
-
-
-@pytest.fixture
-def app_parts(qtbot, tmp_path, shared):
-    def make_engine(settings):
-        """The starter from memory (no reload per test); any other model loads for real."""
-        if settings.get("model", "starter") == "starter":
-            return Engine(EngineConfig(max_context=settings.get("max_context", 512)),
-                          loaded=LoadedModel(**vars(shared)), persona_store=None)
-        return Engine(EngineConfig(model=settings["model"], max_context=512), persona_store=None)
-
-    engine = make_engine({})
-    bridge = EngineBridge(engine, make_engine)
-    store = Store(tmp_path / "chat.db")
-    win = MainWindow(store, bridge, SamplingParams(max_new_tokens=12, temperature=0))
-    qtbot.addWidget(win)
-    qtbot.waitUntil(engine.ready.is_set, timeout=60000)
-    yield win, store, bridge, tmp_path
-    bridge.engine.close()
-    engine.close()
-
-
-def back_on_the_starter(qtbot, bridge, store):
-    # waitSignal may return before the window's own (queued) slot has started the way back
-    # generous: in two full-suite runs of five the way back took over 60 s (cause not found; alone
-    # these tests take seconds)
-    qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set()
-                    and bridge.engine.config.model == "starter", timeout=150000)
-    assert bridge.engine.load_error is None
-    # the window saves the setting in its own queued slot, after the engine is ready
-    qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == "starter", timeout=10000)
-
-
-def send(qtbot, win, text):
-    win.input.setPlainText(text)
-    win.send()
-    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
-
-
-@contextmanager
-def answering(kind, act):
-    """Answer the first ``kind`` dialog opened modally inside the block (exec() and
-    QMessageBox.question wait in their own event loop, where this timer runs). Yields a list that
-    holds what ``act`` returned, or nothing if no such dialog opened."""
-    answered = []
-
-    def poll():
-        dialog = QApplication.activeModalWidget()
-        if isinstance(dialog, kind) and dialog.isVisible() and not answered:
-            answered.append(act(dialog))
-
-    timer = QTimer(interval=20)
-    timer.timeout.connect(poll)
-    timer.start()
-    try:
-        yield answered
-    finally:
-        timer.stop()
-
-
-def press(button):
-    """A message box answer: returns the question the box asked."""
-    def act(box):
-        text = box.text()
-        box.button(button).click()
-        return text
-    return act
-
-
-def click_chat(qtbot, win, title):
-    chats = win.conversation_list
-    item = chats.findItems(title, Qt.MatchExactly)[0]
-    qtbot.mouseClick(chats.viewport(), Qt.LeftButton, pos=chats.visualItemRect(item).center())
-
-
-def chat_ids(store):
-    return {c["id"] for c in store.conversations("")}
-
-
-def shown(qtbot, win):
-    win.show()
-    qtbot.waitExposed(win)
-    return win
+from qt_helpers import (answering, back_on_the_starter, chat_ids, click_chat, hover, last_stats, press, qml_click,
+                        qml_items, send, shown)
 
 
 def test_send_streams_the_reply_and_saves_it(qtbot, app_parts):
@@ -119,7 +23,8 @@ def test_send_streams_the_reply_and_saves_it(qtbot, app_parts):
     assert len(tokens) > 1 and reply.content == "".join(tokens)
     assert reply.token_ids and reply.stats["prompt_tokens"] > 0
     assert "Paris" in win.chat_view.toPlainText()
-    assert "TTFT" in win.chat_view.toPlainText() and "cached" in win.chat_view.toPlainText()
+    stats = last_stats(win)
+    assert len(stats) == 1 and "TTFT" in stats[0] and "cached" in stats[0]  # the reply's stats tooltip
 
 
 def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, app_parts):
@@ -142,28 +47,19 @@ def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     assert messages[-1].stats["cached_tokens"] > first.stats["cached_tokens"]  # from the prefix cache
     send(qtbot, win, "And another?")
     assert len(store.messages(win.conversation_id)) == 4
-    assert win.chat_view.toPlainText().count("TTFT") == 2  # stats under each reply
-    from PySide6.QtCore import QUrl
-
-    win.on_link(QUrl("edit:0"))  # the "edit" link under the first message
+    assert len(last_stats(win)) == 2  # a stats tooltip on each reply
+    shown(qtbot, win)
+    edit = qml_items(win, "editMessage")[0]  # the first message's edit action
+    hover(qtbot, win, edit)
+    qml_click(qtbot, win, edit)
     assert win.input.toPlainText() == "Name a color." and win.send_button.text() == "Resend"
     win.escape()  # cancels the edit
     assert win.editing is None and not win.input.toPlainText() and win.send_button.text() == "Send"
-    win.on_link(QUrl("edit:0"))
+    qml_click(qtbot, win, qml_items(win, "editMessage")[0])
     send(qtbot, win, "Name a fruit.")
     messages = store.messages(win.conversation_id)
     assert [m.role for m in messages] == ["user", "assistant"] and messages[0].content == "Name a fruit."
     assert messages[1].content and win.send_button.text() == "Send"
-
-
-def test_persona_switch_is_saved_and_shown_warm_after_use(qtbot, app_parts):
-    win, store, _, _ = app_parts
-    win.new_conversation()
-    win.persona_box.setCurrentIndex(2)
-    assert store.conversation(win.conversation_id)["persona_id"] == win.persona_box.currentData()
-    assert win.persona_badge.text() == "cold"
-    send(qtbot, win, "Hello")
-    assert win.persona_badge.text() == "warm (cached)"
 
 
 def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, app_parts):
@@ -180,7 +76,7 @@ def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, ap
         bridge.reconfigure(1024, "int8")
     assert got.args[0]["kv_precision"] == "int8" and bridge.engine.loaded.model is model
     send(qtbot, win, "Hi again")
-    assert win.chat_view.toPlainText().rstrip().endswith("KV int8")  # the newest reply's stats
+    assert last_stats(win)[-1].endswith("KV int8")  # the newest reply's stats
 
 
 def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, app_parts):
@@ -192,8 +88,10 @@ def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, ap
     win.close()
     again = MainWindow(Store(tmp_path / "chat.db"), bridge)  # a new connection, as after a restart
     qtbot.addWidget(again)
-    assert again.conversation_list.count() == 1
-    again.conversation_list.setCurrentRow(0)
+    assert [i.text() for i in again.conversation_list.chat_items()] == ["Remember me"]
+    assert again.conversation_list.headings() == ["Today"]
+    shown(qtbot, again)
+    click_chat(qtbot, again, "Remember me")
     assert "Remember me" in again.chat_view.toPlainText()
 
 
@@ -218,19 +116,26 @@ def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, app_part
     assert store.setting("engine")["kv_precision"] == "int4" and store.setting("sampling")["temperature"] == 0.0
 
 
-def test_code_blocks_are_highlighted_and_copied(qtbot, app_parts):
-    from PySide6.QtCore import QUrl
+def test_code_blocks_show_their_language_and_copy(qtbot, app_parts):
     from PySide6.QtGui import QGuiApplication
 
     win, store, _, _ = app_parts
+    shown(qtbot, win)
     win.new_conversation()
-    store.add_message(win.conversation_id, "user", "Show me code")
-    store.add_message(win.conversation_id, "assistant", "Here:\n\n```python\ndef f():\n    return 1\n```\n\nDone.")
+    store.add_message(win.conversation_id, "user", "Show me code\nin Python")
+    store.add_message(win.conversation_id, "assistant", "Here:\n\n```python\ndef f():\n    return 1\n```\n\n"
+                                                         "# not a title\n\nDone.")
     win.render_chat()
-    assert win.code_blocks == ["def f():\n    return 1"]
-    assert "style=" in win.chat_view.toHtml() and "Done." in win.chat_view.toPlainText()
-    win.on_link(QUrl("copy:0"))
+    qtbot.waitUntil(lambda: len(qml_items(win, "codeBlock")) == 1, timeout=5000)
+    assert [i.property("text") for i in qml_items(win, "codeLanguage")] == ["python"]
+    assert "<span" in qml_items(win, "codeText")[0].property("text")  # highlighted
+    user_text = qml_items(win, "messageText")[0]
+    assert user_text.property("text") == "Show me code\nin Python"  # the newline the user typed stays
+    assert any("### not a title" in i.property("text") for i in qml_items(win, "messageText"))
+    QGuiApplication.clipboard().clear()
+    qml_click(qtbot, win, qml_items(win, "copyCode")[0])
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1"
+    assert qml_items(win, "copyCode")[0].property("text") == "Copied"
 
 
 def test_persona_editor_and_export(qtbot, app_parts, tmp_path):
@@ -285,12 +190,18 @@ def test_a_download_shows_progress_and_can_be_cancelled(qtbot, app_parts, monkey
     qtbot.waitUntil(lambda: win.load_bar.maximum() == 1000 and win.load_bar.value() > 0, timeout=30000)
     assert "/ 3.00 GB" in win.load_bar.format()
     win.input.setPlainText("wait for me")
-    win.send()  # refused while loading, and the text stays
-    assert win.input.toPlainText() == "wait for me" and "loading" in win.notice_label.text()
+    qtbot.keyClick(win.input, Qt.Key_Return)  # queued while loading, with a note in the chat
+    assert not win.input.toPlainText() and store.messages(win.conversation_id)[-1].content == "wait for me"
+    assert [i.property("text") for i in qml_items(win, "note")] == [WAITING_NOTE]
+    assert "answered when it is ready" in win.notice_label.text()
     with qtbot.waitSignal(bridge.load_failed, timeout=30000) as failed:
         win.cancel_load_button.click()
-    assert failed.args[0] == "download cancelled"
+    assert "cancelled" in failed.args[0]
     back_on_the_starter(qtbot, bridge, store)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and len(store.messages(win.conversation_id)) == 2,
+                    timeout=60000)
+    reply = store.messages(win.conversation_id)[-1]
+    assert reply.role == "assistant" and reply.content and not qml_items(win, "note")
 
 
 def test_an_engine_error_becomes_a_message_and_the_next_turn_works(qtbot, app_parts, monkeypatch):

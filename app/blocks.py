@@ -1,0 +1,63 @@
+"""A message as the chat view's blocks: Markdown prose and fenced code, each code block highlighted
+once (a streaming reply re-highlights only its open block)."""
+import re
+from functools import lru_cache
+
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import TextLexer, get_lexer_by_name
+from pygments.util import ClassNotFound
+
+FENCE = re.compile(r"^[ \t]*```([\w+#.-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.S | re.M)  # open: still streaming
+# A small model often writes code without a fence; its "# comment" lines must not become page titles
+BIG_HEADING = re.compile(r"^(#{1,2})(?=\s)", re.M)
+FORMATTERS = {False: HtmlFormatter(noclasses=True, style="friendly", nowrap=True),
+              True: HtmlFormatter(noclasses=True, style="monokai", nowrap=True)}
+
+
+def split(content: str) -> list[dict]:
+    """[{kind: text, text} | {kind: code, lang, code}] in order; an unclosed fence runs to the end."""
+    out, pos = [], 0
+    for m in FENCE.finditer(content):
+        if content[pos:m.start()].strip():
+            out.append({"kind": "text", "text": tame(content[pos:m.start()])})
+        out.append({"kind": "code", "lang": m.group(1).lower(), "code": m.group(2).rstrip("\n")})
+        pos = m.end()
+    if content[pos:].strip():
+        out.append({"kind": "text", "text": tame(content[pos:])})
+    return out
+
+
+def tame(markdown: str) -> str:
+    return BIG_HEADING.sub("###", markdown)
+
+
+@lru_cache(maxsize=512)
+def code_html(code: str, language: str, dark: bool) -> str:
+    """Highlighted, inside a <pre>; without a language tag the text stays plain (guessing misfires
+    on short snippets and costs a pass over every lexer)."""
+    try:
+        lexer = get_lexer_by_name(language) if language else TextLexer()
+    except ClassNotFound:
+        lexer = TextLexer()
+    return '<pre style="margin-top:0; margin-bottom:0">' + highlight(code, lexer, FORMATTERS[dark]).rstrip("\n") + "</pre>"
+
+
+def blocks(content: str, dark: bool) -> list[dict]:
+    """What the QML delegate shows: code blocks carry their highlighted HTML and their text to copy."""
+    out = split(content)
+    for b in out:
+        if b["kind"] == "code":
+            b["html"] = code_html(b["code"], b["lang"], dark)
+    return out
+
+
+def stats_line(s: dict) -> str:
+    """One reply's figures: TTFT, speed, what the prefix cache served, the KV precision."""
+    line = (f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {s['cached_tokens']} cached / "
+            f"{s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens · KV {s['kv_precision']}")
+    if s.get("trimmed_messages"):
+        line += f" · {s['trimmed_messages']} oldest messages outside the context"
+    if s.get("finish_reason") == "loop":
+        line += " · stopped: it was repeating itself"
+    return line

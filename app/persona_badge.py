@@ -1,0 +1,26 @@
+"""The persona badge's answer, asked of the engine off the GUI thread and handed back as a signal."""
+import threading
+
+from PySide6.QtCore import QObject, Signal
+
+from kvchat.engine.persona_probe import engine_persona_state
+
+LABELS = {"warm": "warm (in memory)", "disk": "warm (on disk)", "cold": "cold", "short": "too short to cache"}
+
+
+class BadgeAsker(QObject):
+    answered = Signal(object, str)  # persona id, state
+
+    def ask(self, engine, persona_id: int | None, system_prompt: str | None) -> None:
+        if persona_id is None or not system_prompt:
+            self.answered.emit(persona_id, "short")
+            return
+
+        def run():
+            try:
+                state = engine_persona_state(engine, system_prompt)
+            except Exception:  # a pool being rebuilt under the question: ask again next time
+                return
+            self.answered.emit(persona_id, state)
+
+        threading.Thread(target=run, daemon=True).start()

@@ -1,0 +1,106 @@
+"""Light and dark: follows the system's colour scheme unless the user picked one. One set of colours
+feeds both the widgets (a Fusion palette and a small style sheet) and the QML chat view."""
+from PySide6.QtCore import QObject, Qt, Property, Signal, Slot
+from PySide6.QtGui import QColor, QGuiApplication, QPalette
+
+MODES = ("system", "light", "dark")
+
+COLOURS = {
+    False: {"bg": "#ffffff", "sidebar": "#f5f5f7", "panel": "#fafafa", "text": "#1f2328", "muted": "#6b7280",
+            "border": "#e4e4e7", "accent": "#4f46e5", "accentText": "#ffffff", "userBubble": "#eef0fb",
+            "codeBg": "#f6f8fa", "codeHeader": "#eaeef2", "hover": "#ececf1", "chip": "#f0f0f3",
+            "warm": "#15803d", "cold": "#6b7280", "danger": "#b91c1c"},
+    True: {"bg": "#1e1f22", "sidebar": "#17181a", "panel": "#1b1c1f", "text": "#e6e6e6", "muted": "#9ca3af",
+           "border": "#2f3136", "accent": "#8b87f5", "accentText": "#111111", "userBubble": "#2a2d38",
+           "codeBg": "#131417", "codeHeader": "#26282d", "hover": "#2a2c31", "chip": "#27292e",
+           "warm": "#4ade80", "cold": "#9ca3af", "danger": "#f87171"},
+}
+
+STYLE_SHEET = """
+QFrame#sidebar {{ background: {sidebar}; border-right: 1px solid {border}; }}
+QFrame#topbar, QFrame#statusbar {{ background: {bg}; }}
+QFrame#topbar {{ border-bottom: 1px solid {border}; }}
+QFrame#composer {{ background: {panel}; border: 1px solid {border}; border-radius: 14px; }}
+QFrame#composer QPlainTextEdit {{ background: transparent; border: none; font-size: 14px; }}
+QFrame#memoryPanel {{ background: {sidebar}; border-left: 1px solid {border}; }}
+QListWidget#conversations {{ background: transparent; border: none; outline: none; }}
+QListWidget#conversations::item {{ padding: 6px 8px; border-radius: 8px; }}
+QListWidget#conversations::item:selected {{ background: {hover}; color: {text}; }}
+QListWidget#conversations::item:hover:!selected {{ background: {hover}; }}
+QLineEdit#search {{ border: 1px solid {border}; border-radius: 8px; padding: 5px 8px; background: {bg}; }}
+QToolButton[chip="true"] {{ background: {chip}; border: 1px solid {border}; border-radius: 12px;
+                            padding: 3px 10px; color: {text}; }}
+QToolButton[chip="true"]:hover {{ border-color: {accent}; }}
+QPushButton#send {{ background: {accent}; color: {accentText}; border: none; border-radius: 10px; padding: 6px 14px; }}
+QPushButton#send:disabled {{ background: {border}; color: {muted}; }}
+QPushButton#newChat {{ border: 1px solid {border}; border-radius: 8px; padding: 6px; background: {bg}; }}
+QLabel[muted="true"] {{ color: {muted}; }}
+"""
+
+
+def system_scheme() -> Qt.ColorScheme:
+    return QGuiApplication.styleHints().colorScheme()
+
+
+def scheme_is_dark(mode: str) -> bool:
+    if mode == "dark":
+        return True
+    if mode == "light":
+        return False
+    return system_scheme() == Qt.ColorScheme.Dark
+
+
+def palette(dark: bool) -> QPalette:
+    c = COLOURS[dark]
+    p = QPalette()
+    for role, key in ((QPalette.Window, "bg"), (QPalette.Base, "bg"), (QPalette.AlternateBase, "panel"),
+                      (QPalette.Button, "chip"), (QPalette.WindowText, "text"), (QPalette.Text, "text"),
+                      (QPalette.ButtonText, "text"), (QPalette.ToolTipBase, "panel"), (QPalette.ToolTipText, "text"),
+                      (QPalette.Highlight, "accent"), (QPalette.HighlightedText, "accentText"),
+                      (QPalette.PlaceholderText, "muted"), (QPalette.Mid, "border"), (QPalette.Link, "accent")):
+        p.setColor(role, QColor(c[key]))
+    for role in (QPalette.WindowText, QPalette.Text, QPalette.ButtonText):
+        p.setColor(QPalette.Disabled, role, QColor(c["muted"]))
+    return p
+
+
+class Theme(QObject):
+    """``colours`` and ``dark`` for QML; ``mode`` is the user's choice (system, light or dark)."""
+    changed = Signal()
+
+    def __init__(self, mode: str = "system"):
+        super().__init__()
+        self._mode = mode if mode in MODES else "system"
+        self._dark = scheme_is_dark(self._mode)
+        # a bound slot, not a lambda: Qt drops the connection when this theme is deleted
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @Slot(Qt.ColorScheme)
+    def _on_system_scheme(self, _scheme) -> None:
+        self.set_mode(self._mode)
+
+    def set_mode(self, mode: str) -> None:
+        self._mode = mode if mode in MODES else "system"
+        self._dark = scheme_is_dark(self._mode)
+        self.apply()
+        self.changed.emit()
+
+    def apply(self) -> None:
+        """The widgets' look: Fusion with this palette, plus the few rounded parts Fusion lacks."""
+        app = QGuiApplication.instance()
+        app.setPalette(palette(self._dark))
+        if hasattr(app, "setStyleSheet"):
+            app.setStyleSheet(STYLE_SHEET.format(**COLOURS[self._dark]))
+
+    def _get_dark(self) -> bool:
+        return self._dark
+
+    def _get_colours(self) -> dict:
+        return COLOURS[self._dark]
+
+    dark = Property(bool, _get_dark, notify=changed)
+    colours = Property("QVariantMap", _get_colours, notify=changed)

@@ -1,0 +1,31 @@
+"""Is a persona's prefix warm? The question the app's badge asks: the answer comes from the pool's
+prefix cache and the persona store, not from what a window remembers.
+
+"warm": every full block of the persona's prefix is in the pool now (the next reply skips it);
+"disk": not in the pool, but its saved KV matches this model and precision (restored, not computed);
+"cold": it would be computed; "short": the persona is shorter than one block, nothing to cache.
+"""
+
+
+def persona_state(formatter, manager, store, system_prompt: str) -> str:
+    """The blocks are named exactly as a request names them: the persona rendered as the system
+    message ahead of a user message, chained hashes with the pool's extra key (model, precision)."""
+    encoded = formatter.encode([{"role": "system", "content": system_prompt}, {"role": "user", "content": "."}])
+    persona_len = encoded.message_starts[1]
+    n = persona_len // manager.block_size
+    if n == 0:
+        return "short"
+    chain = list(manager.chain(encoded.token_ids, n))
+    if all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain):
+        return "warm"
+    if store is not None and store.has(chain[-1][1]):
+        return "disk"
+    return "cold"
+
+
+def engine_persona_state(engine, system_prompt: str) -> str:
+    """For a loaded engine; the lookups only read dicts (atomic under the GIL), so another thread
+    may ask while the engine thread works."""
+    if engine.load_error or not engine.ready.is_set():
+        return "cold"
+    return persona_state(engine.formatter, engine.manager, engine.personas.store, system_prompt)

@@ -1,0 +1,95 @@
+"""Driving the window as a user would: clicks on chats and QML items, answers to modal dialogs."""
+from contextlib import contextmanager
+
+from PySide6.QtCore import QPointF, Qt, QTimer
+from PySide6.QtWidgets import QApplication
+
+
+def back_on_the_starter(qtbot, bridge, store):
+    # waitSignal may return before the window's own (queued) slot has started the way back
+    # generous: in two full-suite runs of five the way back took over 60 s (cause not found; alone
+    # these tests take seconds)
+    qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set()
+                    and bridge.engine.config.model == "starter", timeout=150000)
+    assert bridge.engine.load_error is None
+    # the window saves the setting in its own queued slot, after the engine is ready
+    qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == "starter", timeout=10000)
+
+
+def send(qtbot, win, text):
+    win.input.setPlainText(text)
+    win.send()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+@contextmanager
+def answering(kind, act):
+    """Answer the first ``kind`` dialog opened modally inside the block (exec() and
+    QMessageBox.question wait in their own event loop, where this timer runs). Yields a list that
+    holds what ``act`` returned, or nothing if no such dialog opened."""
+    answered = []
+
+    def poll():
+        dialog = QApplication.activeModalWidget()
+        if isinstance(dialog, kind) and dialog.isVisible() and not answered:
+            answered.append(act(dialog))
+
+    timer = QTimer(interval=20)
+    timer.timeout.connect(poll)
+    timer.start()
+    try:
+        yield answered
+    finally:
+        timer.stop()
+
+
+def press(button):
+    """A message box answer: returns the question the box asked."""
+    def act(box):
+        text = box.text()
+        box.button(button).click()
+        return text
+    return act
+
+
+def click_chat(qtbot, win, title):
+    chats = win.conversation_list
+    item = next(i for i in chats.chat_items() if i.text() == title)
+    qtbot.mouseClick(chats.viewport(), Qt.LeftButton, pos=chats.visualItemRect(item).center())
+
+
+def chat_ids(store):
+    return {c["id"] for c in store.conversations("")}
+
+
+def shown(qtbot, win):
+    win.show()
+    qtbot.waitExposed(win)
+    return win
+
+
+def qml_items(win, name):
+    return [i for i in win.chat_view.items() if i.objectName() == name and i.isVisible()]
+
+
+def qml_point(item, x=None, y=None):
+    """An item's centre (or a point in it) in the chat view's coordinates, for QTest's mouse."""
+    x = item.width() / 2 if x is None else x
+    y = item.height() / 2 if y is None else y
+    return item.mapToScene(QPointF(x, y)).toPoint()
+
+
+def qml_click(qtbot, win, item):
+    qtbot.mouseClick(win.chat_view, Qt.LeftButton, pos=qml_point(item))
+
+
+def hover(qtbot, win, item):
+    """Point at an item as a user would; its message's actions then show."""
+    qtbot.mouseMove(win.chat_view, qml_point(item, 10, 10))
+    qtbot.mouseMove(win.chat_view, qml_point(item))
+
+
+def last_stats(win):
+    return [i.property("tip") for i in win.chat_view.items() if i.objectName() == "stats" and i.isVisible()]
+
+

@@ -1,0 +1,217 @@
+"""The QML chat view (issue 10, deliverables 1 and 2): one row updates while a reply streams, the view
+follows only a reader at the bottom, hover actions, the empty state, themes, the sidebar's dates,
+the top bar's chips and the memory panel. On the starter model, through the real items."""
+import time
+
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QApplication
+
+from kvchat.app.chat_model import ROLE_IDS
+from kvchat.app.settings_dialog import SettingsDialog
+from kvchat.app.theme import COLOURS
+from kvchat.engine.config import SamplingParams
+
+from qt_helpers import answering, hover, qml_click, qml_items, send, shown
+
+LONG = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+
+
+def long_chat(store, win, messages=30, words=30):
+    cid = win.new_conversation()
+    for i in range(messages):
+        store.add_message(cid, "user" if i % 2 == 0 else "assistant", f"message {i}\n\n" + "A line of text. " * words)
+    win.render_chat()
+    return cid
+
+
+def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    long_chat(store, win, 12)
+    model = win.chat_view.model
+    changed, resets = [], []
+    model.dataChanged.connect(lambda first, last, roles: changed.append((first.row(), last.row())))
+    win.sampling = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
+    win.input.setPlainText("Tell me a story.")
+    with qtbot.waitSignal(bridge.token, timeout=60000):
+        qtbot.keyClick(win.input, Qt.Key_Return)
+    model.modelReset.connect(lambda: resets.append(1))
+    qtbot.waitUntil(lambda: len(changed) >= 3, timeout=60000)
+    reply_row = model.rowCount() - 1
+    assert set(changed) == {(reply_row, reply_row)} and not resets  # never the whole conversation
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    final = store.messages(win.conversation_id)[-1].content
+    assert model.data(model.index(reply_row), ROLE_IDS["content"]) == final
+
+
+def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    with qtbot.waitSignal(bridge.reconfigured, timeout=60000):  # room for the whole chat and a long reply
+        bridge.reconfigure(4096, None)
+    long_chat(store, win, words=1)
+    view = win.chat_view.list_view()
+    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # a chat opens at its newest message
+    win.sampling = LONG
+    win.input.setPlainText("Write a very long story.")
+    with qtbot.waitSignal(bridge.token, timeout=60000):
+        qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
+    centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
+    for _ in range(5):  # the reader turns the wheel up
+        qtbot.wait(30)
+        wheel(win.chat_view, centre, 120)
+    qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
+    held = view.property("contentY")
+    jump = win.chat_view.item("jumpToLatest")
+    assert not view.property("follow") and jump.isVisible()
+    model = win.chat_view.model
+    grown = len(model.rows[-1]["content"])
+    qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 120, timeout=60000)  # the reply grew
+    qtbot.wait(200)  # its last frame
+    assert abs(view.property("contentY") - held) < 1 and not view.property("atYEnd")  # not pulled down
+    qml_click(qtbot, win, jump)
+    qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
+    assert not jump.isVisible()
+    grown = len(model.rows[-1]["content"])
+    qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 120, timeout=60000)
+    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # following again
+    win.stop_button.click()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+def wheel(widget, pos, delta):
+    from PySide6.QtCore import QPointF
+    from PySide6.QtGui import QWheelEvent
+
+    event = QWheelEvent(QPointF(pos), QPointF(widget.mapToGlobal(pos)), QPoint(0, 0), QPoint(0, delta),
+                        Qt.NoButton, Qt.NoModifier, Qt.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_hover_actions_copy_a_message_and_regenerate_the_last_reply(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    send(qtbot, win, "Name a color.")
+    first = store.messages(win.conversation_id)[-1]
+    actions = qml_items(win, "actions")
+    assert len(actions) == 2 and all(a.property("opacity") == 0 for a in actions)  # hidden until pointed at
+    reply_copy = qml_items(win, "copyMessage")[1]
+    hover(qtbot, win, reply_copy)
+    qtbot.waitUntil(lambda: actions[1].property("opacity") == 1, timeout=3000)
+    assert actions[0].property("opacity") < 1  # only the message under the pointer
+    assert len(qml_items(win, "regenerate")) == 1 and len(qml_items(win, "editMessage")) == 1
+    qml_click(qtbot, win, reply_copy)
+    assert QGuiApplication.clipboard().text() == first.content
+    regenerate = qml_items(win, "regenerate")[0]
+    hover(qtbot, win, regenerate)
+    qml_click(qtbot, win, regenerate)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    messages = store.messages(win.conversation_id)
+    assert len(messages) == 2 and messages[-1].content == first.content  # greedy: the same reply again
+    assert messages[-1].stats["cached_tokens"] > first.stats["cached_tokens"]  # a new reply, from the cache
+
+
+def test_an_empty_chat_offers_example_prompts_that_send(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    assert qml_items(win, "emptyTitle")
+    prompts = qml_items(win, "examplePrompt")
+    assert len(prompts) == 4
+    wanted = prompts[2].property("prompt")
+    qml_click(qtbot, win, prompts[2])
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and win.conversation_id is not None
+                    and len(store.messages(win.conversation_id)) == 2, timeout=60000)
+    assert store.messages(win.conversation_id)[0].content == wanted and not qml_items(win, "emptyTitle")
+
+
+def test_replies_carry_the_persona_name_in_a_centred_column(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    win.resize(1600, 900)
+    win.save_persona(None, "Ada", "You are Ada, a patient teacher.")
+    send(qtbot, win, "Hello")
+    assert [i.property("text") for i in qml_items(win, "author")] == ["Ada"]
+    column = qml_items(win, "messageColumn")[0]
+    left = column.mapToScene(column.position() * 0).x()
+    assert column.width() == 760
+    assert abs(left + 380 - win.chat_view.width() / 2) <= 1  # centred
+
+
+def test_theme_follows_the_system_and_the_choice_is_kept(qtbot, app_parts, monkeypatch):
+    from kvchat.app import theme
+
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    root = win.chat_view.rootObject()
+    assert win.theme.mode == "system"
+    hints = QGuiApplication.styleHints()
+    # the offscreen platform has no desktop scheme to change: stand in for it, and send the signal
+    # a desktop switching to dark makes Qt send
+    monkeypatch.setattr(theme, "system_scheme", lambda: Qt.ColorScheme.Dark)
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+    assert win.theme.dark and root.property("color").name() == COLOURS[True]["bg"]
+    assert QApplication.palette().window().color().name() == COLOURS[True]["bg"]
+    monkeypatch.setattr(theme, "system_scheme", lambda: Qt.ColorScheme.Light)
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    assert not win.theme.dark and root.property("color").name() == COLOURS[False]["bg"]
+    qtbot.mouseClick(win.theme_button, Qt.LeftButton)  # system -> light
+    qtbot.mouseClick(win.theme_button, Qt.LeftButton)  # light -> dark
+    assert win.theme.mode == "dark" and win.theme.dark and store.setting("theme") == "dark"
+    assert root.property("color").name() == COLOURS[True]["bg"] and win.theme_button.text() == "Dark"
+    qtbot.mouseClick(win.theme_button, Qt.LeftButton)
+    assert store.setting("theme") == "system"
+
+
+def test_the_sidebar_groups_chats_by_date_and_searches(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    now = time.time()
+    for title, days in (("Old plan", 40), ("Last week", 4), ("Yesterday's", 1), ("Now", 0)):
+        cid = store.create_conversation(title)
+        store.add_message(cid, "user", f"about {title}")
+        store.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now - days * 86400, cid))
+    win.refresh_conversations()
+    chats = win.conversation_list
+    assert chats.headings() == ["Today", "Yesterday", "Previous 7 days", "Older"]
+    assert [i.text() for i in chats.chat_items()] == ["Now", "Yesterday's", "Last week", "Old plan"]
+    qtbot.keyClicks(win.search, "week")
+    assert [i.text() for i in chats.chat_items()] == ["Last week"] and chats.headings() == ["Previous 7 days"]
+    heading = chats.item(0)
+    assert not heading.flags() & Qt.ItemIsSelectable
+
+
+def test_chips_name_the_model_and_open_their_setting(qtbot, app_parts):
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    qtbot.waitUntil(lambda: "SmolLM2" in win.model_chip.text(), timeout=10000)
+    assert "135M" in win.model_chip.text() and "weights" in win.model_chip.text()
+    assert win.context_chip.text() == "512 ctx" and win.kv_chip.text().startswith("KV ")
+
+    def focused(dialog):
+        widget = dialog.focusWidget()
+        dialog.reject()
+        return {dialog.context: "context", dialog.precision: "precision", dialog.model: "model"}.get(widget)
+
+    with answering(SettingsDialog, focused) as got:
+        qtbot.mouseClick(win.context_chip, Qt.LeftButton)
+    assert got == ["context"]
+    with answering(SettingsDialog, focused) as got:
+        qtbot.mouseClick(win.kv_chip, Qt.LeftButton)
+    assert got == ["precision"]
+
+
+def test_the_memory_panel_reads_in_numbers(qtbot, app_parts):
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    assert win.memory_panel.isHidden()
+    qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    assert win.memory_panel.isVisible()
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1 and "trained limit" in win.memory_panel.contexts.text(),
+                    timeout=15000)
+    panel = win.memory_panel
+    assert "System RAM" in panel.where.text()
+    assert all(v.text().endswith(("GiB", "MiB")) for v in panel.values.values())
+    assert panel.precision.text().startswith("KV precision:")
+    # the starter was trained on 8,192 tokens: no precision offers more
+    assert "8,192" in panel.contexts.text() and "917" not in panel.contexts.text()

@@ -1,0 +1,102 @@
+"""README screenshots: the real app under Xvfb, light and dark, at 1600x1000 and 1000x700.
+
+A fresh data folder gets a few earlier chats (for the sidebar's date groups); then a question is
+typed with xdotool and the starter's real reply is awaited before each picture.
+
+    xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python tools/screenshots.py [--out docs]
+"""
+import argparse
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "Write a Python function that reverses a string, with a short example."
+EARLIER = [("Plan a weekend in Lisbon", 0), ("Explain the KV cache", 1), ("Regex for dates", 3),
+           ("Summarise this email", 5), ("Rust lifetimes question", 12), ("Birthday poem for Ana", 40)]
+SIZES = [(1600, 1000), (1000, 700)]
+
+
+def seed(home: Path, theme: str) -> Path:
+    from kvchat.app.store import Store
+
+    store = Store(home / "data" / "chat.db")
+    now = time.time()
+    for title, days in EARLIER:
+        cid = store.create_conversation(title)
+        store.add_message(cid, "user", title)
+        store.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now - days * 86400 - 60, cid))
+    store.set_setting("theme", theme)
+    store.set_setting("memory_panel", True)
+    store.close()
+    return home / "data" / "chat.db"
+
+
+def xdotool(*args: str) -> str:
+    return subprocess.run(["xdotool", *args], capture_output=True, text=True).stdout.strip()
+
+
+def wait_for(what, timeout: float, step: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = what()
+        if value:
+            return value
+        time.sleep(step)
+    raise SystemExit(f"timed out after {timeout} s")
+
+
+def reply_done(db: Path) -> bool:
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT content, interrupted FROM messages WHERE role='assistant'").fetchall()
+    return bool(rows) and rows[-1][0].strip() and not rows[-1][1]
+
+
+def shoot(theme: str, out: Path, app: str) -> None:
+    home = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
+    db = seed(home, theme)
+    env = {**os.environ, "KVCHAT_HOME": str(home)}
+    proc = subprocess.Popen([app], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        window = wait_for(lambda: xdotool("search", "--onlyvisible", "--pid", str(proc.pid), "--name", "^kvchat$"), 60)
+        window = window.split()[0]
+        xdotool("windowsize", window, "1600", "1000")
+        xdotool("windowmove", window, "0", "0")
+        time.sleep(1.0)
+        xdotool("windowfocus", "--sync", window)
+        xdotool("type", "--delay", "15", QUESTION)
+        xdotool("key", "Return")
+        wait_for(lambda: reply_done(db), 240)
+        time.sleep(1.5)  # the last frame and a memory snapshot
+        for width, height in SIZES:
+            if width < 1400:  # no room for the memory panel beside the chat
+                xdotool("key", "ctrl+m")
+            xdotool("windowsize", window, str(width), str(height))
+            time.sleep(1.5)
+            target = out / f"screenshot-{theme}-{width}x{height}.png"
+            subprocess.run(["import", "-window", window, str(target)], check=True)
+            print(target)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "docs"))
+    parser.add_argument("--app", default=str(ROOT / ".venv" / "bin" / "kvchat"))
+    parser.add_argument("--themes", default="light,dark")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for theme in args.themes.split(","):
+        shoot(theme, out, args.app)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
