@@ -49,7 +49,9 @@ class ChatSession:
 
 
 def format_stats(stats) -> str:
-    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached, {stats.computed_tokens} computed), "
+    cached = (f"{stats.cached_tokens} cached, {stats.computed_tokens} computed"
+              if getattr(stats, "cached_reported", True) else "cached: not reported")  # a remote server may not say
+    return (f"prompt {stats.prompt_tokens} tokens ({cached}), "
             f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
             f"KV {stats.kv_precision}"
             + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else ""))

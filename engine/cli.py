@@ -11,7 +11,8 @@ USAGE_ERROR = 2
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="starter", help="a model folder, a .gguf file, a hub id, or 'starter'")
+    p.add_argument("--model", default=None, help="a model folder, a .gguf file, a hub id, or 'starter' (the "
+                   "default); with --remote, one of the server's models (default: its first)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
                    help="auto: int8 on the CPU; CPU: bf16, int8, int4 (torch's kernels); CUDA: int8, nf4 (bitsandbytes)")
@@ -24,6 +25,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --context pass the model's trained length (answers get worse past it)")
     p.add_argument("--threads", type=int, default=None)
+
+
+def remote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="an OpenAI-compatible server (vLLM, SGLang, llama-server, kvchat serve) or a saved "
+                        "connection's name, instead of the local engine")
+    p.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"),
+                   help="the server's key (default: $KVCHAT_REMOTE_API_KEY, then the saved connection's)")
 
 
 def sampling_args(p: argparse.ArgumentParser, max_new: int = 512) -> None:
@@ -43,10 +52,12 @@ def parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive terminal chat (/system, /reset, /stats, /quit)")
     engine_args(chat)
     sampling_args(chat)
+    remote_args(chat)
     chat.add_argument("--system", default=None)
     gen = sub.add_parser("generate", help="one reply to one prompt")
     engine_args(gen)
     sampling_args(gen, max_new=256)
+    remote_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--system", default=None)
     gen.add_argument("--json", action="store_true")
@@ -54,13 +65,26 @@ def parser() -> argparse.ArgumentParser:
     engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("KVCHAT_API_KEY"),
+                       help="require Authorization: Bearer KEY on every route (default: $KVCHAT_API_KEY)")
+    serve.add_argument("--allow-host", action="append", default=[],
+                       help="a further Host-header name to accept (repeatable); loopback names always are")
+    serve.add_argument("--cors-origin", action="append", default=[],
+                       help="a browser origin allowed to call the API (repeatable); none by default")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests waiting at once before 429")
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "switch", "capped"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
+    api = bench.add_argument_group("api")
+    api.add_argument("--remote", default=None, metavar="URL", help="measure this server instead of kvchat serve")
+    api.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"))
+    api.add_argument("--clients", type=int, default=8)
+    api.add_argument("--requests", type=int, default=32)
+    api.add_argument("--max-tokens", type=int, default=16)
     decode = bench.add_argument_group("decode")
     decode.add_argument("--random-weights", metavar="CONFIG", default=None,
                         help="a config.json (or folder) of the shape to measure, with random weights")
@@ -96,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
 
 def make_config(args) -> EngineConfig:
     decode = args.decode or os.environ.get("KVCHAT_DECODE") or ("eager" if args.command == "generate" else "auto")
-    return EngineConfig(model=args.model, device=args.device, weights=args.weights, decode=decode,
+    return EngineConfig(model=args.model or "starter", device=args.device, weights=args.weights, decode=decode,
                         kv_precision=args.kv_precision, max_context=args.context, threads=args.threads,
                         allow_long_context=args.allow_long_context)
 
@@ -115,13 +139,28 @@ def start_engine(config: EngineConfig):
     return engine
 
 
+def start_backend(args):
+    """The local engine, or the server of --remote (a URL or a saved connection's name)."""
+    if not args.remote:
+        return start_engine(make_config(args))
+    from .connections import Connections, get_key
+    from .remote import RemoteBackend
+
+    saved = Connections().get(args.remote)
+    url = saved.base_url if saved else args.remote
+    key = args.api_key or (get_key(saved.name) if saved else None)
+    backend = RemoteBackend(url, api_key=key, model=args.model or (saved.model if saved else None))
+    backend.wait_ready(timeout=60)
+    return backend
+
+
 def cmd_generate(args) -> int:
     from .events import Request
 
     sampling = make_sampling(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
-    engine = start_engine(make_config(args))
+    engine = start_backend(args)
     handle = engine.submit(Request(messages=messages, sampling=sampling))
     if args.json:
         done = handle.result()
@@ -155,8 +194,9 @@ def cmd_chat(args) -> int:
     from .chat_session import ChatSession
 
     sampling = make_sampling(args)
-    print(f"kvchat: loading {args.model} ...", file=sys.stderr)
-    engine = start_engine(make_config(args))
+    print(f"kvchat: {'connecting to ' + args.remote if args.remote else 'loading ' + (args.model or 'starter')} ...",
+          file=sys.stderr)
+    engine = start_backend(args)
     session = ChatSession(engine, system=args.system)
     print("Type a message; /system TEXT sets the persona, /reset starts over, /stats shows the last turn, "
           "/quit leaves.")
@@ -180,7 +220,12 @@ def cmd_serve(args) -> int:
     engine = start_engine(make_config(args))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
-    uvicorn.run(create_app(engine, engine.loaded.source.label), host=args.host, port=args.port, log_level="warning")
+    if args.max_queue < 1:
+        raise ConfigError("--max-queue must be positive")
+    app = create_app(engine, engine.loaded.source.label, api_key=args.api_key or None, host=args.host,
+                     allow_hosts=tuple(args.allow_host), cors_origins=tuple(args.cors_origin),
+                     max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     engine.close()
     return 0
 
@@ -199,6 +244,13 @@ def cmd_bench(args) -> int:
         bench_decode.report(bench_decode.bench_decode(
             args.model, args.random_weights, args.device, args.dtype, args.weights, args.kv_precision,
             args.prompt_len, args.new_tokens, args.repeats, paths), args.json)
+    elif args.which == "api":
+        from . import bench_api
+
+        if min(args.clients, args.requests, args.max_tokens) < 1:
+            raise ConfigError("--clients, --requests and --max-tokens must be positive")
+        bench_api.report(bench_api.bench_api(args.model, args.remote, args.api_key, None, args.clients,
+                                             args.requests, args.max_tokens), args.json)
     elif args.which == "capped":
         from . import bench_capped
         from .memory import parse_bytes

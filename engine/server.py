@@ -1,57 +1,35 @@
-"""The local OpenAI-compatible API: POST /v1/chat/completions (streamed or not), GET /v1/models."""
-import json
+"""The local OpenAI-compatible API: /v1/chat/completions and /v1/completions (streamed or not),
+/v1/models, /health and Prometheus /metrics.
+
+Requests run one at a time on the engine thread; this side only waits for their events, on the
+event loop, and watches the connection while it waits, so a client that hangs up cancels its
+request at once, streamed or not, instead of holding the engine for everyone queued behind it."""
+import asyncio
+import queue
 import time
 import uuid
-from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .config import ConfigError, SamplingParams
+from .api_guard import Guard
+from .api_schema import ApiError, ChatBody, CompletionBody, error_body, parse
 from .engine import Engine
 from .events import Error, Finished, Request, TokenDelta
+from .server_stream import chat_chunks, completion_chunks, finish_reason
+
+POLL_S = 0.005  # how often a waiting request looks for its next event
+WATCH_EVERY = 10  # polls between looks at the connection
 
 
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-
-    def sampling(self) -> SamplingParams:
-        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return SamplingParams(
-            max_new_tokens=512 if max_new is None else max_new, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-        )
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
-                                                               "param": param, "code": None}})
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
+                   code=None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, kind, param, code))
 
 
 def engine_error_response(event: Error) -> JSONResponse:
@@ -67,80 +45,206 @@ def usage(stats) -> dict:
         "completion_tokens": stats.generated_tokens,
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-        "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision},
+        "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision,
+                   "ttft_ms": round(stats.ttft_ms, 2), "decode_tok_s": round(stats.decode_tok_s, 2)},
     }
 
 
-def create_app(engine: Engine, model_name: str = "kvchat") -> FastAPI:
-    app = FastAPI(title="kvchat", docs_url=None, redoc_url=None)
+class Counters:
+    """What /metrics reports and the queue bound reads; touched only on the event loop."""
+
+    def __init__(self):
+        self.active = self.finished = self.prompt_tokens = self.cached_tokens = self.refused = 0
+        self.cancelled = 0  # ended before their last event because the client left
+
+    def count(self, event: Finished) -> None:
+        self.finished += 1
+        self.prompt_tokens += event.stats.prompt_tokens
+        self.cached_tokens += event.stats.cached_tokens
+
+
+class EventStream(StreamingResponse):
+    """A streamed reply whose request is cancelled however the response ends: finished, the
+    client gone mid-stream, or never started because the client left first."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def next_event(handle, http: HttpRequest):
+    """The request's next event, or None once the client has hung up (the request is then
+    cancelled by whoever owns it)."""
+    polls = 0
+    while True:
+        try:
+            return handle.events.get_nowait()
+        except queue.Empty:
+            pass
+        polls += 1
+        if polls % WATCH_EVERY == 0 and await http.is_disconnected():
+            return None
+        await asyncio.sleep(POLL_S)
+
+
+def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | None = None,
+               host: str = "127.0.0.1", allow_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+               max_queue: int = 32) -> FastAPI:
+    app = FastAPI(title="kvchat", docs_url=None, redoc_url=None, openapi_url=None)
+    counters = app.state.counters = Counters()
+
+    @app.exception_handler(ApiError)
+    async def refused(_request, exc: ApiError):
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+        return error_response(400, f"invalid request: {exc.errors()[:1]}")
+
+    @app.exception_handler(Exception)
+    async def bug(_request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.get("/health")
+    def health():
+        if not engine.ready.is_set():
+            return error_response(503, "the model is loading", "server_error")
+        if engine.load_error or not engine.alive:
+            return error_response(503, engine.load_error or "the engine has stopped", "server_error")
+        return {"status": "ok", "model": model_name, "requests": counters.active}
 
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}]}
 
-    @app.post("/v1/chat/completions")
-    def chat_completions(body: ChatCompletionRequest):
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(prometheus(engine, counters), media_type="text/plain; version=0.0.4")
+
+    async def run(http: HttpRequest, request: Request, stream: bool, reply, chunks):
+        """Submit, then answer: a JSON body built by ``reply(finished)``, or an SSE stream of
+        ``chunks(first_event, next_event)``. Errors before the first token keep their status code."""
+        if counters.active >= max_queue:
+            counters.refused += 1
+            raise ApiError(f"{counters.active} requests are already waiting; try again shortly", status=429,
+                           code="rate_limit_exceeded")
+        counters.active += 1
+        handle = engine.submit(request)
+        closed = handed_over = ended = False
+
+        def close():
+            nonlocal closed
+            if not closed:
+                closed = True
+                if not ended:
+                    counters.cancelled += 1
+                handle.cancel()  # after the end a no-op; before it, the engine stops at its next step
+                counters.active -= 1
+
         try:
-            sampling = body.sampling()
-        except ConfigError as e:
-            return error_response(400, str(e))
-        handle = engine.submit(Request(messages=[m.model_dump() for m in body.messages], sampling=sampling))
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if body.stream:
-            first = handle.events.get()  # errors found before the first token still get a status code
-            if isinstance(first, Error):
-                return engine_error_response(first)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, first, cid, model_name, include_usage),
-                                     media_type="text/event-stream")
-        for event in handle:
+            event = await next_event(handle, http)
+            while event is not None and not isinstance(event, (TokenDelta, Finished, Error)):
+                event = await next_event(handle, http)  # notices are not part of the reply
+            if event is None:
+                return Response(status_code=499)  # nobody is listening
+            if isinstance(event, Error):
+                ended = True
+                return engine_error_response(event)
+            if stream:
+                async def events():
+                    nonlocal event, ended
+                    while event is not None:
+                        yield event
+                        if isinstance(event, (Finished, Error)):
+                            ended = True
+                            if isinstance(event, Finished):
+                                counters.count(event)
+                            return
+                        event = await next_event(handle, http)
+
+                handed_over = True  # the response closes it, however it ends
+                return EventStream(chunks(events()), close)
+            while not isinstance(event, (Finished, Error)):
+                event = await next_event(handle, http)
+                if event is None:
+                    return Response(status_code=499)
+            ended = True
             if isinstance(event, Error):
                 return engine_error_response(event)
-            if isinstance(event, Finished):
-                return {
-                    "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": event.text},
-                                 "finish_reason": _reason(event.finish_reason)}],
-                    "usage": usage(event.stats),
-                }
+            counters.count(event)
+            return reply(event)
+        finally:
+            if not handed_over:
+                close()
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        body = parse(await http.body(), ChatBody)
+        request = Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def reply(done: Finished) -> dict:
+            return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                                 "logprobs": None, "finish_reason": finish_reason(done)}],
+                    "usage": usage(done.stats)}
+
+        return await run(http, request, body.stream, reply,
+                         lambda events: chat_chunks(events, cid, created, model_name, body.include_usage, usage))
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = parse(await http.body(), CompletionBody)
+        prompt = body.one_prompt()
+        if isinstance(prompt, str):
+            prompt = await run_in_threadpool(lambda: engine.loaded.tokenizer(prompt)["input_ids"])
+        request = Request(prompt_ids=list(prompt), sampling=body.sampling(16))
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def reply(done: Finished) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": done.text, "logprobs": None,
+                                 "finish_reason": finish_reason(done)}],
+                    "usage": usage(done.stats)}
+
+        return await run(http, request, body.stream, reply,
+                         lambda events: completion_chunks(events, cid, created, model_name, body.include_usage, usage))
+
+    app.add_middleware(Guard, api_key=api_key, bound_host=host, allow_hosts=tuple(allow_hosts))
+    if cors_origins:  # outermost, so that a browser's preflight (which carries no key) is answered
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
     return app
 
 
-def _reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+def prometheus(engine: Engine, counters: Counters) -> str:
+    """kvchat's own names, in the shape of vLLM's: the remote client reads either."""
+    lines = []
 
-
-def _stream(handle, first, cid: str, model_name: str, include_usage: bool):
-    def chunk(delta: dict, finish=None, usage_=None, choices=True) -> str:
-        payload = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else []}
-        if usage_ is not None:
-            payload["usage"] = usage_
-        return f"data: {json.dumps(payload)}\n\n"
-
-    def events():
-        yield first
-        if not isinstance(first, (Finished, Error)):
-            yield from handle
+    def metric(name: str, kind: str, value, help_: str) -> None:
+        lines.extend([f"# HELP kvchat:{name} {help_}", f"# TYPE kvchat:{name} {kind}", f"kvchat:{name} {value}"])
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        for event in events():
-            if isinstance(event, TokenDelta) and event.text:
-                yield chunk({"content": event.text})
-            elif isinstance(event, Finished):
-                yield chunk({}, _reason(event.finish_reason))
-                if include_usage:
-                    yield chunk({}, usage_=usage(event.stats), choices=False)
-            elif isinstance(event, Error):
-                yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error'}})}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        handle.cancel()  # a client that hung up stops the generation; after the end it is a no-op
+        pool = engine.pool
+        total, free = pool.num_blocks, pool.num_free
+    except AttributeError:  # not loaded (yet)
+        total = free = 0
+    metric("kv_cache_usage_perc", "gauge", (total - free) / total if total else 0.0,
+           "KV-cache blocks in use, 1 means full")
+    metric("kv_blocks_in_use", "gauge", total - free, "KV-cache blocks referenced by a running request")
+    metric("prefix_cache_queries_total", "counter", counters.prompt_tokens, "prompt tokens of finished requests")
+    metric("prefix_cache_hits_total", "counter", counters.cached_tokens, "of those, tokens served from the cache")
+    metric("requests_running", "gauge", counters.active, "requests submitted and not yet answered")
+    metric("requests_refused_total", "counter", counters.refused, "requests refused with 429")
+    metric("requests_cancelled_total", "counter", counters.cancelled, "requests cancelled by a client that left")
+    return "\n".join(lines) + "\n"

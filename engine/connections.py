@@ -1,0 +1,91 @@
+"""Saved connections to remote servers. Name, base URL and model go in a JSON file in the config
+dir; the API key goes only to the OS keyring (the ``keyring`` package), never to that file or to the
+app's SQLite file."""
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import keyring
+import keyring.errors
+import platformdirs
+
+SERVICE = "kvchat"
+NO_KEYRING = ("no OS keyring is available here (a headless session has none): the API key was not "
+              "saved. Pass it with --api-key or KVCHAT_REMOTE_API_KEY each time, or install a keyring "
+              "service (GNOME Keyring, KWallet) or the keyrings.alt package.")
+
+
+class KeyringUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class Connection:
+    name: str
+    base_url: str
+    model: str | None = None
+
+
+def config_dir() -> Path:
+    root = os.environ.get("KVCHAT_HOME")
+    path = Path(root) / "config" if root else Path(platformdirs.user_config_dir("kvchat"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Connections:
+    def __init__(self, path: Path | None = None):
+        self.path = path or config_dir() / "connections.json"
+
+    def all(self) -> list[Connection]:
+        try:
+            rows = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return []
+        return [Connection(**{k: r.get(k) for k in ("name", "base_url", "model")})
+                for r in rows if isinstance(r, dict) and r.get("name") and r.get("base_url")]
+
+    def get(self, name: str) -> Connection | None:
+        return next((c for c in self.all() if c.name == name), None)
+
+    def save(self, connection: Connection, api_key: str | None = None) -> None:
+        """Add or replace by name. The key, when given, goes to the keyring first: a machine
+        without one refuses before anything is written."""
+        if api_key:
+            set_key(connection.name, api_key)
+        rows = [c for c in self.all() if c.name != connection.name] + [connection]
+        self._write(rows)
+
+    def remove(self, name: str) -> None:
+        self._write([c for c in self.all() if c.name != name])
+        try:
+            keyring.delete_password(SERVICE, _user(name))
+        except keyring.errors.KeyringError:  # no key saved, or no keyring at all
+            pass
+
+    def _write(self, rows: list[Connection]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([asdict(c) for c in rows], indent=2))
+        tmp.replace(self.path)
+
+
+def _user(name: str) -> str:
+    return f"connection:{name}"
+
+
+def set_key(name: str, api_key: str) -> None:
+    try:
+        keyring.set_password(SERVICE, _user(name), api_key)
+    except keyring.errors.NoKeyringError:
+        raise KeyringUnavailable(NO_KEYRING) from None
+    except keyring.errors.KeyringError as e:
+        raise KeyringUnavailable(f"the OS keyring refused the key: {e}") from None
+
+
+def get_key(name: str) -> str | None:
+    """The saved key, or None when there is none or no keyring to ask."""
+    try:
+        return keyring.get_password(SERVICE, _user(name))
+    except keyring.errors.KeyringError:
+        return None
