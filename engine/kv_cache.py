@@ -216,14 +216,15 @@ class KVCache:
             rows.append((k, v))
 
         wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
+        ring = (window, layer, first_pos) if window is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
-                          keep_rows if wanted else None)
+                          keep_rows if wanted else None, ring)
         return rows[0] if rows and key.shape[0] > 1 else None
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None) -> torch.Tensor:
         s = self.k_scales[layer] if self.k_scales is not None else None
-        rows = window.rows(layer, context_len) if window is not None else None
         return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation, s, rows, context_lens, fresh)
+                                         first_block, self.rotation, s, None if window is None else (window, layer),
+                                         context_lens, fresh)

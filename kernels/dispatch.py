@@ -30,13 +30,20 @@ def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
 
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
-             keep_rows=None) -> None:
-    """``keep_rows``: as in ``quant.write``; the fused kernel never hands its rows back, so on CUDA
-    they are transformed once more here, only when asked."""
+             keep_rows=None, ring=None) -> None:
+    """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position)`` for
+    one new token: on CUDA the write kernel puts its row in the window in the same pass (past the
+    sinks); otherwise ``keep_rows`` stores it. The fused kernel never hands rows back, so on CUDA
+    they are transformed once more here only when ``keep_rows`` still needs them."""
     if not use_triton(key, tensors, fmt):
         return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows)
-    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale)
-    if keep_rows is not None:
+    recent, layer, position = ring if ring is not None else (None, None, -1)
+    in_ring = recent is not None and key.shape[0] == 1 and position >= recent.sinks
+    rows = (recent.k[layer], recent.v[layer], recent.ring_row(position)) if in_ring else None
+    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, rows)
+    if in_ring:
+        recent.note(layer, position, 1)
+    elif keep_rows is not None:
         keep_rows(quant.transform_keys(key.float(), rotation, k_center, k_channel_scale),
                   quant.rotate(value.float(), rotation))
 
@@ -54,12 +61,17 @@ def _context_lens(length: int, device) -> torch.Tensor:
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
                     k_channel_scale=None, window=None, context_lens=None, fresh=None) -> torch.Tensor:
-    """``context_lens``, ``[1]`` int32 equal to ``context_len``, lets a captured CUDA step read the
-    length from a tensor it updates in place; the block table may then be padded past the length.
-    ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
+    """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
+    ``context_len``, lets a captured CUDA step read the length from a tensor it updates in place; the
+    block table may then be padded past the length. ``fresh``: as in ``reference.paged_attention``;
+    one new token is in the window anyway."""
+    held = window[0].bounds(window[1], context_len) if window is not None else None
     if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
+        recent, layer = window if held is not None else (None, None)
+        rows = (recent.k[layer], recent.v[layer], recent.sinks, *held) if held is not None else None
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
-                                         rotation, k_channel_scale, window=window)
+                                         rotation, k_channel_scale, window=rows)
+    rows = window[0].rows(window[1], context_len) if held is not None else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
-                                     k_channel_scale, window, fresh)
+                                     k_channel_scale, rows, fresh)

@@ -225,23 +225,36 @@ class RecentWindow:
             self.k[layer, first_pos:first_pos + m] = key[:m].to(self.k.dtype)
             self.v[layer, first_pos:first_pos + m] = value[:m].to(self.v.dtype)
             self.sink_len[layer] = first_pos + m
-        if first_pos != self.end[layer]:  # not a continuation (a new turn, a rewind): start over
-            self.start[layer] = first_pos
         keep = min(n, self.size)
         index = self.sinks + torch.arange(first_pos + n - keep, first_pos + n, device=self.k.device) % self.size
         self.k[layer].index_copy_(0, index, key[n - keep:].to(self.k.dtype))
         self.v[layer].index_copy_(0, index, value[n - keep:].to(self.v.dtype))
+        self.note(layer, first_pos, n)
+
+    def ring_row(self, position: int) -> int:
+        return self.sinks + position % self.size
+
+    def note(self, layer: int, first_pos: int, n: int) -> None:
+        """Positions ``first_pos ..`` are in the ring now (a write kernel put them there)."""
+        if first_pos != self.end[layer]:  # not a continuation (a new turn, a rewind): start over
+            self.start[layer] = first_pos
         self.end[layer] = first_pos + n
 
-    def rows(self, layer: int, length: int) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
-        """``(s, first, K, V)``: the rows it holds among ``.. length``, positions ``0 .. s`` then
-        ``first .. length``; None if this layer was not written up to ``length``."""
+    def bounds(self, layer: int, length: int) -> tuple[int, int] | None:
+        """``(s, first)``: of the positions ``.. length`` it holds ``0 .. s`` and ``first .. length``;
+        None if this layer was not written up to ``length``."""
         if self.end[layer] != length:
             return None
         s = min(self.sink_len[layer], length)
-        first = max(self.start[layer], length - self.size, s)
-        index = self._index(s, first, length)
-        return s, first, self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+        return s, max(self.start[layer], length - self.size, s)
+
+    def rows(self, layer: int, length: int) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """``(s, first, K, V)``: the rows it holds among ``.. length`` (``bounds``), gathered."""
+        held = self.bounds(layer, length)
+        if held is None:
+            return None
+        index = self._index(*held, length)
+        return *held, self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
     def _index(self, s: int, first: int, length: int) -> torch.Tensor:
         """Rows of the positions held; the same for every layer of a step, so made once."""

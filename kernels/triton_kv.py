@@ -30,10 +30,12 @@ def _check(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
         raise ValueError(f"the Triton KV kernels cannot take this pool: {problem} (the torch reference can)")
 
 
-@triton.jit
-def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr,
+@triton.jit(do_not_specialize=["ring_row"])
+def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, ring_row,
                            x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr):
+                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr):
+    """One program per (token, KV head). With RING (one token), its transformed row, before
+    rounding, also goes to row ``ring_row`` of the window's ring (``quant.RecentWindow``)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -57,6 +59,10 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
         s_hi = _group_scale(hi_g, QMAX, CLIP)
         q_lo = tl.reshape(tl.clamp(_round(lo_g / s_lo.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
         q_hi = tl.reshape(tl.clamp(_round(hi_g / s_hi.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
+        if RING:
+            ring = (ring_row * KV_HEADS + h) * D
+            tl.store(ring_ptr + ring + j, lo.to(ring_ptr.dtype.element_ty))
+            tl.store(ring_ptr + ring + HALF + j, hi.to(ring_ptr.dtype.element_ty))
         g = tl.arange(0, G)
         row = (slot * KV_HEADS + h)
         tl.store(scale_ptr + row * (D // GROUP) + g, s_lo)
@@ -122,22 +128,25 @@ def _round(x):
 
 def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                    rotation: torch.Tensor, k_center: torch.Tensor | None = None,
-                   k_channel_scale: torch.Tensor | None = None) -> None:
+                   k_channel_scale: torch.Tensor | None = None, ring: tuple | None = None) -> None:
     """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
-    the kernel, so the host never waits to find them."""
+    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, row)`` of a
+    window (one token, quantized modes): its row there is written in the same pass."""
     t, kv_heads, d = key.shape
     _check(tensors, fmt, d)
     for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
         center = name == "k" and k_center is not None and bits < 16
         dummy = tensors[name]
+        to_ring = ring is not None and bits < 16
         _quantize_write_kernel[(t, kv_heads)](
             x, slots, k_center.float().contiguous() if center else dummy,
             (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
             if center else dummy,
             rotation.float().contiguous() if bits < 16 else dummy, tensors[name], tensors.get(name + "_scale", dummy),
+            ring[0 if name == "k" else 1] if to_ring else dummy, ring[2] if to_ring else 0,
             x.stride(0), x.stride(1),
             KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
-            CLIP=name == "k" and bits == 4)
+            CLIP=name == "k" and bits == 4, RING=to_ring)
 
 
 @triton.jit
@@ -158,15 +167,18 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
 
 # What changes with the context length is a runtime argument, never specialized on: a new value
 # would compile the kernel again mid-reply.
-@triton.jit(do_not_specialize=["table_stride", "kv_start", "splits"])
+@triton.jit(do_not_specialize=["table_stride", "splits", "w_s", "w_first"])
 def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                         sm_scale, table_stride, kv_start, splits, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                         D: tl.constexpr, BS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                         BLOCKS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, QG: tl.constexpr,
-                         QG_P2: tl.constexpr):
+                         wk_ptr, wv_ptr, sm_scale, table_stride, splits, w_s, w_first,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                         GROUP: tl.constexpr, QG: tl.constexpr, QG_P2: tl.constexpr, WINDOW: tl.constexpr,
+                         W_SINKS: tl.constexpr, W_SIZE: tl.constexpr, W_ROWS_P2: tl.constexpr):
     """One program per (sequence, KV head, split): the QG query heads that share a KV head (GQA)
     are one tile, so each K/V row is read once, not once per query head. QG_P2 pads the group to a
-    power of two (the starter has 3 query heads per KV head)."""
+    power of two (the starter has 3 query heads per KV head). With WINDOW (one sequence), the
+    pool serves positions ``w_s .. w_first`` and one more program per KV head (split ``splits``)
+    serves the full-precision window: sink rows ``0 .. w_s``, then the ring of the newest."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,31 +195,54 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
     l = tl.zeros([QG_P2], dtype=tl.float32)
     acc_lo = tl.zeros([QG_P2, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([QG_P2, HALF], dtype=tl.float32)
-    offs = tl.arange(0, BS)
-    for i in range(BLOCKS_PER_SPLIT):
-        blk = split * BLOCKS_PER_SPLIT + i
-        if (blk * BS < length) & ((blk + 1) * BS > kv_start) & (kv_start < length):
-            block_id = tl.load(table_ptr + b * table_stride + blk)
-            row = (block_id * BS + offs) * KV_HEADS + kvh
-            valid = (blk * BS + offs < length) & (blk * BS + offs >= kv_start)
-            k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
-            k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
-            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)
-            s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            v_lo = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 0, GROUP)
-            v_hi = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 1, GROUP)
-            acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], axis=1)
-            acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
-    out = (b * HEADS + heads) * splits + split
+    if WINDOW and split == splits:
+        r = tl.arange(0, W_ROWS_P2)
+        pos = (length - 1) - ((length - 1 - (r - W_SINKS)) % W_SIZE)  # the newest position a ring row holds
+        valid = tl.where(r < W_SINKS, r < w_s, (r < W_SINKS + W_SIZE) & (pos >= w_first) & (pos < length))
+        row = r * KV_HEADS + kvh
+        k_lo = tl.load(wk_ptr + row[:, None] * D + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(wk_ptr + row[:, None] * D + HALF + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v_lo = tl.load(wv_ptr + row[:, None] * D + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v_hi = tl.load(wv_ptr + row[:, None] * D + HALF + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc_lo, acc_hi, m, l = _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale, acc_lo, acc_hi, m, l)
+    else:
+        kv_start = 0
+        end = length
+        if WINDOW:
+            kv_start = w_s
+            end = tl.minimum(length, w_first)
+        offs = tl.arange(0, BS)
+        for i in range(BLOCKS_PER_SPLIT):
+            blk = split * BLOCKS_PER_SPLIT + i
+            if (blk * BS < end) & ((blk + 1) * BS > kv_start) & (kv_start < end):
+                block_id = tl.load(table_ptr + b * table_stride + blk)
+                row = (block_id * BS + offs) * KV_HEADS + kvh
+                valid = (blk * BS + offs < end) & (blk * BS + offs >= kv_start)
+                k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
+                k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
+                v_lo = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 0, GROUP)
+                v_hi = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 1, GROUP)
+                acc_lo, acc_hi, m, l = _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale,
+                                                    acc_lo, acc_hi, m, l)
+    out = (b * HEADS + heads) * (splits + WINDOW) + split
     tl.store(acc_ptr + out[:, None] * D + j[None, :], acc_lo, mask=real[:, None])
     tl.store(acc_ptr + out[:, None] * D + HALF + j[None, :], acc_hi, mask=real[:, None])
     tl.store(m_ptr + out, m, mask=real)
     tl.store(l_ptr + out, l, mask=real)
+
+
+@triton.jit
+def _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale, acc_lo, acc_hi, m, l):
+    """Online softmax over some rows: the running (acc, m, l) of a tile of query heads, updated."""
+    s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)
+    s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no valid row yet: nothing to scale
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], axis=1)
+    acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
+    return acc_lo, acc_hi, m_new, l * alpha + tl.sum(p, axis=1)
 
 
 def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
@@ -216,9 +251,9 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
                  window: tuple | None = None) -> torch.Tensor:
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
     Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
-    ``window`` (B = 1; from ``quant.RecentWindow.rows``) serves its positions in full precision: the
-    kernel reads only those between its sinks and its newest, and the rest join the merge as one
-    more split."""
+    ``window`` (B = 1): ``(K, V, sinks, s, first)``, a layer's full-precision rows
+    (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``),
+    holding positions ``0 .. s`` and ``first ..``; the kernel reads the pool only between them."""
     batch, heads, d = query.shape
     _check(tensors, fmt, d)
     _, bs, kv_heads, _ = tensors["k"].shape
@@ -229,38 +264,22 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
         q = q @ rotation.float()
     q = q.contiguous()
     splits = max(1, -(-block_tables.shape[1] // blocks_per_split))
-    acc = torch.empty(batch, heads, splits, d, device=q.device, dtype=torch.float32)
-    m = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    extra = window is not None
+    acc = torch.empty(batch, heads, splits + extra, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(batch, heads, splits + extra, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    dummy = tensors["k"]
-    kv_start = 0
-    if window is not None:  # the kernel reads only the positions between the sinks and the newest
-        kv_start = window[0]
-        context_lens = torch.minimum(context_lens, torch.full_like(context_lens, window[1]))
+    wk, wv, sinks, w_s, w_first = window if extra else (tensors["k"], tensors["k"], 0, 0, 0)
     group = heads // kv_heads
-    _paged_decode_kernel[(batch, kv_heads, splits)](
-        q, tensors["k"], tensors.get("k_scale", dummy), tensors["v"], tensors.get("v_scale", dummy),
-        block_tables, context_lens, acc, m, l, scale, block_tables.stride(0), kv_start, splits,
+    _paged_decode_kernel[(batch, kv_heads, splits + extra)](
+        q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["v"], tensors.get("v_scale", tensors["k"]),
+        block_tables, context_lens, acc, m, l, wk, wv, scale, block_tables.stride(0), splits, w_s, w_first,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        BLOCKS_PER_SPLIT=blocks_per_split, GROUP=quant.GROUP, QG=group, QG_P2=triton.next_power_of_2(group))
-    if window is not None:
-        acc, m, l = _with_window_split(q, window, scale, acc, m, l)
+        BLOCKS_PER_SPLIT=blocks_per_split, GROUP=quant.GROUP, QG=group, QG_P2=triton.next_power_of_2(group),
+        WINDOW=extra, W_SINKS=sinks, W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1,
+        W_ROWS_P2=triton.next_power_of_2(wk.shape[0]) if extra else 1)
     top = m.amax(-1, keepdim=True)
     w = torch.exp(m - top)
     out = (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
     if fmt.v_bits < 16:
         out = out @ rotation.float()
     return out.to(query.dtype)
-
-
-def _with_window_split(q, window, scale, acc, m, l):
-    """Append the full-precision rows ``(s, first, K [w, kv_heads, D], V)`` as one more split."""
-    _, _, wk, wv = window
-    group = q.shape[1] // wk.shape[1]
-    wk, wv = (t.float().repeat_interleave(group, 1) for t in (wk, wv))
-    s = torch.einsum("bhd,whd->bhw", q, wk) * scale
-    wm = s.amax(-1)
-    p = torch.exp(s - wm[..., None])
-    wacc = torch.einsum("bhw,whd->bhd", p, wv)
-    return (torch.cat([acc, wacc[:, :, None]], 2), torch.cat([m, wm[..., None]], 2),
-            torch.cat([l, p.sum(-1)[..., None]], 2))

@@ -94,18 +94,22 @@ def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("window_len", [5, 14, 66, 70])  # a part; a part; all but the sinks; all
 def test_paged_decode_with_a_full_precision_window_matches_reference(name, window_len):
+    """The kernel reads the window's ring itself (one more program per KV head), from the
+    positions its bounds name; the reference gathers the same rows."""
     fmt = quant.FORMATS[name]
     heads, kv_heads, head_dim, n = 8, 2, 64, 70
     pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len)
     query = torch.randn(1, heads, head_dim, generator=g)
     sinks = min(4, n - window_len)  # with every position in the window, there is nothing to sink
-    rows = (sinks, n - window_len, torch.randn(sinks + window_len, kv_heads, head_dim, generator=g),
-            torch.randn(sinks + window_len, kv_heads, head_dim, generator=g))
+    recent = quant.RecentWindow(1, kv_heads, head_dim, torch.float32, "cpu", size=window_len, sinks=sinks)
+    recent.store(0, 0, torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g))
+    s, first = recent.bounds(0, n)
     out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table[None].to(torch.int32)),
                                  on_device(torch.tensor([n], dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
                                  on_device(cscale), blocks_per_split=2,
-                                 window=tuple(on_device(t) for t in rows)).cpu()
-    want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale, window=rows)
+                                 window=(on_device(recent.k[0]), on_device(recent.v[0]), sinks, s, first)).cpu()
+    want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale,
+                                     window=recent.rows(0, n))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
