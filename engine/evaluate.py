@@ -119,9 +119,10 @@ def reply_logprobs(pool: KVPool, prompt: list[int], reply: list[int]) -> torch.T
     """Log-probabilities ``[len(reply), vocab]`` of each reply token's position, decoded one token
     at a time through ``pool`` as a chat decodes it. On a live engine's pool the conversation's
     cached blocks are used as they are: after its conversions, what the reply really read."""
-    seq = Sequence(list(prompt) + list(reply))
+    seq = Sequence(list(prompt))
     manager, runner = pool.manager, pool.runner
-    manager.match_prefix(seq)
+    manager.match_prefix(seq)  # the prompt's blocks only: the reply is decoded again, as it was
+    seq.token_ids += reply
     manager.reserve(seq, len(seq))
     try:
         while seq.num_computed < len(prompt) - 1:

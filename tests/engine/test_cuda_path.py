@@ -1,0 +1,105 @@
+"""The CUDA code path on the CPU: dispatch told it is on CUDA, the Triton kernels run by the
+interpreter (TRITON_INTERPRET=1). Its logits against the reference path, and its host overhead:
+the ops a decode step dispatches per layer, which on a GPU are launches the CPU must issue."""
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvchat.engine.block_pool import BlockPool
+from kvchat.engine.kv_cache import KVCache, KVShape
+from kvchat.engine.kv_manager import KVCacheManager, Sequence
+from kvchat.engine.runner import ModelRunner
+from kvchat.kernels import dispatch, triton_kv
+
+from tiny_models import tiny_model
+
+NO_LAUNCH = {"view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "slice", "select", "expand", "t",
+             "as_strided", "permute", "alias", "detach", "detach_", "unflatten", "flatten", "reshape", "lift_fresh",
+             "empty", "empty_like", "empty_strided", "to"}  # views, allocations, casts of what already has the dtype
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def runner_at(model, precision: str, prompt: int = 40):
+    shape = KVShape.from_config(model.config)
+    kv = KVCache(shape, 64, 16, torch.float32, "cpu", precision)
+    if kv.format.quantized:
+        gen = torch.Generator().manual_seed(3)
+        kv.k_centers = [torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) * 0.1] * shape.num_layers
+        kv.k_scales = [torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5] * shape.num_layers
+    manager = KVCacheManager(BlockPool(64), 16, "test")
+    runner = ModelRunner(model, kv, manager, "eager")
+    seq = Sequence(list(range(3, 3 + prompt)))
+    manager.reserve(seq, prompt)
+    return runner, manager, seq
+
+
+def on_cuda_path():
+    return mock.patch.object(dispatch, "use_triton", lambda *args: True)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_the_cuda_path_decodes_as_the_reference_does(model, precision):
+    """Prefill and three decode steps, the window's ring written by the write kernel and read by
+    the decode kernel, against the pure-torch path."""
+    logits = {}
+    for cuda in (False, True):
+        runner, manager, seq = runner_at(model, precision)
+        with mock.patch.object(dispatch, "use_triton", lambda *args: cuda):
+            runner.forward(seq, len(seq), want_logits=False)
+            steps = []
+            for token in (7, 11, 13):
+                seq.token_ids.append(token)
+                manager.reserve(seq, len(seq))
+                steps.append(runner.forward(seq, len(seq), want_logits=True))
+        logits[cuda] = torch.stack(steps)
+    assert (logits[True] - logits[False]).abs().max() < 1e-4
+
+
+class Launch:
+    """A Triton kernel stubbed out: one dispatch, no work."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            with torch.profiler.record_function("aten::triton_" + self.name):
+                pass
+        return run
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_a_decode_step_launches_at_most_20_ops_per_layer_for_attention(model, precision):
+    """int4 with its window took 42 launching ops a layer (the window transformed twice, split and
+    merged in torch); 15 now, the Triton kernels included."""
+    runner, manager, seq = runner_at(model, precision)
+    runner.forward(seq, len(seq), want_logits=False)
+    seq.token_ids.append(7)
+    manager.reserve(seq, len(seq))
+    with on_cuda_path(), mock.patch.object(triton_kv, "_quantize_write_kernel", Launch("write")), \
+            mock.patch.object(triton_kv, "_paged_decode_kernel", Launch("decode")), torch.inference_mode(), \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.forward(seq, len(seq), want_logits=True)
+    ops = Counter(e.name[len("aten::"):] for e in prof.events() if e.name.startswith("aten::") and inside_attention(e))
+    launches = sum(n for name, n in ops.items() if name not in NO_LAUNCH) / model.config.num_hidden_layers
+    assert ops["triton_decode"] == ops["triton_write"] / 2 == model.config.num_hidden_layers
+    assert launches <= 20, ops
+
+
+def inside_attention(event) -> bool:
+    """Called by the attention op itself, not nested in another aten op."""
+    parent, inside = event.cpu_parent, False
+    while parent is not None:
+        if parent.name.startswith("kvchat::"):
+            inside = True
+        elif parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return inside
