@@ -132,12 +132,26 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3) 
         question = "Thank you. Is there a photocopier on the ground floor"
         _ttft(engine, history + [{"role": "user", "content": question + "?"}])  # computes the whole history
         runs = [_ttft(engine, history + [{"role": "user", "content": question + "!" * (r + 1)}]) for r in range(repeats)]
-        out[n] = (statistics.median(t for t, _ in runs), runs[-1][1].stats)
+        encode = _encode_ms(engine, history + [{"role": "user", "content": question + "."}])
+        out[n] = (statistics.median(t for t, _ in runs), runs[-1][1].stats, encode)
     engine.close()
     short, long_ = lengths
     return {"d_messages": long_, "d_prompt_tokens": out[long_][1].prompt_tokens,
             "d_cached_tokens": out[long_][1].cached_tokens, "d_ttft_short_ms": out[short][0],
-            "d_ttft_long_ms": out[long_][0], "d_ratio": out[long_][0] / out[short][0]}
+            "d_ttft_long_ms": out[long_][0], "d_ratio": out[long_][0] / out[short][0],
+            "d_encode_short_ms": out[short][2], "d_encode_long_ms": out[long_][2]}
+
+
+def _encode_ms(engine, messages: list[dict]) -> float:
+    """The prompt encoding's share of a turn (in TTFT), once the earlier messages were seen: best
+    of 3. Run here while the engine is idle, on its own formatter."""
+    engine.formatter.encode(messages[:-1] + [{"role": "user", "content": "warm-up"}])
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        engine.formatter.encode(messages)
+        times.append((time.perf_counter() - started) * 1000)
+    return min(times)
 
 
 def report_prefix(r: dict, as_json: bool) -> None:
@@ -158,7 +172,8 @@ def report_prefix(r: dict, as_json: bool) -> None:
           f"({r['c_restart_cached_tokens']} cached)   restart/cold {r['c_ratio']:.3f}  (target <= 0.3)")
     print(f"(d) a new turn after {r['d_messages']} messages ({r['d_prompt_tokens']} prompt tokens, "
           f"{r['d_cached_tokens']} cached): TTFT {r['d_ttft_long_ms']:.0f} ms against {r['d_ttft_short_ms']:.0f} ms "
-          f"after 2   ratio {r['d_ratio']:.2f}  (target <= 1.5)")
+          f"after 2   ratio {r['d_ratio']:.2f}  (target <= 1.5); prompt encoding {r['d_encode_long_ms']:.1f} ms "
+          f"against {r['d_encode_short_ms']:.1f} ms")
 
 
 def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 128, repeats: int = 3) -> dict:
@@ -220,10 +235,11 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
         handle = engine.submit(Request(messages=messages, sampling=SamplingParams(
             max_new_tokens=max(1, target - prompt_len) if final else 48, temperature=0.7, seed=turn,
             ignore_eos=True)))
-        done = None
+        done, shifted = None, False
         for event in handle:
             if isinstance(event, Notice) and event.kind == "downshift":
                 shifts.append({"turn": turn, "message": event.message})
+                shifted = True
             elif isinstance(event, Finished):
                 done = last = event
             elif not hasattr(event, "token_id") and not isinstance(event, Notice):
@@ -232,6 +248,10 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
             break
         print(f"turn {turn}: {done.stats.prompt_tokens + done.stats.generated_tokens} tokens, "
               f"KV {done.stats.kv_precision}", file=sys.stderr, flush=True)
+        if shifted:  # this reply is the first the converted pool served: score it there, now
+            prompt = engine.formatter.encode(messages).token_ids
+            shifts[-1].update(precision=engine.precision.value,
+                              reply_kl_mean=reply_kl(lm, engine.kvpool, prompt, last.token_ids)["kl_mean"])
         messages.append({"role": "assistant", "content": last.text, "token_ids": last.token_ids})
         if final:
             break
@@ -258,7 +278,8 @@ def report_memory(r: dict, as_json: bool) -> None:
     print(f"conversation: {r['turns']} turns, {r['conversation_tokens']} tokens = {r['ratio_to_pool']:.2f} x the "
           f"fp16 pool, {r['errors']} errors, {r['trimmed_messages']} messages trimmed")
     for s in r["downshifts"]:
-        print(f"  turn {s['turn']}: {s['message']}")
+        print(f"  turn {s['turn']}: {s['message']}; that turn's reply, scored in the converted pool: KL "
+              f"{s['reply_kl_mean']:.5f} nats at {s['precision']}")
     print(f"final precision {r['final_precision']}; last reply ({r['last_reply_tokens']} tokens) in the engine's "
           f"own pool against an unconstrained fp16 cache: KL mean {r['last_reply_kl_mean']:.5f}, "
           f"max {r['last_reply_kl_max']:.5f} nats")

@@ -534,9 +534,10 @@ class Engine:
             if handle.cancelled or self._switching():  # cancelled while queued: not even tokenized
                 last = Finished("", [], "cancelled", Stats(kv_precision=self.precision.value))
             else:
+                taken = time.perf_counter()  # TTFT counts the prompt's encoding, as the user waits for it
                 prompt, persona_len, trimmed = self._prompt_ids(handle.request)
                 seq = Sequence(list(prompt))
-                last = self._generate(handle, seq, len(prompt), persona_len)
+                last = self._generate(handle, seq, len(prompt), persona_len, taken)
                 last.stats.trimmed_messages = trimmed
         except (ChatError, ConfigError, PoolExhausted, EngineError) as e:
             last = Error(str(e))
@@ -612,9 +613,9 @@ class Engine:
                 self._notice("downshift", f"KV cache full: {old.value} -> {self.precision.value}, "
                                           f"room for {self.kvpool.tokens_for(self.precision):,} tokens")
 
-    def _generate(self, handle: RequestHandle, seq: Sequence, prompt_len: int, persona_len: int) -> Finished:
+    def _generate(self, handle: RequestHandle, seq: Sequence, prompt_len: int, persona_len: int,
+                  start: float) -> Finished:
         cfg, sp = self.config, handle.request.sampling
-        start = time.perf_counter()
         stats = Stats(prompt_tokens=prompt_len)
         limit = self.context_limit()
         self.manager.match_prefix(seq)
