@@ -29,9 +29,6 @@ def splash_pixmap(dark: bool) -> QPixmap:
 class Splash(QSplashScreen):
     def __init__(self, dark: bool):
         super().__init__(splash_pixmap(dark))
-        # not "kvchat": with no title X shows the application's name, and then the splash and the main
-        # window could not be told apart by a window manager or by a script looking for the window
-        self.setWindowTitle("kvchat starting")
         self.colour = QColor(COLOURS[dark]["muted"])
 
     def say(self, message: str) -> None:
