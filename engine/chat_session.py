@@ -36,13 +36,22 @@ class ChatSession:
     def send(self, text: str, sampling: SamplingParams, stream, say) -> None:
         self.messages.append({"role": "user", "content": text})
         try:
-            done = stream(self.engine.submit(Request(messages=self.conversation(), sampling=sampling)))
+            done = self._reply(self.engine.submit(Request(messages=self.conversation(), sampling=sampling)), stream, say)
         except EngineError as e:
             self.messages.pop()
             say(f"[error: {e}]")
             return
         self.messages.append({"role": "assistant", "content": done.text, "token_ids": done.token_ids})
         self.last_stats = done.stats
+
+    def _reply(self, handle, stream, say):
+        try:
+            return stream(handle)
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat; what came so far is kept
+            handle.cancel()  # local or remote, the request ends with a cancelled Finished
+            done = handle.result()
+            say("\n[stopped]")
+            return done
 
     def stats_line(self) -> str:
         return format_stats(self.last_stats) if self.last_stats else "[no turn yet]"

@@ -128,3 +128,26 @@ def test_generate_with_extreme_arguments_is_one_line(starter, args, message):
     else:
         lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvchat: error")]
         assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_ctrl_c_in_the_terminal_chat_stops_the_reply_not_the_chat(starter):
+    import signal
+    import subprocess
+
+    from test_cli import KVCHAT
+
+    chat = subprocess.Popen([KVCHAT, "chat", "--temperature", "0", "--max-new-tokens", "400", "--context", "512"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "KVCHAT_HOME": os.environ["KVCHAT_HOME"]})
+    chat.stdin.write(b"Write a long story about a dragon who learns to sail.\n")
+    chat.stdin.flush()
+    seen = b""
+    while seen.count(b"you> ") < 1 or len(seen.split(b"you> ", 1)[1]) < 40:  # the reply has begun
+        seen += os.read(chat.stdout.fileno(), 64)
+    chat.send_signal(signal.SIGINT)
+    out, err = chat.communicate(b"/stats\n/quit\n", timeout=120)
+    text = (seen + out).decode()
+    assert chat.returncode == 0 and "Traceback" not in err.decode(), err.decode()
+    assert "[stopped]" in text
+    generated = int(text.split("generated ")[1].split(",")[0])
+    assert 1 <= generated < 400
