@@ -30,6 +30,7 @@ class StepMeta:
     first_block: int | None = None  # set when the block table is one run of consecutive ids
     window: RecentWindow | None = None  # the sequence's newest tokens in full precision (quantized modes)
     context_lens: torch.Tensor | None = None  # [1] int32 holding context_len: a captured step reads it here
+    window_meta: torch.Tensor | None = None  # int32 [s, first, ring row]: likewise, the window's bounds
 
 
 _running = threading.local()  # per thread: two engines (a model switch, a benchmark) never share a step
@@ -57,9 +58,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if 0 <= sliding_window < meta.context_len:
         raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
     first_pos = meta.context_len - key.shape[0]
-    fresh = meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos)
+    fresh = meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
     out = meta.kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
-                         meta.context_lens, fresh)
+                         meta.context_lens, fresh, meta.window_meta)
     return out.contiguous()  # the strides the fake promises: compiled code relies on them
 
 

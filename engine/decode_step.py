@@ -5,8 +5,9 @@ cost to read. So the step's inputs live in tensors allocated once and updated in
 attention is one custom op (``attention.paged_attention``), and the forward is
 - on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile);
 - on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
-  without Python, so attention reads the length and the padded block table from its tensors; the
-  quantized modes' full-precision window is indexed from Python, so those modes stay eager on CUDA.
+  without Python, so attention reads the length, the padded block table and the window's bounds
+  from tensors this step updates; the window's Python bookkeeping is done here around the replay.
+  A graph holds a window's tensors, so a new sequence (a new reply) captures again.
 When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
 """
 import inspect
@@ -70,10 +71,12 @@ class DecodeStep:
         self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.lens = torch.ones(1, dtype=torch.int32, device=dev)
+        self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
         self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, block table, logits)
         self._graph_kv = None  # the pool the graphs were captured on
+        self._graph_window = None  # and the window
         self.replays = 0
         # a captured graph never re-runs the op's Python, so the op cannot refuse a context longer
         # than a sliding window there: such steps go eager, where it does
@@ -95,9 +98,8 @@ class DecodeStep:
         block table and window as the eager path takes them."""
         self.ids.fill_(token)
         self.positions.fill_(position)
-        if self.captured and self.device.type == "cuda" and meta.window is None and \
-                (self.sliding_window is None or meta.context_len <= self.sliding_window):
-            return self._replay(meta, block_ids)
+        if self.captured and self.device.type == "cuda" and self._replayable(meta, position):
+            return self._replay(meta, block_ids, position)
         with running(meta):
             if self.captured and self.device.type == "cpu":
                 try:
@@ -112,11 +114,17 @@ class DecodeStep:
                     self._fall_back(e)
             return self.forward(self.ids, self.positions)[0]
 
+    def _replayable(self, meta: StepMeta, position: int) -> bool:
+        """Past a sliding window the op must refuse, and a sink position is stored from Python."""
+        if self.sliding_window is not None and meta.context_len > self.sliding_window:
+            return False
+        return meta.window is None or position >= meta.window.sinks
+
     def warm_up(self, kv) -> None:
         """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
         -1) and reads block 0, so the first reply does not wait for it."""
         if not self.captured or (self.device.type == "cuda" and kv.format.quantized):
-            return  # quantized pools decode eagerly on CUDA: a graph captured now would never replay
+            return  # a quantized pool's graph holds a sequence's window: captured at that sequence's first step
         meta = StepMeta(kv=kv, slots=torch.full((1,), -1, device=self.device), block_table=self.lens.new_zeros(1),
                         context_len=1, first_block=0, context_lens=self.lens)
         with torch.inference_mode():
@@ -142,17 +150,17 @@ class DecodeStep:
 
     # -- CUDA graphs --
 
-    def _replay(self, meta: StepMeta, block_ids: list[int]) -> torch.Tensor:
-        if self._graph_kv is not meta.kv:  # the pool was rebuilt: its tensors moved
+    def _replay(self, meta: StepMeta, block_ids: list[int], position: int) -> torch.Tensor:
+        if self._graph_kv is not meta.kv or self._graph_window is not meta.window:  # other tensors now
             self._graphs.clear()
-            self._graph_kv = meta.kv
+            self._graph_kv, self._graph_window = meta.kv, meta.window
         bucket = next((b for b in BUCKETS if b >= len(block_ids)), None)
         if bucket is None:
             with running(meta):
                 return self.forward(self.ids, self.positions)[0]
         if bucket not in self._graphs:
             try:
-                self._graphs[bucket] = self._capture(meta.kv, bucket)
+                self._graphs[bucket] = self._capture(meta, bucket)
             except Exception as e:
                 self._fall_back(e)
                 with running(meta):
@@ -161,26 +169,43 @@ class DecodeStep:
         table[:len(block_ids)].copy_(torch.tensor(block_ids, dtype=torch.int32), non_blocking=True)
         self.slots.copy_(meta.slots)
         self.lens.fill_(meta.context_len)
+        window = meta.window
+        if window is not None:  # what the op's write and attend would do in Python, done here
+            for layer in range(len(window.end)):
+                window.note(layer, position, 1)
+            bounds = (*window.bounds(0, meta.context_len), window.ring_row(position))
+            self.wmeta.copy_(torch.tensor(bounds, dtype=torch.int32), non_blocking=True)
         graph.replay()
         self.replays += 1
         return logits[0].clone()
 
-    def _capture(self, kv, bucket: int) -> tuple:
+    def _capture(self, step: StepMeta, bucket: int) -> tuple:
         """Record the step for block tables up to ``bucket`` blocks. Warm-up and capture write to
-        slot -1, which the write kernel skips, so they leave the pool untouched."""
+        slot -1 and ring row -1, which the write kernel skips, so they leave the pool and the
+        window untouched; the window's bookkeeping, which the op's Python updates as it records, is
+        put back after."""
         table = torch.zeros(bucket, dtype=torch.int32, device=self.device)
-        meta = StepMeta(kv=kv, slots=self.slots, block_table=table, context_len=1, context_lens=self.lens)
+        window = step.window
+        length = step.context_len if window is not None else 1  # a window is recorded at its own place
+        meta = StepMeta(kv=step.kv, slots=self.slots, block_table=table, context_len=length, context_lens=self.lens,
+                        window=window, window_meta=self.wmeta if window is not None else None)
         self.slots.fill_(-1)
-        self.lens.fill_(1)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), running(meta):
-            for _ in range(2):  # compiles the Triton kernels and settles the allocator
-                self.forward(self.ids, self.positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if not hasattr(self, "_pool"):
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool), running(meta):
-            logits = self.forward(self.ids, self.positions)
+        self.lens.fill_(length)
+        self.wmeta.copy_(torch.tensor([0, 0, -1], dtype=torch.int32))
+        kept = (list(window.start), list(window.end), list(window.sink_len)) if window is not None else None
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), running(meta):
+                for _ in range(2):  # compiles the Triton kernels and settles the allocator
+                    self.forward(self.ids, self.positions)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if not hasattr(self, "_pool"):
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool), running(meta):
+                logits = self.forward(self.ids, self.positions)
+        finally:
+            if kept is not None:
+                window.start, window.end, window.sink_len = kept
         return graph, table, logits

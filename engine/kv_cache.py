@@ -203,7 +203,8 @@ class KVCache:
                 self.sink_cache.popitem(last=False)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              window: quant.RecentWindow | None = None, first_pos: int = 0) -> tuple | None:
+              window: quant.RecentWindow | None = None, first_pos: int = 0,
+              window_meta: torch.Tensor | None = None) -> tuple | None:
         """Store the new tokens' K/V; in the quantized modes, return them as transformed before
         rounding (``attend``'s ``fresh``) when there are several (a prefill chunk)."""
         center = self.k_centers[layer] if self.k_centers is not None else None
@@ -216,15 +217,16 @@ class KVCache:
             rows.append((k, v))
 
         wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
-        ring = (window, layer, first_pos) if window is not None else None
+        ring = (window, layer, first_pos, window_meta) if window is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
                           keep_rows if wanted else None, ring)
         return rows[0] if rows and key.shape[0] > 1 else None
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
-               context_lens: torch.Tensor | None = None, fresh: tuple | None = None) -> torch.Tensor:
+               context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
+               window_meta: torch.Tensor | None = None) -> torch.Tensor:
         s = self.k_scales[layer] if self.k_scales is not None else None
         return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
                                          first_block, self.rotation, s, None if window is None else (window, layer),
-                                         context_lens, fresh)
+                                         context_lens, fresh, window_meta)

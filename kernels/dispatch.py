@@ -31,24 +31,27 @@ def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
              keep_rows=None, ring=None) -> None:
-    """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position)`` for
-    one new token: on CUDA the write kernel puts its row in the window in the same pass (past the
-    sinks); otherwise ``keep_rows`` stores it. The fused kernel never hands rows back, so on CUDA
-    they are transformed once more here only when ``keep_rows`` still needs them."""
+    """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position,
+    wmeta or None)`` for one new token: on CUDA the write kernel puts its row in the window in the
+    same pass (past the sinks); otherwise ``keep_rows`` stores it. The fused kernel never hands rows
+    back, so on CUDA they are transformed once more here only when ``keep_rows`` still needs them.
+    ``wmeta``, given by a captured step, holds what ``window_meta`` would make."""
     if not use_triton(key, tensors, fmt):
         return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows)
-    recent, layer, position = ring if ring is not None else (None, None, -1)
+    recent, layer, position, wmeta = ring if ring is not None else (None, None, -1, None)
     in_ring = recent is not None and key.shape[0] == 1 and position >= recent.sinks
-    rows = (recent.k[layer], recent.v[layer], recent.ring_row(position)) if in_ring else None
-    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, rows)
     if in_ring:
         recent.note(layer, position, 1)
-    elif keep_rows is not None:
+        wmeta = wmeta if wmeta is not None else window_meta(recent, layer, position + 1, key.device)
+    rows = (recent.k[layer], recent.v[layer], wmeta) if in_ring else None
+    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, rows)
+    if keep_rows is not None and not in_ring:
         keep_rows(quant.transform_keys(key.float(), rotation, k_center, k_channel_scale),
                   quant.rotate(value.float(), rotation))
 
 
 _LENS: dict = {}
+_WMETA: dict = {}
 
 
 def _context_lens(length: int, device) -> torch.Tensor:
@@ -59,17 +62,31 @@ def _context_lens(length: int, device) -> torch.Tensor:
     return hit[1]
 
 
+def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
+    """What the kernels read of a window after the step that makes it ``length`` long, as int32
+    ``[s, first, ring row of the newest]`` (``quant.RecentWindow.bounds``): the same for every layer
+    of a step, so made once per step."""
+    values = (*recent.bounds(layer, length), recent.ring_row(length - 1))
+    hit = _WMETA.get(device)
+    if hit is None or hit[0] != values:
+        _WMETA[device] = hit = (values, torch.tensor(values, device=device, dtype=torch.int32))
+    return hit[1]
+
+
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
-                    k_channel_scale=None, window=None, context_lens=None, fresh=None) -> torch.Tensor:
+                    k_channel_scale=None, window=None, context_lens=None, fresh=None, wmeta=None) -> torch.Tensor:
     """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
-    ``context_len``, lets a captured CUDA step read the length from a tensor it updates in place; the
-    block table may then be padded past the length. ``fresh``: as in ``reference.paged_attention``;
-    one new token is in the window anyway."""
+    ``context_len``, and ``wmeta`` (``window_meta``) let a captured CUDA step read the length and
+    the window's bounds from tensors it updates in place; the block table may then be padded past
+    the length. ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
     held = window[0].bounds(window[1], context_len) if window is not None else None
     if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
-        recent, layer = window if held is not None else (None, None)
-        rows = (recent.k[layer], recent.v[layer], recent.sinks, *held) if held is not None else None
+        rows = None
+        if held is not None:
+            recent, layer = window
+            wmeta = wmeta if wmeta is not None else window_meta(recent, layer, context_len, query.device)
+            rows = (recent.k[layer], recent.v[layer], recent.sinks, wmeta)
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
                                          rotation, k_channel_scale, window=rows)
     rows = window[0].rows(window[1], context_len) if held is not None else None

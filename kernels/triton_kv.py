@@ -30,12 +30,13 @@ def _check(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
         raise ValueError(f"the Triton KV kernels cannot take this pool: {problem} (the torch reference can)")
 
 
-@triton.jit(do_not_specialize=["ring_row"])
-def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, ring_row,
+@triton.jit
+def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, wmeta_ptr,
                            x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                            HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr):
     """One program per (token, KV head). With RING (one token), its transformed row, before
-    rounding, also goes to row ``ring_row`` of the window's ring (``quant.RecentWindow``)."""
+    rounding, also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]``
+    names (-1: none). Read from a tensor, so that a captured step can replay it."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -60,9 +61,11 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
         q_lo = tl.reshape(tl.clamp(_round(lo_g / s_lo.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
         q_hi = tl.reshape(tl.clamp(_round(hi_g / s_hi.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
         if RING:
-            ring = (ring_row * KV_HEADS + h) * D
-            tl.store(ring_ptr + ring + j, lo.to(ring_ptr.dtype.element_ty))
-            tl.store(ring_ptr + ring + HALF + j, hi.to(ring_ptr.dtype.element_ty))
+            ring_row = tl.load(wmeta_ptr + 2)
+            if ring_row >= 0:
+                ring = (ring_row * KV_HEADS + h) * D
+                tl.store(ring_ptr + ring + j, lo.to(ring_ptr.dtype.element_ty))
+                tl.store(ring_ptr + ring + HALF + j, hi.to(ring_ptr.dtype.element_ty))
         g = tl.arange(0, G)
         row = (slot * KV_HEADS + h)
         tl.store(scale_ptr + row * (D // GROUP) + g, s_lo)
@@ -130,8 +133,8 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
                    rotation: torch.Tensor, k_center: torch.Tensor | None = None,
                    k_channel_scale: torch.Tensor | None = None, ring: tuple | None = None) -> None:
     """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
-    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, row)`` of a
-    window (one token, quantized modes): its row there is written in the same pass."""
+    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, wmeta)`` of a
+    window (one token, quantized modes): its row there (``wmeta[2]``) is written in the same pass."""
     t, kv_heads, d = key.shape
     _check(tensors, fmt, d)
     for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
@@ -143,7 +146,7 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
             (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
             if center else dummy,
             rotation.float().contiguous() if bits < 16 else dummy, tensors[name], tensors.get(name + "_scale", dummy),
-            ring[0 if name == "k" else 1] if to_ring else dummy, ring[2] if to_ring else 0,
+            ring[0 if name == "k" else 1] if to_ring else dummy, ring[2] if to_ring else slots,
             x.stride(0), x.stride(1),
             KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
             CLIP=name == "k" and bits == 4, RING=to_ring)
@@ -167,9 +170,9 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
 
 # What changes with the context length is a runtime argument, never specialized on: a new value
 # would compile the kernel again mid-reply.
-@triton.jit(do_not_specialize=["table_stride", "splits", "w_s", "w_first"])
+@triton.jit(do_not_specialize=["table_stride", "splits"])
 def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                         wk_ptr, wv_ptr, sm_scale, table_stride, splits, w_s, w_first,
+                         wk_ptr, wv_ptr, wmeta_ptr, sm_scale, table_stride, splits,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                          GROUP: tl.constexpr, QG: tl.constexpr, QG_P2: tl.constexpr, WINDOW: tl.constexpr,
@@ -177,8 +180,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
     """One program per (sequence, KV head, split): the QG query heads that share a KV head (GQA)
     are one tile, so each K/V row is read once, not once per query head. QG_P2 pads the group to a
     power of two (the starter has 3 query heads per KV head). With WINDOW (one sequence), the
-    pool serves positions ``w_s .. w_first`` and one more program per KV head (split ``splits``)
-    serves the full-precision window: sink rows ``0 .. w_s``, then the ring of the newest."""
+    pool serves positions ``s .. first`` and one more program per KV head (split ``splits``)
+    serves the full-precision window: sink rows ``0 .. s``, then the ring of the newest; ``s`` and
+    ``first`` are read from ``wmeta``, a tensor, so that a captured step can replay it."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -195,6 +199,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
     l = tl.zeros([QG_P2], dtype=tl.float32)
     acc_lo = tl.zeros([QG_P2, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([QG_P2, HALF], dtype=tl.float32)
+    w_s = 0
+    w_first = 0
+    if WINDOW:
+        w_s = tl.load(wmeta_ptr)
+        w_first = tl.load(wmeta_ptr + 1)
     if WINDOW and split == splits:
         r = tl.arange(0, W_ROWS_P2)
         pos = (length - 1) - ((length - 1 - (r - W_SINKS)) % W_SIZE)  # the newest position a ring row holds
@@ -251,9 +260,10 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
                  window: tuple | None = None) -> torch.Tensor:
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
     Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
-    ``window`` (B = 1): ``(K, V, sinks, s, first)``, a layer's full-precision rows
-    (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``),
-    holding positions ``0 .. s`` and ``first ..``; the kernel reads the pool only between them."""
+    ``window`` (B = 1): ``(K, V, sinks, wmeta)``, a layer's full-precision rows
+    (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``)
+    holding positions ``0 .. s`` and ``first ..``, with ``wmeta`` int32 ``[s, first, ring row]``; the
+    kernel reads the pool only between them."""
     batch, heads, d = query.shape
     _check(tensors, fmt, d)
     _, bs, kv_heads, _ = tensors["k"].shape
@@ -268,11 +278,11 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     acc = torch.empty(batch, heads, splits + extra, d, device=q.device, dtype=torch.float32)
     m = torch.empty(batch, heads, splits + extra, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    wk, wv, sinks, w_s, w_first = window if extra else (tensors["k"], tensors["k"], 0, 0, 0)
+    wk, wv, sinks, wmeta = window if extra else (tensors["k"], tensors["k"], 0, context_lens)
     group = heads // kv_heads
     _paged_decode_kernel[(batch, kv_heads, splits + extra)](
         q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["v"], tensors.get("v_scale", tensors["k"]),
-        block_tables, context_lens, acc, m, l, wk, wv, scale, block_tables.stride(0), splits, w_s, w_first,
+        block_tables, context_lens, acc, m, l, wk, wv, wmeta, scale, block_tables.stride(0), splits,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         BLOCKS_PER_SPLIT=blocks_per_split, GROUP=quant.GROUP, QG=group, QG_P2=triton.next_power_of_2(group),
         WINDOW=extra, W_SINKS=sinks, W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1,

@@ -107,7 +107,8 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, windo
     out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table[None].to(torch.int32)),
                                  on_device(torch.tensor([n], dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
                                  on_device(cscale), blocks_per_split=2,
-                                 window=(on_device(recent.k[0]), on_device(recent.v[0]), sinks, s, first)).cpu()
+                                 window=(on_device(recent.k[0]), on_device(recent.v[0]), sinks,
+                                         on_device(torch.tensor([s, first, -1], dtype=torch.int32)))).cpu()
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale,
                                      window=recent.rows(0, n))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
@@ -181,3 +182,24 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
     listed = real.kwargs["do_not_specialize"] if hasattr(real, "kwargs") else real.do_not_specialize  # interpreted
     unspecialized = {names[d] if isinstance(d, int) else d for d in listed}
     assert varying <= unspecialized
+
+
+def test_the_write_kernel_puts_a_decode_token_in_the_window_ring_or_nowhere():
+    """Row ``wmeta[2]`` of the ring gets the token's transformed row as it was before rounding;
+    -1 (a captured step's warm-up) writes no row."""
+    fmt = quant.FORMATS["int4"]
+    pool, _, rot, center, cscale, g = scene(fmt, 4, 2, 64, [20], seed=3)
+    key, value = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)
+    for row in (-1, 9):
+        ring_k, ring_v = torch.zeros(12, 2, 64), torch.zeros(12, 2, 64)
+        wmeta = torch.tensor([0, 0, row], dtype=torch.int32)
+        got = [on_device(t) for t in (ring_k, ring_v)]
+        triton_kv.quantize_write(on_device(pool), fmt, on_device(key), on_device(value), on_device(torch.tensor([21])),
+                                 on_device(rot), on_device(center), on_device(cscale), (*got, on_device(wmeta)))
+        ring_k, ring_v = (t.cpu() for t in got)
+        if row < 0:
+            assert not ring_k.any() and not ring_v.any()
+            continue
+        torch.testing.assert_close(ring_k[row], quant.transform_keys(key, rot, center, cscale)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ring_v[row], quant.rotate(value, rot)[0], atol=1e-5, rtol=1e-5)
+        assert not ring_k[:row].any() and not ring_k[row + 1:].any()
