@@ -1,5 +1,6 @@
-"""Start the desktop app: a splash at once, then the database, the engine on its thread, the window.
-The engine's modules (torch) are imported after the splash shows: they take seconds to load."""
+"""Start the desktop app: the database, the engine on its thread, the window (about 1.5 s here; the
+model loads behind it). No splash: a splash shown first took the window activation under X without
+a window manager, and keys typed into the new window went nowhere."""
 import sys
 
 from PySide6.QtWidgets import QApplication, QMessageBox
@@ -22,7 +23,6 @@ def make_engine(settings: dict):
 def run() -> int:
     from kvchat.engine.paths import data_dir
 
-    from .splash import Splash
     from .theme import Theme
 
     app = QApplication.instance() or QApplication(sys.argv)
@@ -34,17 +34,12 @@ def run() -> int:
         QMessageBox.critical(None, "kvchat", str(e))
         return 1
     theme = Theme(store.setting("theme") or "system")
-    splash = Splash(theme.dark)
-    splash.show()
-    splash.say("Starting the engine…")
-    app.processEvents()
     from .engine_bridge import EngineBridge
     from .main_window import MainWindow
 
     engine = make_engine(store.setting("engine") or {})
     window = MainWindow(store, EngineBridge(engine, make_engine), theme=theme)
     window.show()
-    splash.finish(window)
     code = app.exec()
     window.bridge.engine.close()
     return code
