@@ -51,6 +51,8 @@ def prepare_quick() -> None:
 
 
 class ChatView(QQuickWidget):
+    pressed = Signal()  # a click anywhere in the conversation: the window gives the message box the keys
+
     def __init__(self, theme, parent=None):
         prepare_quick()
         super().__init__(parent)
@@ -71,6 +73,10 @@ class ChatView(QQuickWidget):
         self.setSource(QUrl.fromLocalFile(str(QML)))
         if self.status() == QQuickWidget.Error:
             raise RuntimeError("the chat view's QML failed: " + "; ".join(e.toString() for e in self.errors()))
+
+    def mousePressEvent(self, event) -> None:
+        super().mousePressEvent(event)
+        self.pressed.emit()
 
     def item(self, name: str):
         return next((i for i in self.items() if i.objectName() == name), None)

@@ -225,6 +225,7 @@ class MainWindow(QMainWindow):
         self.persona_edit_button.clicked.connect(lambda: self.edit_persona(new=False))
         self.persona_new_button.clicked.connect(lambda: self.edit_persona(new=True))
         self.export_button.clicked.connect(self.export_dialog)
+        self.chat_view.pressed.connect(self.focus_input)
         actions = self.chat_view.actions
         actions.copied.connect(lambda _text: self.notify("copied"))
         actions.edit_requested.connect(self.begin_edit)
@@ -234,6 +235,15 @@ class MainWindow(QMainWindow):
         QShortcut(QKeySequence("Ctrl+,"), self, lambda: self.open_settings())
         QShortcut(QKeySequence("Escape"), self, self.escape)
         QShortcut(QKeySequence("Ctrl+M"), self, self.memory_button.toggle)
+
+    def focus_input(self) -> None:
+        """Typing goes to the message box: after a click in the conversation, and when the window
+        shows (the splash had the focus before it)."""
+        self.input.setFocus()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        QTimer.singleShot(0, self.focus_input)
 
     def escape(self) -> None:
         """Stops a reply; otherwise leaves an edit, putting the box back as it was."""

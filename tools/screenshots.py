@@ -70,7 +70,11 @@ def shoot(theme: str, out: Path, app: str) -> None:
         xdotool("windowfocus", "--sync", window)
         xdotool("type", "--delay", "15", QUESTION)
         xdotool("key", "Return")
-        wait_for(lambda: reply_done(db), 240)
+        try:
+            wait_for(lambda: reply_done(db), 400)
+        except SystemExit:
+            subprocess.run(["import", "-window", "root", str(out / f"screenshots-failed-{theme}.png")])
+            raise
         time.sleep(1.5)  # the last frame and a memory snapshot
         for width, height in SIZES:
             if width < 1400:  # no room for the memory panel beside the chat
