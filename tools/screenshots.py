@@ -24,6 +24,8 @@ SIZES = [(1600, 1000), (1000, 700)]
 def seed(home: Path, theme: str) -> Path:
     from kvchat.app.store import Store
 
+    for old in (home / "data").glob("chat.db*"):  # the other theme's chats; the converted model stays
+        old.unlink()
     store = Store(home / "data" / "chat.db")
     now = time.time()
     for title, days in EARLIER:
@@ -56,8 +58,7 @@ def reply_done(db: Path) -> bool:
     return bool(rows) and rows[-1][0].strip() and not rows[-1][1]
 
 
-def shoot(theme: str, out: Path, app: str) -> None:
-    home = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
+def shoot(theme: str, out: Path, app: str, home: Path) -> None:
     db = seed(home, theme)
     env = {**os.environ, "KVCHAT_HOME": str(home)}
     proc = subprocess.Popen([app], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -97,8 +98,9 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
     for theme in args.themes.split(","):
-        shoot(theme, out, args.app)
+        shoot(theme, out, args.app, home)
     return 0
 
 
