@@ -95,4 +95,4 @@ def test_hub_download_reports_progress_in_bytes(monkeypatch, hf_folder):
 
 def test_quantized_weights_need_cuda():
     with pytest.raises(ModelError, match="need a CUDA GPU"):
-        models._bnb_config("nf4", torch.device("cpu"))
+        models._bnb_config("nf4", torch.device("cpu"), torch.float32)
