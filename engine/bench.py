@@ -210,7 +210,7 @@ def report_kv(result: dict, as_json: bool) -> None:
               f"decode vs fp16 {row['decode_ratio_vs_fp16']:.2f}")
 
 
-def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float = 3.5, max_turns: int = 60) -> dict:
+def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float = 5.0, max_turns: int = 60) -> dict:
     """A pool sized for ``pool_tokens`` at fp16 serves, under Auto, a conversation ``growth`` times
     longer; the downshifts are logged and the last reply is scored in the engine's own pool, as its
     conversions left it, by KL divergence against an unconstrained fp16 cache."""
