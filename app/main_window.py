@@ -91,11 +91,12 @@ class MainWindow(QMainWindow):
         sidebar.setMinimumWidth(220)
 
         self.persona_box = QComboBox()
-        self.persona_box.setMinimumWidth(150)
+        self.persona_box.setMinimumContentsLength(10)  # its size hint, so a narrow window squeezes the chips first
         self.persona_badge = QLabel()
         self.persona_edit_button, self.persona_new_button, self.export_button = (
             QToolButton(autoRaise=True, toolTip=t) for t in ("Edit persona", "New persona", "Export chat"))
         self.model_chip = Chip("model", "The model: click to change it")
+        self.model_chip.setMinimumWidth(90)  # a narrow window elides the chip instead of overlapping the persona
         self.context_chip = Chip("context", "Context length: click to change it")
         self.kv_chip = Chip("precision", "KV cache precision: click to change it")
         self.memory_button = QToolButton(autoRaise=True, toolTip="Memory (Ctrl+M)", checkable=True)
