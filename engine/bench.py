@@ -223,7 +223,7 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
     budget = int(pool_tokens * bytes_per_token(shape, "fp16", lm.dtype.itemsize))  # fp32 on the CPU, bf16 on a GPU
     target = int(pool_tokens * growth)
     engine = Engine(EngineConfig(model=model, kv_precision="auto", kv_budget_bytes=budget,
-                                 max_context=4 * pool_tokens), loaded=lm, persona_store=None)
+                                 max_context=int(pool_tokens * (growth + 1))), loaded=lm, persona_store=None)
     engine.wait_ready()
     persona = {"role": "system", "content": "You are Marlowe, a patient reference librarian. Answer in full sentences."}
     messages, shifts, errors, turn, last = [persona], [], 0, 0, None
