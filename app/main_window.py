@@ -387,7 +387,7 @@ class MainWindow(QMainWindow):
     def update_badge(self) -> None:
         """Asks the engine whether the persona's prefix is in the pool or on disk; on_badge shows it."""
         persona = self.persona(self.persona_box.currentData())
-        if self.bridge.loading or self.bridge.engine.load_error:
+        if self.bridge.loading or self.bridge.load_error:
             self.persona_badge.setText("")
             return
         if self.persona_badge.property("persona") != self.persona_box.currentData():
