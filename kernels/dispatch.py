@@ -50,27 +50,22 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
                   quant.rotate(value.float(), rotation))
 
 
-_LENS: dict = {}
-_WMETA: dict = {}
+_STEP: dict = {}
 
 
-def _context_lens(length: int, device) -> torch.Tensor:
-    """``[length]`` as the kernel's int32 tensor, made once per step, not once per layer."""
-    hit = _LENS.get(device)
-    if hit is None or hit[0] != length:
-        _LENS[device] = hit = (length, torch.tensor([length], device=device, dtype=torch.int32))
+def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
+    """``values`` as an int32 tensor on ``device``, made again only when they change: a step's
+    length or window bounds are the same for every layer, so one host-to-device copy a step."""
+    hit = _STEP.get((name, device))
+    if hit is None or hit[0] != values:
+        _STEP[(name, device)] = hit = (values, torch.tensor(values, device=device, dtype=torch.int32))
     return hit[1]
 
 
 def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
     """What the kernels read of a window after the step that makes it ``length`` long, as int32
-    ``[s, first, ring row of the newest]`` (``quant.RecentWindow.bounds``): the same for every layer
-    of a step, so made once per step."""
-    values = (*recent.bounds(layer, length), recent.ring_row(length - 1))
-    hit = _WMETA.get(device)
-    if hit is None or hit[0] != values:
-        _WMETA[device] = hit = (values, torch.tensor(values, device=device, dtype=torch.int32))
-    return hit[1]
+    ``[s, first, ring row of the newest]`` (``quant.RecentWindow.bounds``)."""
+    return _step_tensor("window", (*recent.bounds(layer, length), recent.ring_row(length - 1)), device)
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
@@ -81,7 +76,7 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
     the length. ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
     held = window[0].bounds(window[1], context_len) if window is not None else None
     if query.shape[0] == 1 and use_triton(query, tensors, fmt):
-        lens = context_lens if context_lens is not None else _context_lens(context_len, query.device)
+        lens = context_lens if context_lens is not None else _step_tensor("lens", (context_len,), query.device)
         rows = None
         if held is not None:
             recent, layer = window

@@ -37,8 +37,8 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
     vLLM's chunked prefill does. Returns ``[T, heads, D]``."""
     dtype = query.dtype
-    k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window)
-            for name in ("k", "v"))
+    k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
+                          query.shape[-1]) for name in ("k", "v"))
     q = query
     if fmt.k_bits < 16:  # rotated in fp32: in bf16, H @ H is 0.9998 I at D=128
         q = quant.transform_queries(query.float(), rotation.float(), k_channel_scale).to(dtype)
@@ -51,7 +51,7 @@ READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy
 
 
 def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_len: int, first_block,
-                  dtype, fresh: tuple | None, window: tuple | None) -> torch.Tensor:
+                  dtype, fresh: tuple | None, window: tuple | None, head_dim: int) -> torch.Tensor:
     """A sequence's K or V ``[context_len, kv_heads, D]`` in the model's dtype, as attention reads
     it: the pool's rows (a view when they are plain and consecutive), the last ones from ``fresh``,
     the window's rows over their quantized copies. Dequantized in fp32 (int8 x an fp16 scale is
@@ -60,8 +60,7 @@ def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_
     if bits == 16 and fresh is None:
         return quant.read(tensors, fmt, name, block_table, context_len, first_block, dtype)
     past = context_len - fresh[0].shape[0] if fresh is not None else context_len
-    out = torch.empty(context_len, *tensors[name].shape[2:-1], window_dim(tensors, name, bits), dtype=dtype,
-                      device=tensors[name].device)
+    out = torch.empty(context_len, tensors[name].shape[2], head_dim, dtype=dtype, device=tensors[name].device)
     for first in range(0, past, READ_SLICE):
         n = min(READ_SLICE, past - first)
         blocks, offset = slice_table(block_table, first, n, tensors[name].shape[1])
@@ -73,11 +72,6 @@ def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_
         s, first, wk, wv = window
         quant.substitute(out, s, first, wk if name == "k" else wv)
     return out
-
-
-def window_dim(tensors: dict, name: str, bits: int) -> int:
-    """head_dim from the pool's last axis (int4 packs two values a byte)."""
-    return tensors[name].shape[-1] * (2 if bits == 4 else 1)
 
 
 def slice_table(block_table: torch.Tensor, first: int, n: int, block_size: int) -> tuple[torch.Tensor, int]:

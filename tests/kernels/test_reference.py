@@ -58,7 +58,7 @@ def test_a_long_context_is_dequantized_in_slices_to_the_same_rows(name, monkeypa
     reference.write_kv(pool, fmt, k, k, slots, quant.hadamard(64))
     whole = quant.read(pool, fmt, "k", table, 100, None, torch.float32)
     monkeypatch.setattr(reference, "READ_SLICE", 24)  # not a multiple of the block size
-    sliced = reference.sequence_rows(pool, fmt, "k", table, 100, None, torch.float32, None, None)
+    sliced = reference.sequence_rows(pool, fmt, "k", table, 100, None, torch.float32, None, None, 64)
     assert torch.equal(sliced, whole)
 
 
