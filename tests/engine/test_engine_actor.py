@@ -14,6 +14,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.events import EngineError, Finished, LoadFailed, ModelReady, Notice, Request, TokenDelta
 from kvchat.engine.models import load
 
+from polling import wait_for
 from tiny_models import as_loaded
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
@@ -240,12 +241,3 @@ def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figur
     assert notice.kind == "pressure" and "MiB are free" in notice.message
     assert e.kv is kv and e.kvpool.budget == budget
     e.close()
-
-
-def wait_for(predicate, timeout=20):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False

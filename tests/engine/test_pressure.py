@@ -1,5 +1,4 @@
 """Memory: snapshots, pressure from other processes, a full pool, settings changes, long chats."""
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from kvchat.engine.kv_manager import Sequence
 from kvchat.engine.memory import MemorySnapshot, ScriptedProbe
 from kvchat.engine.models import LoadedModel
 
+from polling import wait_for
 from tiny_models import as_loaded
 
 GiB = 1 << 30
@@ -33,15 +33,6 @@ def collect(e):
     events = []
     e.add_listener(events.append)
     return events
-
-
-def wait_for(predicate, timeout=20):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_snapshots_arrive_about_once_a_second_and_add_up(shared):
