@@ -99,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
                         help="comma-separated: eager, compiled, transformers")
     decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
     decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
+    connections_args(sub)
     pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
     pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
     pl.add_argument("--context", type=int, required=True)
@@ -116,6 +117,66 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
     ev.add_argument("--json", action="store_true")
     return root
+
+
+def connections_args(sub) -> None:
+    con = sub.add_parser("connections", help="saved connections to OpenAI-compatible servers (the app's and "
+                         "--remote NAME's); API keys go to the OS keyring")
+    action = con.add_subparsers(dest="action", metavar="add|list|remove")
+    add = action.add_parser("add", help="save a connection (an existing name is replaced)")
+    add.add_argument("name")
+    add.add_argument("url", help="the server's base URL, e.g. http://gpu-box:8000")
+    add.add_argument("--model", default=None, help="one of the server's models (default: its first)")
+    add.add_argument("--api-key-stdin", action="store_true",
+                     help="read the API key from standard input (never from the command line, where "
+                          "other users and the shell history would see it)")
+    action.add_parser("list", help="the saved connections, without their keys")
+    rm = action.add_parser("remove", help="forget a connection and its key")
+    rm.add_argument("name")
+
+
+def cmd_connections(args) -> int:
+    from urllib.parse import urlsplit
+
+    from .connections import Connection, Connections, KeyringUnavailable, get_key
+
+    saved = Connections()
+    if args.action == "list":
+        rows = saved.all()
+        for c in rows:
+            key = "key in keyring" if get_key(c.name) else "no key"
+            print(f"{c.name}\t{c.base_url}\t{c.model or '(first model)'}\t{key}")
+        if not rows:
+            print("no saved connections (add one: kvchat connections add NAME URL)", file=sys.stderr)
+        return 0
+    if args.action == "remove":
+        if saved.get(args.name) is None:
+            raise ConfigError(f"no saved connection named {args.name!r} (see: kvchat connections list)")
+        saved.remove(args.name)
+        print(f"removed {args.name}")
+        return 0
+    if args.action != "add":
+        raise ConfigError("say what to do: kvchat connections add NAME URL | list | remove NAME")
+    name, url = args.name.strip(), args.url.strip()
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if not name or any(ch in name for ch in "\n\t"):
+        raise ConfigError("a connection needs a name without tabs or newlines")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{url!r} is not a server's base URL (e.g. http://gpu-box:8000)")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise ConfigError(f"{url!r} has a port that is not a number") from None
+    key = sys.stdin.readline().strip() if args.api_key_stdin else None
+    if args.api_key_stdin and not key:
+        raise ConfigError("--api-key-stdin read no key from standard input")
+    replaced = saved.get(name) is not None
+    try:
+        saved.save(Connection(name, url, args.model), api_key=key)
+    except KeyringUnavailable as e:
+        raise ConfigError(str(e)) from None
+    print(f"{'updated' if replaced else 'saved'} {name}: {url}" + (" (key in the OS keyring)" if key else ""))
+    return 0
 
 
 def make_config(args) -> EngineConfig:
@@ -328,7 +389,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(["chat"])
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-                "eval": cmd_eval, "plan": cmd_plan}[command](args)
+                "eval": cmd_eval, "plan": cmd_plan, "connections": cmd_connections}[command](args)
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1

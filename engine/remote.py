@@ -10,12 +10,14 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpcore
 import httpx
 
-from .events import EngineError, Error, Finished, Request, RequestHandle, Stats, TokenDelta
+from .events import EngineError, Error, Finished, LoadFailed, ModelReady, Request, RequestHandle, Stats, TokenDelta
 from .remote_metrics import ServerMemory, server_memory
 
 log = logging.getLogger("kvchat.remote")
@@ -88,8 +90,8 @@ class _Sockets(httpcore.SyncBackend):
 
 
 class RemoteHandle(RequestHandle):
-    def __init__(self, request: Request):
-        super().__init__(request)
+    def __init__(self, request: Request, listener=None):
+        super().__init__(request, listener)
         self.sockets = _Sockets()
 
     def cancel(self) -> None:
@@ -116,6 +118,8 @@ class RemoteBackend:
         self.models: list[str] = []
         self.last_memory: ServerMemory | None = None
         self._listeners: list = []
+        self._lock = threading.Lock()  # orders a listener's replay against the announcement
+        self._status: ModelReady | LoadFailed | None = None
         self._closed = threading.Event()
         self._metrics_period = metrics_period
         self._thread = threading.Thread(target=self._main, name="kvchat-remote", daemon=True)
@@ -137,10 +141,33 @@ class RemoteBackend:
         if self.load_error:
             raise EngineError(self.load_error)
 
-    def add_listener(self, callback) -> None:
-        """``callback(event)`` with ServerMemory about every two seconds (once, all None, when the
-        server has no /metrics), from a background thread: hand it on, as with the Engine."""
-        self._listeners.append(callback)
+    def add_listener(self, callback, replay: bool = False) -> None:
+        """``callback(event)`` with ModelReady or LoadFailed once the server has answered, then
+        ServerMemory about every two seconds (once, all None, when the server has no /metrics),
+        from a background thread: hand it on, as with the Engine. With ``replay``, a listener that
+        comes after the server answered gets that answer at once."""
+        with self._lock:
+            self._listeners.append(callback)
+            status = self._status if replay else None
+        if status is not None:
+            callback(status)
+
+    def cancel(self, handle: RequestHandle) -> Future:
+        """Stop a request: its connection is shut at once; the future is done already."""
+        handle.cancel()
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def persona_state(self, system_prompt: str) -> str:
+        """The server keeps its own prefix cache; kvchat cannot look into it, only send the persona
+        byte-identical so that it hits."""
+        return "server"
+
+    def settings(self) -> dict:
+        """What the app shows for a connection, in the Engine's settings' keys where they apply."""
+        return {"model": self.model, "server": self.base_url, "host": urlsplit(self.base_url).netloc,
+                "kv_precision": "server", "precision": None}
 
     def cancel_load(self) -> None:
         pass  # nothing is loaded here
@@ -148,8 +175,9 @@ class RemoteBackend:
     def close(self) -> None:
         self._closed.set()
 
-    def submit(self, request: Request) -> RequestHandle:
-        handle = RemoteHandle(request)
+    def submit(self, request: Request, listener=None) -> RequestHandle:
+        """``listener(event)``, when given, sees the request's events on its streaming thread."""
+        handle = RemoteHandle(request, listener)
         if self.load_error or not self.ready.is_set():
             _put(handle, Error(self.load_error or f"{self.base_url} is not connected yet"))
         elif request.messages is None:
@@ -172,6 +200,8 @@ class RemoteBackend:
         except EngineError as e:
             self.load_error = str(e)
         self.ready.set()
+        self._announce(LoadFailed(self.load_error) if self.load_error else
+                       ModelReady(self.label, self.settings(), None))
         if self.load_error or not self._metrics_period:
             return
         while not self._closed.is_set():
@@ -183,6 +213,12 @@ class RemoteBackend:
                 return  # nothing to poll
             self._closed.wait(self._metrics_period)
 
+    def _announce(self, status) -> None:
+        with self._lock:
+            self._status = status
+            listeners = list(self._listeners)
+        self._emit(status, listeners)
+
     def _read_metrics(self) -> ServerMemory | None:
         root = self.base_url[:-len("/v1")]
         try:
@@ -191,8 +227,8 @@ class RemoteBackend:
             return ServerMemory(server=None)
         return server_memory(r.text) if r.status_code == 200 else ServerMemory(server=None)
 
-    def _emit(self, event) -> None:
-        for callback in list(self._listeners):
+    def _emit(self, event, listeners: list | None = None) -> None:
+        for callback in list(self._listeners) if listeners is None else listeners:
             try:
                 callback(event)
             except Exception:

@@ -55,3 +55,43 @@ def test_corrupt_gguf_is_one_line(tmp_path, starter):
     bad.write_bytes(starter_path().read_bytes()[:100_000])
     r = kvchat("generate", "--model", str(bad), "--prompt", "hi")
     assert r.returncode == 1 and "cannot read GGUF file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_connections_add_list_remove_keep_the_key_in_the_keyring(tmp_path):
+    """``kvchat connections`` with a file-backed fake keyring (PYTHON_KEYRING_BACKEND), in a home of its own."""
+    ring = tmp_path / "keyring.json"
+    env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home"), "KVCHAT_TEST_KEYRING": str(ring),
+           "PYTHON_KEYRING_BACKEND": "fake_keyring.FileKeyring",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*args, stdin=None):
+        return subprocess.run([KVCHAT, "connections", *args], input=stdin, capture_output=True, text=True,
+                              timeout=60, env=env)
+
+    added = run("add", "lab", "http://gpu-box:8000", "--model", "llama-70b", "--api-key-stdin", stdin="s3cret\n")
+    assert added.returncode == 0 and "saved lab" in added.stdout, added.stderr
+    assert run("add", "home", "127.0.0.1:8080").returncode == 0
+    listed = run("list")
+    assert listed.stdout.splitlines() == ["lab\thttp://gpu-box:8000\tllama-70b\tkey in keyring",
+                                          "home\t127.0.0.1:8080\t(first model)\tno key"]
+    saved = (tmp_path / "home" / "config" / "connections.json").read_text()
+    assert "s3cret" not in saved and "s3cret" not in listed.stdout
+    assert json.loads(ring.read_text()) == {"kvchat/connection:lab": "s3cret"}
+    assert run("remove", "lab").returncode == 0
+    assert json.loads(ring.read_text()) == {} and run("list").stdout.splitlines()[0].startswith("home\t")
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["add", "x", "ftp://gpu-box"], None, "is not a server's base URL"),
+    (["add", "x", "http://gpu-box:eighty"], None, "port that is not a number"),
+    (["add", " ", "http://gpu-box:8000"], None, "needs a name"),
+    (["add", "x", "http://gpu-box:8000", "--api-key-stdin"], "", "read no key"),
+    (["remove", "nobody"], None, "no saved connection named 'nobody'"),
+    ([], None, "say what to do"),
+])
+def test_connections_bad_input_is_one_line(tmp_path, args, stdin, message):
+    r = subprocess.run([KVCHAT, "connections", *args], input=stdin, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "KVCHAT_HOME": str(tmp_path)})
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvchat: error")]
+    assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "config" / "connections.json").exists()

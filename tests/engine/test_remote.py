@@ -10,7 +10,6 @@ import time
 
 import httpx
 import keyring
-import keyring.backend
 import pytest
 
 from kvchat.engine.backend import Backend
@@ -18,6 +17,8 @@ from kvchat.engine.config import SamplingParams
 from kvchat.engine.events import EngineError, Finished, Request, TokenDelta
 from kvchat.engine.remote import RemoteBackend, api_root
 from kvchat.engine.remote_metrics import server_memory
+
+from fake_keyring import MemoryKeyring
 
 KEY = "remote-test-key"
 PERSONA = "You are Ada, a patient tutor of mathematics. " * 50  # about 500 tokens
@@ -96,6 +97,27 @@ def send(backend, messages, **sampling) -> Finished:
 def test_it_is_a_backend_and_lists_the_servers_models(backend):
     assert isinstance(backend, Backend)
     assert backend.models == [backend.model] and backend.model.startswith("starter")
+
+
+def test_it_announces_itself_and_stops_like_the_engine(backend):
+    """What the app's bridge relies on: ModelReady replayed to a late listener, a request's listener,
+    and stop through ``cancel(handle)``."""
+    from kvchat.engine.events import ModelReady
+
+    seen, streamed = [], []
+    backend.add_listener(seen.append, replay=True)
+    ready = seen[0]
+    assert isinstance(ready, ModelReady) and ready.settings["model"] == backend.model
+    assert ready.settings["server"] == backend.base_url and ready.model_config is None
+    handle = backend.submit(Request(messages=[{"role": "user", "content": "Tell me a long story."}],
+                                    sampling=SamplingParams(max_new_tokens=500, **GREEDY)), listener=streamed.append)
+    for event in handle:
+        if isinstance(event, TokenDelta):
+            assert event.token_id == -1  # a server's deltas carry no token id
+            backend.cancel(handle).result(1)
+        if isinstance(event, Finished):
+            break
+    assert event.finish_reason == "cancelled" and streamed[-1] is event and event.token_ids == []
 
 
 def test_a_reply_streams_with_the_servers_stats(backend):
@@ -215,23 +237,6 @@ LLAMA = "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage.\nllamacpp:kv_cache
 def test_server_metrics_of_each_kind(text, server, usage, rate):
     memory = server_memory(text)
     assert (memory.server, memory.kv_usage, memory.prefix_hit_rate) == (server, usage, rate)
-
-
-class MemoryKeyring(keyring.backend.KeyringBackend):
-    priority = 1
-
-    def __init__(self):
-        super().__init__()
-        self.store = {}
-
-    def set_password(self, service, username, password):
-        self.store[service, username] = password
-
-    def get_password(self, service, username):
-        return self.store.get((service, username))
-
-    def delete_password(self, service, username):
-        self.store.pop((service, username), None)
 
 
 def test_connections_keep_the_key_in_the_keyring_only(tmp_path):
