@@ -3,15 +3,21 @@
 The planner works from a model config alone, before any weights load. KV bytes per token follow
 2 x layers x kv_heads x head_dim x bytes per element, with the quantized modes' fp16 group scales
 (one per 32 values) counted in.
+
+Importing this module imports no torch: the app imports it for its units and snapshots while its
+window opens, before the engine (and torch) loads on a worker thread. The planner's functions
+import the KV layout (torch) when first called.
 """
+from __future__ import annotations
+
 import re
 from dataclasses import asdict, dataclass, field
-
-from kvchat.kernels.quant import RecentWindow
-from kvchat.kernels.reference import READ_SLICE
+from typing import TYPE_CHECKING
 
 from .config import Precision
-from .kv_cache import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
+
+if TYPE_CHECKING:
+    from .kv_cache import KVShape
 
 GiB = 1 << 30
 PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
@@ -29,6 +35,8 @@ def parse_bytes(text: str) -> int:
 
 def parameter_counts(config) -> tuple[int, int]:
     """(parameters of the linear layers that 8-bit/nf4 quantize, all other parameters)."""
+    from .kv_cache import KVShape, config_value
+
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
     heads = config_value(config, "num_attention_heads")
@@ -55,6 +63,10 @@ def activations_bytes(config, chunk: int = 512, act_bytes: int = 2, context: int
     full-precision window of sink and newest K/V and the cache of sinks (quantized modes), and a
     fixed allowance for the framework's workspaces. A rebuild's conversion slice runs between
     steps, so the larger of the two is reserved."""
+    from kvchat.kernels.quant import RecentWindow
+
+    from .kv_cache import SINK_CACHE_ENTRIES, KVShape, config_value
+
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
     window = RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
@@ -70,6 +82,10 @@ def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int
     ``reference.paged_attention`` runs it on CUDA: the context's K and V in the model's dtype, the
     boolean mask (grouped query heads folded into its rows) and its conversion to the dtype, an fp32
     slice of dequantized rows, and the queries and output in fp32. Measured in test_memory."""
+    from kvchat.kernels.reference import READ_SLICE
+
+    from .kv_cache import KVShape, config_value
+
     shape = KVShape.from_config(config)
     heads = config_value(config, "num_attention_heads")
     groups = heads // shape.num_kv_heads
@@ -82,6 +98,8 @@ def slice_bytes(shape: KVShape, block_size: int = 16) -> int:
     """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
     their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
     rounding). Measured in test_kv_cache: 0.9x of this."""
+    from .kv_cache import SLICE_BLOCKS
+
     return 7 * SLICE_BLOCKS * block_size * shape.num_kv_heads * shape.head_dim * 4
 
 
@@ -106,6 +124,8 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
          weights_size: int | None = None) -> Plan:
     """For each precision the largest context the memory holds, and Auto's pick: the highest
     precision that holds ``context`` plus the prefix-cache reserve."""
+    from .kv_cache import KVShape, bytes_per_token
+
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
     act = activations_bytes(config, chunk, kv_full_bytes, context)
     budget = max(0, memory - w - act - headroom)
