@@ -54,8 +54,12 @@ def blocks(content: str, dark: bool) -> list[dict]:
 
 def stats_line(s: dict) -> str:
     """One reply's figures: TTFT, speed, what the prefix cache served, the KV precision."""
-    line = (f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {s['cached_tokens']} cached / "
-            f"{s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens · KV {s['kv_precision']}")
+    if s.get("cached_reported", True):
+        cache = f"{s['cached_tokens']} cached / {s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens"
+    else:  # a server that gives no cached-token count: zero would be a guess
+        cache = f"{s['prompt_tokens']} prompt tokens, cached: not reported"
+    where = "on the server" if s["kv_precision"] == "server" else f"KV {s['kv_precision']}"
+    line = f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {cache} · {where}"
     if s.get("trimmed_messages"):
         line += f" · {s['trimmed_messages']} oldest messages outside the context"
     if s.get("finish_reason") == "loop":

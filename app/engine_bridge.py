@@ -1,18 +1,22 @@
-"""The engine as Qt signals: one QObject adapter over one long-lived engine.
+"""The backend as Qt signals: one QObject adapter over the backend in use, the local engine or a
+connection to a server (engine/backend.py); the window never asks which one it has.
 
 Every engine event, and the end of every command, reaches the GUI thread as one queued signal;
 there, and only there, the bridge updates its state (busy, loading, the settings in force) and
 emits the public signals. The GUI never waits on the engine and never reads its attributes: it
 reads the bridge's state, which is what the last delivered event said."""
+import threading
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
 from PySide6.QtCore import QObject, Qt, Signal
 
+from kvchat.engine.backend import open_backend
 from kvchat.engine.config import EngineConfig, SamplingParams
 from kvchat.engine.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Request,
                                   RequestHandle, TokenDelta)
 from kvchat.engine.memory import GiB, MemorySnapshot
+from kvchat.engine.remote_metrics import ServerMemory
 
 
 def settings_config(settings: dict) -> EngineConfig:
@@ -33,6 +37,12 @@ class _Reconfigured:
     future: Future
 
 
+@dataclass
+class _BackendEvent:
+    generation: int  # which backend sent it: a replaced one's last words are dropped
+    event: object
+
+
 class EngineBridge(QObject):
     ready = Signal()
     load_failed = Signal(str)
@@ -43,13 +53,16 @@ class EngineBridge(QObject):
     snapshot = Signal(dict)
     reconfigured = Signal(dict)
     load_progress = Signal(object, object)  # bytes done, total (0: unknown); object: sizes pass 2 GiB
+    server_memory = Signal(dict)  # a server's own KV-cache figures (ServerMemory), on a connection
     _delivered = Signal(object)  # anything from the engine thread; queued to the GUI thread
 
     def __init__(self, engine, make_engine=None):
-        """``make_engine`` is accepted for older callers and not used: switching models is the
-        engine's own LoadModel, so there is only ever one engine and one model."""
+        """``engine``: the backend to start on. ``make_engine(settings)`` makes the local engine when
+        the app comes back to it from a connection (switching models is the engine's own LoadModel)."""
         super().__init__()
-        self.engine = engine  # the only engine, for its lifetime; the GUI calls its methods, never reads it
+        self.engine = engine  # the backend in use; the GUI calls its methods, never reads it
+        self.make_engine = make_engine or (lambda settings: open_backend(settings_config(settings)))
+        self._generation = 0
         self.handle: RequestHandle | None = None
         self._request_id = 0
         self.switching = True  # until the first load has ended
@@ -57,8 +70,19 @@ class EngineBridge(QObject):
         self.precision: str | None = None  # the KV precision in force
         self.model_config = None  # the loaded model's own config (the settings dialog's planner)
         self.load_error: str | None = None  # why no model is loaded, when none is
+        self.label = ""  # the model's name as the backend gives it
         self._delivered.connect(self._on_delivered, Qt.QueuedConnection)
-        engine.add_listener(self._delivered.emit, replay=True)
+        self._listen()
+
+    def _listen(self) -> None:
+        generation = self._generation
+        self.engine.add_listener(lambda event: self._delivered.emit(_BackendEvent(generation, event)), replay=True)
+
+    @property
+    def server(self) -> str | None:
+        """The server's base URL on a connection (the model, context and KV precision are the
+        server's there); None on the local engine. From the backend's ModelReady settings."""
+        return self.settings.get("server")
 
     def start(self) -> None:
         """Kept for the window: the first load's outcome arrives as a queued signal, so slots
@@ -76,14 +100,44 @@ class EngineBridge(QObject):
 
     def switch_model(self, settings: dict) -> None:
         """Load ``settings`` in the engine (the old model goes first; a failure brings it back). A
-        second switch while one loads replaces it."""
+        second switch while one loads replaces it. On a connection, the local engine comes back."""
         try:
             config = settings_config(settings)
         except ValueError as e:  # settings the engine refuses outright
             self.load_failed.emit(str(e))
             return
+        if self.server is not None or not hasattr(self.engine, "load_model"):
+            self.use_local(settings)
+            return
         self.switching = True
         self.engine.load_model(config)
+
+    def use_connection(self, name: str) -> None:
+        """Run on the saved connection ``name`` (its key from the keyring); ready or load_failed
+        says how it went."""
+        try:
+            backend = open_backend(connection=name)
+        except Exception as e:  # no such connection any more
+            self.load_failed.emit(str(e))
+            return
+        self.use_backend(backend)
+
+    def use_local(self, settings: dict) -> None:
+        """Back on this computer's engine, loading ``settings``' model."""
+        self.use_backend(self.make_engine(settings))
+
+    def use_backend(self, backend) -> None:
+        """Replace the backend: a reply streaming on the old one is stopped (its cancelled end still
+        arrives and is saved), and the old one is closed off the GUI thread, freeing its memory."""
+        old, self.engine = self.engine, backend
+        if self.handle is not None:
+            old.cancel(self.handle)
+        self._generation += 1
+        self.switching, self.load_error, self.settings = True, None, {}
+        self.precision = self.model_config = None
+        self.label = ""
+        self._listen()
+        threading.Thread(target=old.close, name="kvchat-close-backend", daemon=True).start()
 
     def cancel_load(self) -> None:
         self.engine.cancel_load()
@@ -109,13 +163,18 @@ class EngineBridge(QObject):
     # -- the GUI thread: state changes here only --
 
     def _on_delivered(self, item) -> None:
-        if isinstance(item, _RequestEvent):
+        if isinstance(item, _BackendEvent):
+            if item.generation == self._generation:
+                self._on_backend_event(item.event)
+        elif isinstance(item, _RequestEvent):
             self._on_request_event(item.request_id, item.event)
         elif isinstance(item, _Reconfigured):
             self._on_reconfigured(item.future)
-        elif isinstance(item, ModelReady):
+
+    def _on_backend_event(self, item) -> None:
+        if isinstance(item, ModelReady):
             self.switching, self.load_error = False, None
-            self.settings, self.model_config = item.settings, item.model_config
+            self.settings, self.model_config, self.label = item.settings, item.model_config, item.label
             self.precision = item.settings.get("precision")
             self.ready.emit()
         elif isinstance(item, LoadFailed):
@@ -131,6 +190,8 @@ class EngineBridge(QObject):
         elif isinstance(item, MemorySnapshot):
             self.precision = item.precision
             self.snapshot.emit(asdict(item))
+        elif isinstance(item, ServerMemory):
+            self.server_memory.emit(asdict(item))
         elif isinstance(item, Notice):
             self.notice.emit(item.kind, item.message)
 
@@ -142,7 +203,9 @@ class EngineBridge(QObject):
             if request_id == self._request_id:
                 self.handle = None
             if isinstance(event, Finished):
-                self.finished.emit({"text": event.text, "token_ids": event.token_ids,
+                # a server's reply has no token ids (its deltas carry -1): none is kept for it
+                ids = [i for i in event.token_ids if i >= 0]
+                self.finished.emit({"text": event.text, "token_ids": ids,
                                     "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
             else:
                 self.failed.emit(event.message)

@@ -14,6 +14,7 @@ from kvchat.engine.config import SamplingParams
 from kvchat.engine.memory import GiB, plan
 
 from .chat_view import ChatView
+from .connection_box import ConnectionBox
 from .conversation_list import ConversationList
 from .icons import icon
 from .loop_guard import LoopGuard
@@ -61,6 +62,8 @@ class MainWindow(QMainWindow):
         self.memory_button.setChecked(bool(store.setting("memory_panel")))
         self.set_loading(self.bridge.loading)
         self.bridge.start()  # after _connect: then ready or load_failed reaches us, however fast
+        if store.setting("connection") and self.connection_box.findData(store.setting("connection")) > 0:
+            self.use_connection(store.setting("connection"))  # the local engine started behind it is closed
         self.refresh_conversations()
         self.render_chat()
         self.input.setFocus()
@@ -95,6 +98,7 @@ class MainWindow(QMainWindow):
         self.persona_badge = QLabel()
         self.persona_edit_button, self.persona_new_button, self.export_button = (
             QToolButton(autoRaise=True, toolTip=t) for t in ("Edit persona", "New persona", "Export chat"))
+        self.connection_box = ConnectionBox()
         self.model_chip = Chip("model", "The model: click to change it")
         self.model_chip.setMinimumWidth(90)  # a narrow window elides the chip instead of overlapping the persona
         self.context_chip = Chip("context", "Context length: click to change it")
@@ -109,7 +113,7 @@ class MainWindow(QMainWindow):
         for b in (self.persona_edit_button, self.persona_new_button):
             top.addWidget(b)
         top.addStretch(1)
-        for w in (self.model_chip, self.context_chip, self.kv_chip, self.library_button, self.export_button,
+        for w in (self.connection_box, self.model_chip, self.context_chip, self.kv_chip, self.library_button, self.export_button,
                   self.memory_button,
                   self.settings_button):
             top.addWidget(w)
@@ -206,6 +210,8 @@ class MainWindow(QMainWindow):
         b.failed.connect(self.on_failed)
         b.notice.connect(lambda kind, m: self.notify(f"{kind}: {m}"))
         b.snapshot.connect(self.on_snapshot)
+        b.server_memory.connect(self.on_server_memory)  # a method: disconnected when the window goes
+        self.connection_box.picked.connect(self.use_connection)
         b.reconfigured.connect(lambda _: (self.update_chips(), self.update_badge()))
         self.badge_asker.answered.connect(self.on_badge)
         self.send_button.clicked.connect(self.send)
@@ -403,9 +409,11 @@ class MainWindow(QMainWindow):
         self.persona_badge.setToolTip({"warm": "This persona's prefix is in the KV cache: it is not computed again.",
                                        "disk": "This persona's prefix is saved on disk: it is restored, not computed.",
                                        "cold": "This persona's prefix would be computed for the next reply.",
-                                       "short": "No persona prefix long enough to cache."}[state])
+                                       "short": "No persona prefix long enough to cache.",
+                                       "server": "The server keeps its own prefix cache: the persona is sent "
+                                                 "byte-identical every time, so that it hits there."}[state])
         colours = COLOURS[self.theme.dark]
-        self.persona_badge.setStyleSheet(f"color: {colours['warm' if state in ('warm', 'disk') else 'cold']};")
+        self.persona_badge.setStyleSheet(f"color: {colours['warm' if state in ('warm', 'disk', 'server') else 'cold']};")
 
     # -- the chat --
 
@@ -548,6 +556,10 @@ class MainWindow(QMainWindow):
                      kv_full_bytes=full)
             self.memory_panel.show_contexts(p.max_context, trained_context(self.model_config))
 
+    def on_server_memory(self, memory: dict) -> None:
+        if self.bridge.server is not None:
+            self.memory_panel.show_server(memory, self.bridge.server)
+
     def render_chat(self) -> None:
         """The whole conversation, when another one opens or a message is added or removed."""
         if self.conversation_id is None:
@@ -563,13 +575,15 @@ class MainWindow(QMainWindow):
     # -- settings --
 
     def settings_dialog(self) -> SettingsDialog:
-        engine = self.bridge.engine
         snap = self.gauge.snapshot
         memory = snap["total"] - snap["other_processes"] if snap else None
-        current = {**(self.store.setting("engine") or {}), "max_context": engine.config.max_context,
-                   "kv_precision": engine.config.kv_precision.value}
+        current = self.store.setting("engine") or {}
+        if self.bridge.server is None:
+            engine = self.bridge.engine
+            current = {**current, "max_context": engine.config.max_context,
+                       "kv_precision": engine.config.kv_precision.value}
         return SettingsDialog(self, current, vars(self.sampling), self.model_config, memory,
-                              on_cuda=bool(snap and not snap["on_cpu"]))
+                              on_cuda=bool(snap and not snap["on_cpu"]), server=self.bridge.server)
 
     def open_settings(self, focus: str | None = None) -> None:
         dialog = self.settings_dialog()
@@ -588,6 +602,8 @@ class MainWindow(QMainWindow):
             return
         self.store.set_setting("sampling", dialog.sampling())
         self.sampling_from_model = False
+        if self.bridge.server is not None:  # the server's model, context and precision are its own
+            return
         wanted = dialog.engine_settings()
         before = self.store.setting("engine") or {}
         engine = self.bridge.engine
@@ -615,7 +631,11 @@ class MainWindow(QMainWindow):
         return library
 
     def load_from_library(self, path: str) -> None:
-        """Like choosing the model in Settings: saved only once it has loaded."""
+        """Like choosing the model in Settings: saved only once it has loaded. On a connection, the
+        app comes back to this computer with that model."""
+        if self.bridge.server is not None:
+            self.use_connection(None, {**(self.store.setting("engine") or {}), "model": path})
+            return
         engine = self.bridge.engine
         now = {"model": "starter", "weights": "auto", **(self.store.setting("engine") or {}),
                "max_context": engine.config.max_context, "kv_precision": engine.config.kv_precision.value,
@@ -631,14 +651,29 @@ class MainWindow(QMainWindow):
         self.notify(f"loading {settings.get('model', 'starter')}...")
         self.bridge.switch_model(settings)
 
-    def set_loading(self, loading: bool) -> None:
+    def use_connection(self, name: str | None, local_settings: dict | None = None) -> None:
+        """Run on the saved connection ``name``, or on this computer (None) with ``local_settings``
+        (default: the saved ones). A streaming reply stops and keeps what it had."""
+        self.store.set_setting("connection", name)
+        self.connection_box.fill(name)
+        self.previous_engine_settings = self.pending_engine_settings = None
+        self.model_config = None
+        self.set_loading(True, f"connecting to {name}" if name else "loading model")
+        self.notify(f"connecting to {name}..." if name else "back on this computer: loading the model...")
+        if name:
+            self.bridge.use_connection(name)
+        else:
+            self.pending_engine_settings = local_settings
+            self.bridge.use_local(local_settings or self.store.setting("engine") or {})
+
+    def set_loading(self, loading: bool, what: str = "loading model") -> None:
         self.load_bar.setVisible(loading)
-        self.cancel_load_button.setVisible(loading)
+        self.cancel_load_button.setVisible(loading and not what.startswith("connecting"))  # nothing loads there
         if loading:
             self.load_bar.setRange(0, 0)
-            self.load_bar.setFormat("loading model")
-            self.precision_label.setText("loading model...")
-            self.model_chip.setText("loading…")
+            self.load_bar.setFormat(what)
+            self.precision_label.setText(f"{what}...")
+            self.model_chip.setText("connecting…" if what.startswith("connecting") else "loading…")
 
     def on_load_progress(self, done: int, total: int) -> None:
         if total <= 0:
@@ -652,15 +687,20 @@ class MainWindow(QMainWindow):
         if self.pending_engine_settings is not None:  # it loaded: now it is the setting
             self.store.set_setting("engine", self.pending_engine_settings)
         self.previous_engine_settings = self.pending_engine_settings = None
-        loaded = self.bridge.engine.loaded  # read once, now that the engine thread is done with loading
-        self.model_config = loaded.model.config
-        self.model_label = loaded.source.label
+        self.model_config, self.model_label = self.bridge.model_config, self.bridge.label
+        # the model's own sampling defaults; a server's model has none to read here
+        loaded = getattr(self.bridge.engine, "loaded", None)  # read once, the engine thread is done loading
         if self.sampling_from_model:
-            self.sampling = SamplingParams(**model_defaults(getattr(loaded.model, "generation_config", None)))
-        self.precision_label.setText(f"KV {self.bridge.engine.precision.value}")
+            self.sampling = SamplingParams(**model_defaults(getattr(getattr(loaded, "model", None),
+                                                                    "generation_config", None)))
+        server = self.bridge.server
+        self.precision_label.setText(f"on {self.bridge.settings['host']}" if server else f"KV {self.bridge.precision}")
+        if server:
+            self.memory_panel.show_server(None, server)
         self.update_chips()
         self.update_badge()
-        self.notify(f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
+        self.notify(f"connected: {self.bridge.settings['model']} at {server}" if server else
+                    f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
         self.answer_waiting()
 
     def answer_waiting(self) -> None:
@@ -670,6 +710,12 @@ class MainWindow(QMainWindow):
             self.start_reply(waiting)
 
     def update_chips(self) -> None:
+        server = self.bridge.server
+        self.context_chip.setVisible(server is None)
+        if server is not None:  # the model and its cache are the server's: the chip names them
+            self.model_chip.setText(f"{self.bridge.settings['model']} · {self.bridge.settings['host']}")
+            self.kv_chip.setText("KV on the server")
+            return
         if self.model_config is None:
             return
         engine = self.bridge.engine
@@ -696,6 +742,11 @@ class MainWindow(QMainWindow):
         elif previous is not None:
             self.show_error(f"The model could not be loaded: {message}")
             self.load_model(previous, previous=None)
+        elif self.store.setting("connection"):
+            self.precision_label.setText("not connected")
+            self.model_chip.setText("not connected")
+            self.show_error(f"Could not use the connection {self.store.setting('connection')}: {message}. "
+                            "Edit it, or choose another one or this computer in the box at the top.")
         else:
             self.precision_label.setText("no model loaded")
             self.model_chip.setText("no model")

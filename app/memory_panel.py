@@ -1,14 +1,35 @@
 """The memory panel: where memory goes, in numbers (weights, KV in use, prefix cache, free), the KV
 precision, and the largest context each precision would hold here, capped at what the model was
-trained on."""
+trained on. On a connection: the server's own KV-cache usage and prefix-cache hit rate, from its
+/metrics, or "not reported"."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from kvchat.engine.memory import GiB
 
 from .gauge import SEGMENTS, MemoryGauge, segments
 
 ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "other programs", "free"]
+
+
+def percent(value: float | None) -> str:
+    return "not reported" if value is None else f"{100 * value:.1f}%"
+
+
+def server_text(memory: dict | None, url: str) -> str:
+    """The server's figures, named as the server's: kvchat knows nothing of its memory but these."""
+    if memory is None:
+        return f"<b>The server's KV cache</b><br>{url}<br><br>asking the server's /metrics…"
+    who = memory.get("server")
+    if who is None:
+        return (f"<b>The server's KV cache</b><br>{url}<br><br>The server exposes no /metrics: its KV-cache "
+                "usage and prefix-cache hit rate are not reported.")
+    rows = [("server's KV-cache usage", percent(memory.get("kv_usage"))),
+            ("server's prefix-cache hit rate", percent(memory.get("prefix_hit_rate")))]
+    if memory.get("requests_running") is not None:
+        rows.append(("requests running there", f"{memory['requests_running']:.0f}"))
+    table = "".join(f"<tr><td>{k}</td><td align='right'><b>{v}</b></td></tr>" for k, v in rows)
+    return f"<b>The server's KV cache</b> ({who})<br>{url}<table cellspacing='4'>{table}</table>"
 
 
 def gib(n: int) -> str:
@@ -43,15 +64,30 @@ class MemoryPanel(QFrame):
         self.contexts = QLabel()
         self.contexts.setWordWrap(True)
         self.contexts.setTextFormat(Qt.RichText)
-        for w in (title, self.where, self.gauge):
-            layout.addWidget(w)
-        layout.addLayout(grid)
-        layout.addSpacing(8)
-        layout.addWidget(self.precision)
-        layout.addWidget(self.contexts)
+        self.local = QWidget()  # this computer's memory; hidden on a connection
+        local = QVBoxLayout(self.local)
+        local.setContentsMargins(0, 0, 0, 0)
+        for w in (self.where, self.gauge):
+            local.addWidget(w)
+        local.addLayout(grid)
+        local.addSpacing(8)
+        local.addWidget(self.precision)
+        local.addWidget(self.contexts)
+        self.server = QLabel(objectName="serverMemory", wordWrap=True, textFormat=Qt.RichText)
+        self.server.hide()
+        layout.addWidget(title)
+        layout.addWidget(self.local)
+        layout.addWidget(self.server)
         layout.addStretch(1)
 
+    def show_server(self, memory: dict | None, url: str) -> None:
+        self.local.hide()
+        self.server.setText(server_text(memory, url))
+        self.server.show()
+
     def show_snapshot(self, snapshot: dict) -> None:
+        self.server.hide()
+        self.local.show()
         self.gauge.update_snapshot(snapshot)
         where = "System RAM (running on the CPU)" if snapshot["on_cpu"] else snapshot["device"]
         self.where.setText(f"{where}: {gib(snapshot['total'])}")

@@ -1,6 +1,7 @@
 """The settings panel: model, context, KV precision, weights, headroom and sampling, with the
 planner's estimate updated as the values change, capped at the context the model was trained on.
-Context and precision apply without a reload."""
+Context and precision apply without a reload. On a connection, only sampling is ours to set: the
+model, context and KV precision are the server's."""
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
                                QLineEdit, QSpinBox)
 
@@ -17,7 +18,7 @@ def trained_context(config) -> int | None:
 
 class SettingsDialog(QDialog):
     def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
-                 on_cuda: bool = False):
+                 on_cuda: bool = False, server: str | None = None):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.model_config, self.memory = model_config, memory
@@ -66,6 +67,16 @@ class SettingsDialog(QDialog):
             w.valueChanged.connect(self.update_estimate)
         self.weights.currentTextChanged.connect(self.update_estimate)
         self.update_estimate()
+        if server:
+            self.on_server(server)
+
+    def on_server(self, server: str) -> None:
+        for w in (self.model, self.context, self.precision, self.weights, self.headroom):
+            w.setEnabled(False)
+            w.setToolTip(f"set by the server at {server}")
+        self.warning.hide()
+        self.estimate.setText(f"Running on {server}: its model, context and KV cache are its own. "
+                              "Sampling below applies to its replies.")
 
     def focus_on(self, setting: str) -> None:
         """A top-bar chip opens the dialog at its own setting."""

@@ -160,7 +160,7 @@ class Store:
             message_id = self.db.execute(
                 "INSERT INTO messages (conversation_id, position, role, content, token_ids, stats, interrupted, created)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, position, role, content, _json(token_ids), _json(stats), int(interrupted),
+                (conversation_id, position, role, content, _ids(token_ids), _json(stats), int(interrupted),
                  time.time())).lastrowid
             self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (time.time(), conversation_id))
         return message_id
@@ -169,7 +169,7 @@ class Store:
                        interrupted: bool = False) -> None:
         """Used while a reply streams (interrupted until it finishes) and when it ends."""
         self.db.execute("UPDATE messages SET content=?, token_ids=?, stats=?, interrupted=? WHERE id=?",
-                        (content, _json(token_ids), _json(stats), int(interrupted), message_id))
+                        (content, _ids(token_ids), _json(stats), int(interrupted), message_id))
 
     def truncate(self, conversation_id: int, from_position: int) -> None:
         """Drop messages from a position on: regenerate and edit-and-resend."""
@@ -219,3 +219,11 @@ def _unique_name(name: str):
 
 def _json(value):
     return None if value is None else json.dumps(value)
+
+
+def _ids(token_ids):
+    """Token ids are kept only when they are the model's own: a server's reply streams -1 for each
+    delta, and the prompt encoder must never see one (it re-tokenizes the text instead)."""
+    if not token_ids or any(i < 0 for i in token_ids):
+        return None
+    return json.dumps(token_ids)

@@ -36,7 +36,12 @@ def config_dir() -> Path:
 
 class Connections:
     def __init__(self, path: Path | None = None):
-        self.path = path or config_dir() / "connections.json"
+        self._path = path
+
+    @property
+    def path(self) -> Path:
+        """Resolved at each use: the config dir follows KVCHAT_HOME as it is now."""
+        return self._path or config_dir() / "connections.json"
 
     def all(self) -> list[Connection]:
         try:

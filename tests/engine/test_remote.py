@@ -3,7 +3,6 @@ loopback port with an API key (one per module), and llama.cpp's server when one 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,50 +18,17 @@ from kvchat.engine.remote import RemoteBackend, api_root
 from kvchat.engine.remote_metrics import server_memory
 
 from fake_keyring import MemoryKeyring
+from serve_process import free_port, kvchat_serve, wait_for
 
 KEY = "remote-test-key"
 PERSONA = "You are Ada, a patient tutor of mathematics. " * 50  # about 500 tokens
 GREEDY = dict(temperature=0.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, proc, headers=None, deadline_s: float = 300) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, headers=headers, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} did not come up")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvchat.engine.cli", "serve", "--port", str(port),
-                             "--api-key", KEY, "--context", "2048", "--decode", "eager"],
-                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(url + "/health", proc, {"Authorization": f"Bearer {KEY}"})
-    except AssertionError:
-        proc.kill()
-        log.seek(0)
-        raise AssertionError(log.read()[-3000:]) from None
-    yield url
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    with kvchat_serve(tmp_path_factory.mktemp("serve"), KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
