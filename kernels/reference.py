@@ -36,6 +36,8 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
     vLLM's chunked prefill does. Returns ``[T, heads, D]``."""
+    if in_place(query, fmt, context_len):
+        return prefill_in_place(query, tensors, block_table, context_len, scale)
     dtype = query.dtype
     k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
                           query.shape[-1]) for name in ("k", "v"))
@@ -45,6 +47,61 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
     return quant.rotate(out.float(), rotation.float()).to(dtype) if fmt.v_bits < 16 else out
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # gives the log-sum-exp
+MAX_RUNS = 8  # runs of consecutive blocks attended where they lie; a context in more pieces is gathered
+
+
+def in_place(query: torch.Tensor, fmt: KVFormat, context_len: int) -> bool:
+    """A CPU prefill chunk after earlier context, over a plain (unquantized) pool."""
+    return (_FLASH is not None and not query.is_cuda and fmt.k_bits == 16 and fmt.v_bits == 16
+            and 1 < query.shape[0] < context_len)
+
+
+def prefill_in_place(query: torch.Tensor, tensors: dict, block_table: torch.Tensor, context_len: int,
+                     scale: float) -> torch.Tensor:
+    """A prefill chunk's attention without a copy of the context: each run of consecutive blocks
+    before the chunk is read in place (a view; no mask, it precedes every query), the chunk's own
+    K/V causally, and the parts merged by log-sum-exp. Gathering the context into one tensor per
+    layer and chunk cost as much as the attention itself on a 6,000-token chat (CPU memory
+    bandwidth), and so did the mask SDPA needs over a gathered context. ``query`` ``[T, H, D]``."""
+    t, heads, d = query.shape
+    kv_heads = tensors["k"].shape[2]
+    g = heads // kv_heads
+    q = query.transpose(0, 1).reshape(1, kv_heads, g * t, d)  # each KV head's query group folded in
+    parts = [_FLASH(q, k, v, scale=scale)[:2] for k, v in _past(tensors, block_table, context_len - t)]
+    blocks, offset = slice_table(block_table, context_len - t, t, tensors["k"].shape[1])
+    k, v = (tensors[n].index_select(0, blocks).flatten(0, 1)[offset:offset + t].transpose(0, 1)
+            .repeat_interleave(g, 0).unsqueeze(0) for n in ("k", "v"))
+    out, lse = _FLASH(query.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]
+    parts.append((out.reshape(q.shape), lse.reshape(1, kv_heads, g * t)))
+    return _merge(parts).to(query.dtype).reshape(heads, t, d).transpose(0, 1)
+
+
+def _past(tensors: dict, block_table: torch.Tensor, past: int):
+    """K/V ``[1, kv_heads, n, D]`` of positions ``0 .. past``: a view per run of consecutive blocks,
+    or one gathered copy when the runs are many."""
+    bs = tensors["k"].shape[1]
+    ids = block_table[:-(-past // bs)].tolist()
+    breaks = [i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1]
+    if len(breaks) >= MAX_RUNS:
+        yield tuple(quant.gather(tensors[n], block_table[:len(ids)], past, None).transpose(0, 1).unsqueeze(0)
+                    for n in ("k", "v"))
+        return
+    for lo, hi in zip([0] + breaks, breaks + [len(ids)]):
+        n = min(hi * bs, past) - lo * bs
+        yield tuple(tensors[name][ids[lo]:ids[lo] + hi - lo].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+                    for name in ("k", "v"))
+
+
+def _merge(parts: list) -> torch.Tensor:
+    """Softmax-weighted sum of partial attentions ``(out, lse)`` over disjoint key sets."""
+    if len(parts) == 1:
+        return parts[0][0]
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    out = sum(o.float() * (lse - total).exp().unsqueeze(-1) for o, lse in parts)
+    return out
 
 
 READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy
