@@ -55,14 +55,28 @@ class BlockPool:
         """Free blocks that still hold a cached prefix."""
         return sum(1 for q in (self.free_queue, self.pinned_queue) for b in q.values() if b.hash)
 
-    def allocate(self) -> Block:
-        queue = self.free_queue or self.pinned_queue
-        if not queue:
-            raise PoolExhausted("KV cache is full")
-        _, block = queue.popitem(last=False)
-        self._forget(block)
+    def allocate(self, prefer: int | None = None) -> Block:
+        """The front of the free queue; or block ``prefer`` when it is free and holds no cached
+        prefix: a sequence that grows into the id after its last block keeps its K/V one run of
+        consecutive blocks, which attention reads in place instead of gathering a copy of the
+        whole context every prefill chunk."""
+        block = self._empty(prefer)
+        if block is not None:
+            del self.free_queue[block.id]
+        else:
+            queue = self.free_queue or self.pinned_queue
+            if not queue:
+                raise PoolExhausted("KV cache is full")
+            _, block = queue.popitem(last=False)
+            self._forget(block)
         block.ref_cnt = 1
         return block
+
+    def _empty(self, block_id: int | None) -> Block | None:
+        if block_id is None or not 0 <= block_id < self.num_blocks:
+            return None
+        block = self.blocks[block_id]
+        return block if block.hash is None and block.id in self.free_queue else None
 
     def lookup(self, hash_: bytes, token_ids) -> Block | None:
         block = self.cached.get(hash_)

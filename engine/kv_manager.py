@@ -54,7 +54,7 @@ class KVCacheManager:
         if missing > self.pool.num_free:
             raise PoolExhausted(f"KV cache is full: {missing} more blocks needed, {self.pool.num_free} free")
         for _ in range(missing):
-            seq.blocks.append(self.pool.allocate())
+            seq.blocks.append(self.pool.allocate(prefer=seq.blocks[-1].id + 1 if seq.blocks else None))
 
     def commit(self, seq: Sequence) -> None:
         """Publish every block that the computed tokens have filled, so later requests find it."""
