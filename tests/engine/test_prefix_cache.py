@@ -205,6 +205,52 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.close()
 
 
+@pytest.mark.parametrize("layout", ["one run", "two runs", "scattered"])
+def test_prefill_reads_the_context_in_place_as_the_gathered_path_does(layout):
+    """A chunk of 37 after 512 cached tokens: views of the runs plus its own K/V, merged, equal the
+    masked attention over a gathered copy; more runs than MAX_RUNS are gathered."""
+    from kvchat.kernels import quant, reference
+
+    torch.manual_seed(0)
+    fmt, bs, context, t = quant.FORMATS["fp16"], 16, 549, 37
+    tensors = quant.layer_tensors(fmt, 64, bs, 3, 32, torch.float32, "cpu")
+    tensors["k"].normal_(), tensors["v"].normal_()
+    need = -(-context // bs)
+    ids = {"one run": list(range(5, 5 + need)), "two runs": list(range(need // 2)) + list(range(40, 40 + need - need // 2)),
+           "scattered": torch.randperm(64)[:need].tolist()}[layout]
+    table, query = torch.tensor(ids), torch.randn(t, 9, 32)
+    assert reference.in_place(query, fmt, context)
+    rows = [quant.read(tensors, fmt, n, table, context, None, torch.float32).transpose(0, 1)[None] for n in "kv"]
+    expected = reference.causal_attention(query.transpose(0, 1)[None], *rows, 0.2)[0].transpose(0, 1)
+    got = reference.prefill_in_place(query, tensors, table, context, 0.2)
+    assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+
+
+def test_a_new_turn_grows_into_the_block_after_its_cached_prefix():
+    """Turn 2 takes turn 1's released partial block, not the free queue's front: its K/V stay
+    one run. A block that holds a cached prefix is never taken out of LRU order for that."""
+    from kvchat.engine.block_pool import BlockPool
+    from kvchat.engine.kv_manager import KVCacheManager, Sequence
+
+    manager = KVCacheManager(BlockPool(8), 4, "m")
+    first = Sequence(list(range(10)))
+    manager.reserve(first, 10)
+    first.num_computed = 10
+    manager.commit(first)
+    manager.free(first)  # blocks 0, 1 cached; 2 (tokens 8, 9) free and empty
+    second = Sequence(list(range(8)) + [50, 51, 52, 53, 54])
+    assert manager.match_prefix(second) == 8
+    manager.reserve(second, len(second))
+    assert [b.id for b in second.blocks] == [0, 1, 2, 3]
+    second.num_computed = len(second)
+    manager.commit(second)
+    manager.free(second)
+    third = Sequence(list(range(4)) + [9] * 5)
+    assert manager.match_prefix(third) == 4
+    manager.reserve(third, len(third))  # block 1, after its prefix, is free but cached: left alone
+    assert [b.id for b in third.blocks][1] != 1 and manager.pool.blocks[1].hash is not None
+
+
 def test_engine_state_machine(tokenizer):
     EngineMachine.loaded = as_loaded(tiny_model("llama"), tokenizer)
     from hypothesis.stateful import run_state_machine_as_test
