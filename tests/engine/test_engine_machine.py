@@ -1,23 +1,30 @@
 """Random sequences of the engine's five commands on the starter model; after each step: one
-model, no leaked block, every future resolved. Few, short examples: the suite must stay fast."""
+model, no leaked block, every future resolved, and the database consistent. The engine owns no
+database: the machine keeps the conversation in the app's own Store and records each reply as the
+app does (a row made before the request, updated when it ends). Few, short examples: the suite
+must stay fast."""
 import gc
+import queue
+import tempfile
 import weakref
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvchat.app.store import Store
 from kvchat.engine.commands import Refused
 from kvchat.engine.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import EngineError, Request
+from kvchat.engine.events import EngineError, Error, Finished, Request, TokenDelta
 from kvchat.engine.models import LoadedModel
 
 from tiny_models import as_loaded
 
-MESSAGES = [{"role": "system", "content": "You answer in one short sentence. " * 3},
-            {"role": "user", "content": "Name a mountain."}]
+PERSONA = "You answer in one short sentence. " * 3
+QUESTIONS = ["Name a mountain.", "And a river?", "Which is longer?"]
 RESOLVE_S = 60  # a step's commands end well within this on two cores; a hang fails the example
 
 
@@ -30,19 +37,58 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = Engine(EngineConfig(max_context=384, prefill_chunk=64), loaded=self.copy(),
                              persona_store=None)
         self.engine.wait_ready(RESOLVE_S)
+        self.folder = tempfile.TemporaryDirectory(prefix="kvchat-machine-")
+        self.store = Store(Path(self.folder.name) / "chats.db")
+        self.conversation = self.store.create_conversation(persona_id=None)
+        self.reply = None  # (row id, handle) of the reply under way, as the app holds it
+        self.replies: dict[int, object] = {}  # row id -> the request's last event
 
     def copy(self) -> LoadedModel:
         loaded = LoadedModel(**vars(self.shared))
         self.models.append(weakref.ref(loaded))
         return loaded
 
-    @rule(tokens=st.integers(1, 6), cancel=st.booleans())
-    def submit(self, tokens, cancel):
-        handle = self.engine.submit(Request(messages=MESSAGES, sampling=SamplingParams(max_new_tokens=tokens,
-                                                                                        temperature=0)))
+    @rule(tokens=st.integers(1, 6), cancel=st.booleans(), question=st.sampled_from(QUESTIONS))
+    def submit(self, tokens, cancel, question):
+        """The app's Send: the previous reply has ended (the button is disabled until then); the
+        user's row, the history as the store gives it, an empty reply row marked interrupted."""
+        self.record_reply()
+        self.store.add_message(self.conversation, "user", question)
+        history = [{"role": "system", "content": PERSONA}]
+        history += [m.for_engine() for m in self.store.messages(self.conversation)]
+        row = self.store.add_message(self.conversation, "assistant", "", interrupted=True)
+        handle = self.engine.submit(Request(messages=history, sampling=SamplingParams(max_new_tokens=tokens,
+                                                                                       temperature=0)))
+        self.reply = (row, handle)
         if cancel:
             self.futures.append(self.engine.cancel(handle))
         self.futures.append(handle.future)
+
+    def record_reply(self) -> None:
+        """The app's on_finished / on_failed: the streamed text and ids, or the reply as finished."""
+        if self.reply is None:
+            return
+        row, handle = self.reply
+        self.reply = None
+        handle.future.exception(timeout=RESOLVE_S)
+        text, ids, last = "", [], None
+        while True:
+            try:
+                event = handle.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, TokenDelta):
+                text += event.text
+                ids += [event.token_id] if event.token_id >= 0 else []
+            elif isinstance(event, (Finished, Error)):
+                last = event
+        assert last is not None, "a request ended without its last event"
+        self.replies[row] = last
+        if isinstance(last, Finished) and last.finish_reason != "cancelled":
+            self.store.update_message(row, last.text, last.token_ids, {"finish_reason": last.finish_reason})
+        else:
+            self.store.update_message(row, text or (f"*Error: {last.message}*" if isinstance(last, Error) else ""),
+                                      ids, interrupted=True)
 
     @rule(context=st.sampled_from([None, 256, 384]), precision=st.sampled_from([None, "fp16", "int8", "int4"]))
     def reconfigure(self, context, precision):
@@ -81,8 +127,50 @@ class EngineMachine(RuleBasedStateMachine):
         pool = self.engine.pool
         assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
+    @invariant()
+    def the_database_holds_every_reply_once(self):
+        """Each turn is a user row and one reply row; a reply is complete or marked interrupted;
+        a complete one keeps the engine's token ids, which decode to its text and which the
+        next prompt's encoding carries verbatim."""
+        for future in self.futures:
+            future.exception(timeout=RESOLVE_S)  # resolves, whatever the order of the invariants
+        self.record_reply()
+        rows = self.store.messages(self.conversation)
+        assert [m.position for m in rows] == list(range(len(rows)))
+        assert [m.role for m in rows] == ["user", "assistant"] * (len(rows) // 2)
+        assert sorted(m.id for m in rows if m.role == "assistant") == sorted(self.replies)
+        tokenizer = self.shared.tokenizer
+        for m in rows[1::2]:
+            last = self.replies[m.id]
+            complete = isinstance(last, Finished) and last.finish_reason != "cancelled"
+            assert m.interrupted != complete
+            if complete:
+                assert m.token_ids == last.token_ids and m.content == last.text
+                assert m.stats == {"finish_reason": last.finish_reason}
+            if m.token_ids:  # an interrupted reply may hold back half a character's bytes
+                decoded = tokenizer.decode(m.token_ids, skip_special_tokens=True)
+                assert decoded == m.content if complete else decoded.startswith(m.content)
+        if self.engine.formatter is not None and rows:
+            messages = [{"role": "system", "content": PERSONA}] + [m.for_engine() for m in rows]
+            encoded = self.engine.formatter.encode(messages, add_generation_prompt=False)
+            ends = encoded.message_starts[2:] + [len(encoded.token_ids)]
+            for m, start, end in zip(rows, encoded.message_starts[1:], ends):
+                if m.role == "assistant" and not m.interrupted and m.token_ids:
+                    assert _contains(encoded.token_ids[start:end], _without_eos(m.token_ids, self.engine.eos_ids))
+
     def teardown(self):
         self.engine.close()
+        self.store.close()
+        self.folder.cleanup()
+
+
+def _without_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """A reply that ended on an end-of-turn token shares it with the template's own."""
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def _contains(whole: list[int], part: list[int]) -> bool:
+    return any(whole[i:i + len(part)] == part for i in range(len(whole) - len(part) + 1))
 
 
 @pytest.fixture(scope="module")
