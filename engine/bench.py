@@ -108,6 +108,7 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     result.update({"c_restart_ttft_ms": again, "c_restart_cached_tokens": third.stats.cached_tokens,
                    "c_ratio": again / cold})
     result.update(bench_long_chat(model))
+    result.update(bench_long_chat(model, precision="int8", prefix="d_int8_"))
     return result
 
 
@@ -121,10 +122,12 @@ def long_chat(n: int) -> list[dict]:
     return out
 
 
-def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3) -> dict:
+def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3, precision: str = "fp16",
+                    prefix: str = "d_") -> dict:
     """(d) TTFT of a new turn after ``n`` messages whose prefix is cached: what is left is the
-    prompt's encoding, the prefix match and the last block, which must not grow with the chat."""
-    engine = Engine(EngineConfig(model=model, max_context=8192), persona_store=None)
+    prompt's encoding, the prefix match and the uncached tail (the new message), whose attention
+    over the cached context is the one cost that grows with the chat."""
+    engine = Engine(EngineConfig(model=model, max_context=8192, kv_precision=precision), persona_store=None)
     engine.wait_ready()
     out = {}
     for n in lengths:
@@ -136,10 +139,13 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3) 
         out[n] = (statistics.median(t for t, _ in runs), runs[-1][1].stats, encode)
     engine.close()
     short, long_ = lengths
-    return {"d_messages": long_, "d_prompt_tokens": out[long_][1].prompt_tokens,
-            "d_cached_tokens": out[long_][1].cached_tokens, "d_ttft_short_ms": out[short][0],
-            "d_ttft_long_ms": out[long_][0], "d_ratio": out[long_][0] / out[short][0],
-            "d_encode_short_ms": out[short][2], "d_encode_long_ms": out[long_][2]}
+    computed = lambda n: out[n][1].prompt_tokens - out[n][1].cached_tokens
+    return {prefix + k: v for k, v in {
+        "precision": precision, "messages": long_, "prompt_tokens": out[long_][1].prompt_tokens,
+        "cached_tokens": out[long_][1].cached_tokens, "computed_short": computed(short),
+        "computed_long": computed(long_), "ttft_short_ms": out[short][0], "ttft_long_ms": out[long_][0],
+        "ratio": out[long_][0] / out[short][0], "encode_short_ms": out[short][2],
+        "encode_long_ms": out[long_][2]}.items()}
 
 
 def _encode_ms(engine, messages: list[dict]) -> float:
@@ -170,10 +176,12 @@ def report_prefix(r: dict, as_json: bool) -> None:
           f"{r['b_transformers_ttft_last_ms']:.0f} ms   ratio {r['b_transformers_ratio']:.2f}")
     print(f"(c) restart with the disk cache: TTFT {r['c_restart_ttft_ms']:.0f} ms "
           f"({r['c_restart_cached_tokens']} cached)   restart/cold {r['c_ratio']:.3f}  (target <= 0.3)")
-    print(f"(d) a new turn after {r['d_messages']} messages ({r['d_prompt_tokens']} prompt tokens, "
-          f"{r['d_cached_tokens']} cached): TTFT {r['d_ttft_long_ms']:.0f} ms against {r['d_ttft_short_ms']:.0f} ms "
-          f"after 2   ratio {r['d_ratio']:.2f}  (target <= 1.5); prompt encoding {r['d_encode_long_ms']:.1f} ms "
-          f"against {r['d_encode_short_ms']:.1f} ms")
+    for p in ("d_", "d_int8_"):
+        d = {k[len(p):]: v for k, v in r.items() if k.startswith(p)}
+        print(f"(d) a new turn after {d['messages']} messages, {d['precision']} KV ({d['prompt_tokens']} prompt tokens, "
+              f"{d['cached_tokens']} cached, {d['computed_long']} computed): TTFT {d['ttft_long_ms']:.0f} ms against "
+              f"{d['ttft_short_ms']:.0f} ms after 2 ({d['computed_short']} computed)   ratio {d['ratio']:.2f}  "
+              f"(target <= 1.5); prompt encoding {d['encode_long_ms']:.1f} ms against {d['encode_short_ms']:.1f} ms")
 
 
 def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 128, repeats: int = 3) -> dict:
