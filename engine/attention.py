@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from kvchat.kernels import traced
 from kvchat.kernels.quant import RecentWindow
 
 from .kv_cache import KVCache
@@ -69,12 +70,25 @@ def _(query, key, value, layer, scale, sliding_window):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+def traced_step(step: dict, layer: int, query, key, value, scale: float) -> torch.Tensor:
+    """The CPU's compiled decode step over an fp16 pool: ``kernels.traced`` on the tensors in
+    ``step`` (``DecodeStep.traced_inputs``), query ``[1, H, D]`` -> ``[1, H, D]``."""
+    pool = step["layers"][layer]
+    traced.write(pool, key, value, step["slot"])
+    return traced.attend(pool, query, step["table"], step["length"], scale)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, **kwargs):
-    """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` after RoPE; returns ``[1, T, H, D]``."""
+                            sliding_window=None, kvchat_step=None, **kwargs):
+    """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` after RoPE; returns ``[1, T, H, D]``.
+    ``kvchat_step``, given by the CPU's compiled decode step, routes it to ``traced_step``."""
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence per forward")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kvchat_step is not None:
+        out = traced_step(kvchat_step, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), float(scale))
+        return out.unsqueeze(0), None
     out = torch.ops.kvchat.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
                                            value[0].transpose(0, 1), module.layer_idx, float(scale),
                                            -1 if sliding_window is None else int(sliding_window))

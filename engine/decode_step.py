@@ -3,7 +3,9 @@
 Per token, an eager transformers forward costs more in Python and kernel launches than the weights
 cost to read. So the step's inputs live in tensors allocated once and updated in place, the paged
 attention is one custom op (``attention.paged_attention``), and the forward is
-- on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile);
+- on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile),
+  with an fp16 pool's attention as plain torch ops (``kernels.traced``) that inductor fuses into
+  the step's loops, reading the step's slot, block table and length from tensors;
 - on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
   without Python, so attention reads the length, the padded block table and the window's bounds
   from tensors this step updates; the window's Python bookkeeping is done here around the replay.
@@ -18,6 +20,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+from kvchat.kernels import traced
 
 from .attention import StepMeta, running
 from .config import DECODE_MODES
@@ -74,6 +78,7 @@ class DecodeStep:
         self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
         self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
+        self._table, self._table_ids = None, []  # the CPU's block table buffer, and the ids in it
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, block table, logits)
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_window = None  # and the window
@@ -88,9 +93,11 @@ class DecodeStep:
     def captured(self) -> bool:
         return self.mode == "compiled" and self.fallback is None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The eager step: fp32 logits ``[1, vocab]`` of the last position."""
-        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: dict | None = None) -> torch.Tensor:
+        """The eager step: fp32 logits ``[1, vocab]`` of the last position. ``step``
+        (``traced_inputs``) makes attention plain torch ops instead of the op."""
+        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False,
+                              kvchat_step=step).last_hidden_state
         return self.model.lm_head(hidden[0, -1:]).float()
 
     def __call__(self, meta: StepMeta, token: int, position: int, block_ids: list[int]) -> torch.Tensor:
@@ -98,21 +105,48 @@ class DecodeStep:
         block table and window as the eager path takes them."""
         self.ids.fill_(token)
         self.positions.fill_(position)
-        if self.captured and self.device.type == "cuda" and self._replayable(meta, position):
-            return self._replay(meta, block_ids, position)
-        with running(meta):
-            if self.captured and self.device.type == "cpu":
-                try:
-                    logits = self._compiled_forward()(self.ids, self.positions)[0]
-                    self._compiled_ran = True
-                    return logits
-                except NotImplementedError:  # the op refusing this step, compiled or not
+        if self.captured and self._replayable(meta, position):
+            if self.device.type == "cuda":
+                return self._replay(meta, block_ids, position)
+            try:
+                if traced.supports(meta.kv.format):
+                    step = self.traced_inputs(meta, block_ids)
+                    logits = self._compiled_forward()(self.ids, self.positions, step)[0]
+                else:
+                    with running(meta):
+                        logits = self._compiled_forward()(self.ids, self.positions)[0]
+                self._compiled_ran = True
+                self.replays += 1
+                return logits
+            except NotImplementedError:  # the op refusing this step, compiled or not
+                raise
+            except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
+                if self._compiled_ran:
                     raise
-                except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
-                    if self._compiled_ran:
-                        raise
-                    self._fall_back(e)
+                self._fall_back(e)
+        with running(meta):
             return self.forward(self.ids, self.positions)[0]
+
+    def traced_inputs(self, meta: StepMeta, block_ids: list[int]) -> dict:
+        """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
+        the slot, the block table (a view of a buffer, at least 2 long so that its length is never
+        specialized as 1) and the length. The pool's block count and the table's length are
+        dynamic, so one compiled graph serves every context and pool size."""
+        n = max(len(block_ids), 2)
+        if self._table is None or self._table.numel() < n:
+            self._table = torch.zeros(max(64, 2 * n), dtype=torch.long, device=self.device)
+            self._table_ids = []
+        if self._table_ids != block_ids:
+            self._table[:len(block_ids)] = torch.tensor(block_ids, dtype=torch.long)
+            self._table_ids = list(block_ids)
+        table = self._table[:n]
+        torch._dynamo.maybe_mark_dynamic(table, 0)
+        for layer in meta.kv.layers:
+            for t in layer.values():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        self.slots.copy_(meta.slots)
+        self.lens.fill_(meta.context_len)
+        return {"layers": meta.kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
     def _replayable(self, meta: StepMeta, position: int) -> bool:
         """Past a sliding window the op must refuse, and a sink position is stored from Python."""
@@ -141,7 +175,11 @@ class DecodeStep:
             # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured. Then
             # the compiled code must not be shared by steps of other models: every step's forward
             # is the same code object, and dynamo caches per code object unless told to isolate
-            options, kwargs = {}, {}
+            # On the CPU inductor inlines a pointwise producer into its consumers up to 50 ops: the
+            # query's RoPE (a sin and a cos) was recomputed for every key attention reads, 30% of a
+            # starter token. Below 8 ops the query is computed once; 61 -> 86 tok/s measured.
+            options = {"realize_cpu_opcount_threshold": 8} if self.device.type == "cpu" else {}
+            kwargs = {}
             if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 kwargs["isolate_recompiles"] = True
