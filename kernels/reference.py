@@ -36,16 +36,20 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
     vLLM's chunked prefill does. Returns ``[T, heads, D]``."""
-    if in_place(query, fmt, context_len):
+    if fresh is None and in_place(query, fmt, context_len):  # a plain pool: read where it lies
         return prefill_in_place(query, tensors, block_table, context_len, scale)
     dtype = query.dtype
-    k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
-                          query.shape[-1]) for name in ("k", "v"))
     q = query
     if fmt.k_bits < 16:  # rotated in fp32: in bf16, H @ H is 0.9998 I at D=128
         q = quant.transform_queries(query.float(), rotation.float(), k_channel_scale).to(dtype)
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
+    if in_place(query, fmt, context_len, fresh):  # the earlier context dequantized, the chunk's own exact
+        past = _dequantized_past(tensors, fmt, block_table, context_len - query.shape[0], first_block, dtype, window)
+        out = split_attention(q, past, fresh[0].to(dtype), fresh[1].to(dtype), scale)
+    else:
+        k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
+                              query.shape[-1]) for name in ("k", "v"))
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
     return quant.rotate(out.float(), rotation.float()).to(dtype) if fmt.v_bits < 16 else out
 
 
@@ -53,46 +57,78 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 MAX_RUNS = 8  # runs of consecutive blocks attended where they lie; a context in more pieces is gathered
 
 
-def in_place(query: torch.Tensor, fmt: KVFormat, context_len: int) -> bool:
-    """A CPU prefill chunk after earlier context, over a plain (unquantized) pool."""
-    return (_FLASH is not None and not query.is_cuda and fmt.k_bits == 16 and fmt.v_bits == 16
-            and 1 < query.shape[0] < context_len)
+def in_place(query: torch.Tensor, fmt: KVFormat, context_len: int, fresh: tuple | None = None) -> bool:
+    """A CPU prefill chunk after earlier context, over a plain pool or with its own K/V at hand."""
+    return (_FLASH is not None and not query.is_cuda and 1 < query.shape[0] < context_len
+            and (fresh is not None or fmt.k_bits == 16 and fmt.v_bits == 16))
 
 
 def prefill_in_place(query: torch.Tensor, tensors: dict, block_table: torch.Tensor, context_len: int,
                      scale: float) -> torch.Tensor:
-    """A prefill chunk's attention without a copy of the context: each run of consecutive blocks
-    before the chunk is read in place (a view; no mask, it precedes every query), the chunk's own
-    K/V causally, and the parts merged by log-sum-exp. Gathering the context into one tensor per
-    layer and chunk cost as much as the attention itself on a 6,000-token chat (CPU memory
-    bandwidth), and so did the mask SDPA needs over a gathered context. ``query`` ``[T, H, D]``."""
-    t, heads, d = query.shape
-    kv_heads = tensors["k"].shape[2]
-    g = heads // kv_heads
-    q = query.transpose(0, 1).reshape(1, kv_heads, g * t, d)  # each KV head's query group folded in
-    parts = [_FLASH(q, k, v, scale=scale)[:2] for k, v in _past(tensors, block_table, context_len - t)]
+    """A prefill chunk's attention over a plain pool without a copy of the context: each run of
+    consecutive blocks before the chunk is read in place (a view), the chunk's own K/V from its
+    few blocks. Gathering the context into one tensor per layer and chunk cost as much as the
+    attention itself on a 6,000-token chat (CPU memory bandwidth). ``query`` ``[T, H, D]``."""
+    t = query.shape[0]
     blocks, offset = slice_table(block_table, context_len - t, t, tensors["k"].shape[1])
-    k, v = (tensors[n].index_select(0, blocks).flatten(0, 1)[offset:offset + t].transpose(0, 1)
-            .repeat_interleave(g, 0).unsqueeze(0) for n in ("k", "v"))
-    out, lse = _FLASH(query.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]
-    parts.append((out.reshape(q.shape), lse.reshape(1, kv_heads, g * t)))
+    k, v = (tensors[n].index_select(0, blocks).flatten(0, 1)[offset:offset + t] for n in ("k", "v"))
+    return split_attention(query, _past(tensors, block_table, context_len - t), k, v, scale)
+
+
+def split_attention(query: torch.Tensor, past: list, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, H, D]`` whose own K/V are ``k``/``v`` ``[T, Hkv, D]``,
+    after the context in ``past`` (``(k, v)`` pieces ``[n, Hkv, D]``, in any order): the context
+    precedes every query and needs no mask, so each piece goes to the fused kernel as it is, each
+    KV head's query group folded into its rows; the parts are merged by log-sum-exp. A masked SDPA
+    over one concatenated context cost a third more on the CPU."""
+    t, heads, d = query.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    folded = query.transpose(0, 1).reshape(1, kv_heads, g * t, d)
+    parts = [_FLASH(folded, pk.transpose(0, 1)[None], pv.transpose(0, 1)[None], scale=scale)[:2] for pk, pv in past]
+    k, v = (x.transpose(0, 1).repeat_interleave(g, 0)[None] for x in (k, v))
+    out, lse = _FLASH(query.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)[:2]
+    parts.append((out.reshape(folded.shape), lse.reshape(1, kv_heads, g * t)))
     return _merge(parts).to(query.dtype).reshape(heads, t, d).transpose(0, 1)
 
 
-def _past(tensors: dict, block_table: torch.Tensor, past: int):
-    """K/V ``[1, kv_heads, n, D]`` of positions ``0 .. past``: a view per run of consecutive blocks,
+def _dequantized_past(tensors: dict, fmt: KVFormat, block_table, past: int, first_block, dtype,
+                      window: tuple | None) -> list:
+    """K/V of positions ``0 .. past`` as pieces for ``split_attention``: the window's full-precision
+    rows as one, the pool's rows between them dequantized a slice at a time, each slice its own
+    piece (no copy into one tensor, none of the rows the window holds)."""
+    s, first, wk, wv = _before(window, past) if window is not None else (0, past, None, None)
+    pieces = [(wk.to(dtype), wv.to(dtype))] if wk is not None and wk.shape[0] else []
+    bs = tensors["k"].shape[1]
+    for start in range(s, first, READ_SLICE):
+        n = min(READ_SLICE, first - start)
+        blocks, offset = slice_table(block_table, start, n, bs)
+        lead = None if first_block is None else first_block + start // bs
+        pieces.append(tuple(quant.read(tensors, fmt, name, blocks, offset + n, lead, torch.float32)[offset:].to(dtype)
+                            for name in ("k", "v")))
+    return pieces
+
+
+def _before(window: tuple | None, n: int) -> tuple | None:
+    """``window`` rows (``quant.RecentWindow.rows``) of the positions before ``n`` only."""
+    if window is None:
+        return None
+    s, first, wk, wv = window
+    keep, sinks = max(0, n - first), min(s, n)
+    rows = lambda w: torch.cat([w[:sinks], w[s:s + keep]])
+    return sinks, min(first, n), rows(wk), rows(wv)
+
+
+def _past(tensors: dict, block_table: torch.Tensor, past: int) -> list:
+    """K/V ``[n, kv_heads, D]`` of positions ``0 .. past``: a view per run of consecutive blocks,
     or one gathered copy when the runs are many."""
     bs = tensors["k"].shape[1]
     ids = block_table[:-(-past // bs)].tolist()
     breaks = [i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1]
     if len(breaks) >= MAX_RUNS:
-        yield tuple(quant.gather(tensors[n], block_table[:len(ids)], past, None).transpose(0, 1).unsqueeze(0)
-                    for n in ("k", "v"))
-        return
-    for lo, hi in zip([0] + breaks, breaks + [len(ids)]):
-        n = min(hi * bs, past) - lo * bs
-        yield tuple(tensors[name][ids[lo]:ids[lo] + hi - lo].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-                    for name in ("k", "v"))
+        return [tuple(quant.gather(tensors[n], block_table[:len(ids)], past, None) for n in ("k", "v"))]
+    return [tuple(tensors[name][ids[lo]:ids[lo] + hi - lo].flatten(0, 1)[:min(hi * bs, past) - lo * bs]
+                  for name in ("k", "v")) for lo, hi in zip([0] + breaks, breaks + [len(ids)])]
 
 
 def _merge(parts: list) -> torch.Tensor:
