@@ -226,6 +226,38 @@ def test_prefill_reads_the_context_in_place_as_the_gathered_path_does(layout):
     assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("context, chunk, window", [(600, 40, True), (600, 40, False), (70, 60, True)])
+def test_quantized_prefill_split_equals_the_masked_path(monkeypatch, precision, context, chunk, window):
+    """The earlier context dequantized in pieces, the window's rows as their own piece (70 tokens:
+    the window reaches into the chunk), the chunk's own K/V exact: as one masked attention over a
+    dequantized copy with the window substituted and the chunk's rows in place."""
+    from kvchat.kernels import quant, reference
+
+    torch.manual_seed(0)
+    fmt, bs = quant.FORMATS[precision], 16
+    tensors = quant.layer_tensors(fmt, 64, bs, 3, 64, torch.float32, "cpu")
+    rotation = quant.hadamard(64, "cpu")
+    table = torch.tensor((list(range(3, 23)) + list(range(30, 64)))[:-(-context // bs)])
+    slots = table[torch.arange(context) // bs] * bs + torch.arange(context) % bs
+    rows = []
+    quant.write(tensors, fmt, torch.randn(context, 3, 64), torch.randn(context, 3, 64), slots, rotation,
+                keep_rows=lambda k, v: rows.append((k, v)))
+    k, v = rows[0]
+    recent = None
+    if window:
+        ring = quant.RecentWindow(1, 3, 64, torch.float32, "cpu")
+        ring.store(0, 0, k, v)
+        recent = ring.rows(0, context)
+    query, fresh = torch.randn(chunk, 9, 64), (k[-chunk:], v[-chunk:])
+    attend = lambda: reference.paged_attention(query, tensors, fmt, table, context, 0.125, None, rotation, None,
+                                               recent, fresh)
+    assert reference.in_place(query, fmt, context, fresh)
+    got = attend()
+    monkeypatch.setattr(reference, "in_place", lambda *a: False)
+    assert torch.allclose(got, attend(), atol=1e-5)
+
+
 def test_a_new_turn_grows_into_the_block_after_its_cached_prefix():
     """Turn 2 takes turn 1's released partial block, not the free queue's front: its K/V stay
     one run. A block that holds a cached prefix is never taken out of LRU order for that."""
