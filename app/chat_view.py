@@ -3,7 +3,7 @@ back through ``ChatActions``; the window connects to its signals."""
 import os
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QUrl, Qt, Signal, Slot
+from PySide6.QtCore import Property, QObject, QUrl, Qt, Signal, Slot
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtQuick import QQuickWindow, QSGRendererInterface
 from PySide6.QtQuickControls2 import QQuickStyle
@@ -21,6 +21,20 @@ class ChatActions(QObject):
     edit_requested = Signal(int)  # the user message's position
     regenerate_requested = Signal()
     prompt_chosen = Signal(str)
+    where_changed = Signal()
+    LOCAL_NOTE = "Everything runs on this computer: nothing you type leaves it."
+
+    def __init__(self):
+        super().__init__()
+        self._where = self.LOCAL_NOTE
+
+    def set_where(self, note: str) -> None:
+        """The empty chat's line on where replies are computed (a connection sends the text away)."""
+        if note != self._where:
+            self._where = note
+            self.where_changed.emit()
+
+    where = Property(str, lambda self: self._where, notify=where_changed)
 
     @Slot(str)
     def copyText(self, text: str) -> None:

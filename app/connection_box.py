@@ -21,8 +21,9 @@ class ConnectionBox(QComboBox):
         self.current: str | None = None
         self.dialog: ConnectionsDialog | None = None
         self.setToolTip("Where replies are computed: this computer, or a server you connected to")
-        self.setSizeAdjustPolicy(QComboBox.AdjustToContents)
-        self.setMinimumContentsLength(8)
+        # a steady width: sized to its longest entry it took the chips' room, then got squeezed once they filled
+        self.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.setMinimumContentsLength(10)
         self.activated.connect(self._on_activated)  # the user's choices only, not fill()'s
         self.fill()
 

@@ -675,7 +675,13 @@ class MainWindow(QMainWindow):
             self.precision_label.setText(f"{what}...")
             self.model_chip.setText("connecting…" if what.startswith("connecting") else "loading…")
 
-    def on_load_progress(self, done: int, total: int) -> None:
+    def on_load_progress(self, done: int, total: int, stage: str = "download") -> None:
+        """A download in bytes; a GGUF conversion tensor by tensor (busy while it reads the file)."""
+        if stage == "convert":
+            self.load_bar.setRange(0, total)
+            self.load_bar.setValue(done)
+            self.load_bar.setFormat(f"converting GGUF: tensor {done} of {total}" if total else "converting GGUF")
+            return
         if total <= 0:
             return
         self.load_bar.setRange(0, 1000)
@@ -697,6 +703,8 @@ class MainWindow(QMainWindow):
         self.precision_label.setText(f"on {self.bridge.settings['host']}" if server else f"KV {self.bridge.precision}")
         if server:
             self.memory_panel.show_server(None, server)
+        self.chat_view.actions.set_where(f"Replies come from {self.bridge.settings['host']}: what you type is sent "
+                                         "there." if server else self.chat_view.actions.LOCAL_NOTE)
         self.update_chips()
         self.update_badge()
         self.notify(f"connected: {self.bridge.settings['model']} at {server}" if server else
@@ -713,9 +721,11 @@ class MainWindow(QMainWindow):
         server = self.bridge.server
         self.context_chip.setVisible(server is None)
         if server is not None:  # the model and its cache are the server's: the chip names them
-            self.model_chip.setText(f"{self.bridge.settings['model']} · {self.bridge.settings['host']}")
+            self.model_chip.setText(model_name(self.bridge.settings["model"]))
+            self.model_chip.setToolTip(f"{self.bridge.settings['model']} at {server}, the connection's model")
             self.kv_chip.setText("KV on the server")
             return
+        self.model_chip.setToolTip("The model: click to change it")
         if self.model_config is None:
             return
         engine = self.bridge.engine

@@ -6,7 +6,7 @@ from PySide6.QtCore import QObject, Signal
 from kvchat.engine.persona_probe import engine_persona_state
 
 LABELS = {"warm": "warm (in memory)", "disk": "warm (on disk)", "cold": "cold", "short": "too short to cache",
-          "server": "cached on the server"}
+          "server": "server's own cache"}
 
 
 class BadgeAsker(QObject):

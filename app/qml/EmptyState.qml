@@ -31,7 +31,8 @@ Item {
             anchors.horizontalCenter: parent.horizontalCenter
         }
         Text {
-            text: "Everything runs on this computer: nothing you type leaves it."
+            objectName: "whereNote"
+            text: chat ? chat.where : ""
             color: theme.colours.muted
             font.pixelSize: 14
             anchors.horizontalCenter: parent.horizontalCenter

@@ -87,7 +87,9 @@ def test_a_connection_added_in_the_app_chats_stops_regenerates_and_edits(qtbot, 
     assert get_key("lab") == KEY and KEY not in (Connections().path.read_text() + json.dumps(store.setting("connection")))
     use(qtbot, win, dialog)
     assert win.connection_box.currentText() == "lab" and store.setting("connection") == "lab"
-    assert served in win.model_chip.text() and not win.context_chip.isVisible()
+    assert served in win.model_chip.toolTip() and not win.context_chip.isVisible()
+    host = server.split("//")[1]
+    assert win.chat_view.item("whereNote").property("text") == f"Replies come from {host}: what you type is sent there."
 
     # a reply streams from the server, with its stats; no token id is kept for it
     tokens = []
@@ -144,7 +146,7 @@ def test_personas_hit_the_servers_cache_and_the_memory_panel_shows_the_servers_f
         qtbot.mouseClick(win.new_button, Qt.LeftButton)
         send(qtbot, win, question)
         replies.append(store.messages(win.conversation_id)[-1])
-    qtbot.waitUntil(lambda: win.persona_badge.text() == "cached on the server", timeout=5000)
+    qtbot.waitUntil(lambda: win.persona_badge.text() == "server's own cache", timeout=5000)
     cold, warm = (r.stats for r in replies)
     assert cold["prompt_tokens"] > 300 and warm["cached_tokens"] >= cold["prompt_tokens"] - 32  # the persona's blocks
 
@@ -160,6 +162,7 @@ def test_personas_hit_the_servers_cache_and_the_memory_panel_shows_the_servers_f
     qtbot.waitUntil(lambda: bridge.server is None and not bridge.switching and bridge.engine.ready.is_set(),
                     timeout=60000)
     assert store.setting("connection") is None and win.context_chip.isVisible()
+    assert "nothing you type leaves it" in win.chat_view.item("whereNote").property("text")
     win.persona_box.setCurrentIndex(0)  # a short persona: Ada's is longer than the local test engine's context
     qtbot.mouseClick(win.new_button, Qt.LeftButton)
     send(qtbot, win, "What is 3 + 3?")
