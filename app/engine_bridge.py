@@ -52,7 +52,8 @@ class EngineBridge(QObject):
     notice = Signal(str, str)  # kind, message
     snapshot = Signal(dict)
     reconfigured = Signal(dict)
-    load_progress = Signal(object, object)  # bytes done, total (0: unknown); object: sizes pass 2 GiB
+    # done, total (0: unknown), stage: download in bytes (object: sizes pass 2 GiB), convert in tensors
+    load_progress = Signal(object, object, str)
     server_memory = Signal(dict)  # a server's own KV-cache figures (ServerMemory), on a connection
     _delivered = Signal(object)  # anything from the engine thread; queued to the GUI thread
 
@@ -186,7 +187,7 @@ class EngineBridge(QObject):
                 self.load_error, self.model_config, self.precision = item.message, None, None
             self.load_failed.emit(item.message)
         elif isinstance(item, LoadProgress):
-            self.load_progress.emit(item.done, item.total)
+            self.load_progress.emit(item.done, item.total, item.stage)
         elif isinstance(item, MemorySnapshot):
             self.precision = item.precision
             self.snapshot.emit(asdict(item))

@@ -277,7 +277,7 @@ class Engine:
         self.config = cfg = config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        progress = lambda done, total: self._load_progress(seq, done, total)
+        progress = lambda done, total, stage: self._load_progress(seq, done, total, stage)
         lm = loaded or load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=progress, decode=cfg.decode)
         why = self._stop_loading(seq)
         if why:
@@ -382,12 +382,13 @@ class Engine:
             self._fallback_told = True
             self._notice("eager", reason)
 
-    def _load_progress(self, seq: int | None, done: int, total: int) -> None:
-        """Called from the download's progress bars; raising here is how a download stops."""
+    def _load_progress(self, seq: int | None, done: int, total: int, stage: str) -> None:
+        """Called by a download after each chunk and a GGUF conversion after each tensor; raising
+        here is how they stop."""
         why = self._stop_loading(seq)
         if why:
             raise ModelError(why)
-        self._emit(LoadProgress(done, total))
+        self._emit(LoadProgress(done, total, stage))
 
     # -- memory: snapshots, pressure, reconfiguration --
 

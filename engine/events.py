@@ -47,9 +47,11 @@ class Finished:
 
 @dataclass
 class LoadProgress:
-    """Bytes of the model downloaded so far; ``total`` 0 while unknown."""
+    """How far a load is: ``stage`` "download" counts bytes, "convert" the tensors of a GGUF being
+    converted; ``total`` 0 while unknown (a conversion reading its file)."""
     done: int
     total: int
+    stage: str = "download"
 
 
 @dataclass

@@ -167,17 +167,20 @@ def folder_identity(folder: Path, revision: str = "") -> str:
 
 
 def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "none",
-         progress: Callable[[int, int], None] | None = None, decode: str = "auto") -> LoadedModel:
+         progress: Callable[[int, int, str], None] | None = None, decode: str = "auto") -> LoadedModel:
+    """``progress(done, total, stage)``: stage "download" counts bytes, "convert" the GGUF's tensors
+    (total 0 while the file is being read); raising in it stops the load there."""
     source = resolve(spec)
     dev = pick_device(device)
     weights = pick_weights(weights, dev, decode)
     torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
+    staged = (lambda stage: (lambda done, total: progress(done, total, stage))) if progress else (lambda stage: None)
     if source.kind in ("gguf", "starter"):
         digest = file_digest(Path(source.location))
-        folder = gguf_to_folder(Path(source.location), digest)
+        folder = gguf_to_folder(Path(source.location), digest, staged("convert"))
         identity = "gguf:" + digest
     elif source.kind == "hub":
-        folder = download(source.location, progress)
+        folder = download(source.location, staged("download"))
         identity = "hub:" + folder_identity(folder, revision=folder.name)
     else:
         folder = Path(source.location)
@@ -202,10 +205,10 @@ def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> st
     return weights
 
 
-def gguf_to_folder(path: Path, digest: str) -> Path:
+def gguf_to_folder(path: Path, digest: str, progress: Callable[[int, int], None] | None = None) -> Path:
     """transformers dequantizes a GGUF on every load (10-15 s for the starter); convert it once to
     safetensors in the cache dir, keyed by the file's hash, and load that afterwards. A conversion
-    found damaged (cut short on disk) is deleted and made again."""
+    found damaged (cut short on disk) is deleted and made again. ``progress(tensors done, of)``."""
     folder = cache_dir() / "converted" / digest[:32]
     if (folder / "done").is_file():
         problem = converted_problem(folder)
@@ -213,16 +216,22 @@ def gguf_to_folder(path: Path, digest: str) -> Path:
             return folder
         log.warning("the converted model in %s is damaged (%s): converting %s again", folder, problem, path.name)
         shutil.rmtree(folder, ignore_errors=True)
-    _convert_gguf(path, folder)
+    _convert_gguf(path, folder, progress or (lambda done, total: None))
     return folder
 
 
-def _convert_gguf(path: Path, folder: Path) -> None:
+def _convert_gguf(path: Path, folder: Path, progress: Callable[[int, int], None]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_convert import converting
+
+    progress(0, 0)  # reading the file: no count yet
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with converting(path, progress):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except ModelError:  # the load was cancelled from the progress callback
+        raise
     except Exception as e:  # gguf raises ValueError, struct.error, KeyError... on a bad file
         raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
     folder.mkdir(parents=True, exist_ok=True)

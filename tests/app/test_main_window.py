@@ -412,7 +412,7 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     order = []
     monkeypatch.setattr(EngineStarter, "start", lambda self: order.append(
-        [w.isVisible() for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow)]) or self)
+        any(w.isVisible() for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow))) or self)
 
     def event_loop(app):
         qtbot.waitUntil(lambda: bool(order), timeout=5000)
@@ -422,4 +422,28 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
 
     monkeypatch.setattr(QApplication, "exec", event_loop)
     assert main.run() == 0
-    assert order == [[True]]  # one engine, made once the window was on screen
+    assert order == [True]  # one engine, made once the window was on screen
+
+
+def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
+    """A fresh cache: the bar is busy while the file is read, then counts the tensors up to all."""
+    import gguf
+
+    from kvchat.engine.models import starter_path
+
+    win, store, bridge, _ = app_parts
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
+    model = tmp_path / "smollm2.gguf"
+    model.symlink_to(starter_path())
+    n = len(gguf.GGUFReader(model).tensors)
+    seen = []  # the bar as the user sees it after each progress event (the window's slot runs first)
+    bridge.load_progress.connect(lambda *_: seen.append((win.load_bar.value(), win.load_bar.maximum(),
+                                                         win.load_bar.format())))
+    win.load_model({"model": str(model)}, previous=None)
+    qtbot.waitUntil(lambda: not bridge.switching, timeout=150000)
+    assert bridge.load_error is None
+    assert seen[0][1] == 0 and seen[0][2] == "converting GGUF"  # busy: no count while the file is read
+    counted = [value for value, maximum, _ in seen if maximum == n]
+    assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
+    assert f"tensor {n} of {n}" in seen[-1][2]
+    assert win.load_bar.isHidden()

@@ -96,3 +96,31 @@ def test_hub_download_reports_progress_in_bytes(monkeypatch, hf_folder):
 def test_quantized_weights_need_cuda():
     with pytest.raises(ModelError, match="need a CUDA GPU"):
         models._bnb_config("nf4", torch.device("cpu"), torch.float32)
+
+
+def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch, tmp_path):
+    """A fresh cache: progress (0, 0) while the file is read, then (i, n) after each of its n
+    tensors; raising in the callback (the engine's cancel) stops the conversion with that reason."""
+    import gguf
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
+    path = models.starter_path()
+    digest = models.file_digest(path)
+    n = len(gguf.GGUFReader(path).tensors)
+
+    def cancel_at_100(done, total):
+        if done == 100:
+            raise ModelError("loading cancelled")
+
+    with pytest.raises(ModelError, match="^loading cancelled$"):
+        models.gguf_to_folder(path, digest, cancel_at_100)
+    assert not list((tmp_path / "fresh").rglob("done"))
+    assert gguf.GGUFReader.__name__ == "GGUFReader"  # transformers and gguf are as they were
+
+    seen = []
+    folder = models.gguf_to_folder(path, digest, lambda done, total: seen.append((done, total)))
+    assert (folder / "done").is_file() and models.converted_problem(folder) is None
+    assert seen[0] == (0, 0) and seen[-1] == (n, n) and n == 272
+    assert [d for d, t in seen[1:]] == list(range(n + 1)) and {t for d, t in seen[1:]} == {n}
+    seen.clear()
+    assert models.gguf_to_folder(path, digest, lambda *a: seen.append(a)) == folder and not seen  # cached

@@ -1,0 +1,73 @@
+"""What transformers' GGUF loading lacks, added around one conversion (engine/models.py).
+
+- It parses the file three times (for the tokenizer, the config and the weights), and parsing the
+  starter's 49k-token vocabulary takes 2.5-4 s here each time: the same reader serves all three.
+- It builds gguf's tensor-name map once per module of the model (397 times for the starter, 4-5 s
+  in all), always for the same architecture and layer count: it is built once.
+- It reports progress only to a terminal bar: the tensor loop's ``tqdm`` (transformers 5.x,
+  ``modeling_gguf_pytorch_utils``) is replaced by a counter that calls ``progress(done, total)``
+  after each tensor, so the app's bar moves per tensor and a cancel stops at the next one.
+
+All are module attributes swapped for the duration, under a lock: one conversion at a time.
+Without them (another transformers version) the conversion still works, only slower and silent.
+"""
+import functools
+import os
+import threading
+from contextlib import contextmanager
+from typing import Callable
+
+_LOCK = threading.Lock()
+
+
+@contextmanager
+def converting(path, progress: Callable[[int, int], None]):
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    with _LOCK:
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        real_bar = getattr(gguf_utils, "tqdm", None)
+        gguf.GGUFReader = _read_once(real_reader, path)
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)  # (arch, layers) -> map
+        if real_bar is not None:
+            gguf_utils.tqdm = lambda iterable, *args, **kwargs: _Counted(iterable, progress)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+            if real_bar is not None:
+                gguf_utils.tqdm = real_bar
+
+
+def _read_once(reader_class, path):
+    """A stand-in for GGUFReader that parses ``path`` once; any other file is read as usual. The
+    reader is only read from (fields, tensors over a read-only memory map), so sharing it is safe."""
+    target = os.path.realpath(path)
+    made = {}
+
+    def reader(file, *args, **kwargs):
+        if args or kwargs or os.path.realpath(file) != target:
+            return reader_class(file, *args, **kwargs)
+        if "reader" not in made:
+            made["reader"] = reader_class(file)
+        return made["reader"]
+
+    return reader
+
+
+class _Counted:
+    """Iterates like the tqdm bar it replaces; after each item, ``progress(done, total)``."""
+
+    def __init__(self, iterable, progress):
+        self.items, self.progress = list(iterable), progress
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        total = len(self.items)
+        self.progress(0, total)
+        for done, item in enumerate(self.items, 1):
+            yield item
+            self.progress(done, total)
