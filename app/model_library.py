@@ -1,13 +1,14 @@
 """The model library: the models already on disk, what each is, and whether it fits here (the
 planner's verdict) before anything loads; one click loads one. Scanning reads only configs and GGUF
-headers, on a worker thread."""
+headers, on a worker thread; a hub id downloads on another, with progress and cancel, and joins the
+list when it is there."""
 import threading
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
-                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout)
+                               QLineEdit, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout)
 
-from kvchat.engine.model_library import describe, scan, verdict
+from kvchat.engine.model_library import describe, fetch, hub_id_problem, scan, verdict
 
 COLUMNS = ["Model", "Source", "Architecture", "Parameters", "Size", "Trained context", "On this machine"]
 
@@ -23,6 +24,32 @@ class Scanner(QObject):
 
     def start(self, folders: list[str], roots=None) -> None:
         threading.Thread(target=lambda: self.found.emit(scan(folders, roots)), daemon=True).start()
+
+
+class Downloader(QObject):
+    """One hub download at a time, on a worker thread; its signals arrive queued on the GUI thread."""
+    progress = Signal(object, object)  # bytes done, total (0: unknown); object: sizes pass 2 GiB
+    downloaded = Signal(object)  # the LocalModel
+    failed = Signal(str)
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = threading.Event()
+
+    def start(self, repo_id: str) -> None:
+        self.cancelled = cancelled = threading.Event()  # a new one each time: an old download keeps its own
+        threading.Thread(target=self._run, args=(repo_id, cancelled), name="kvchat-download", daemon=True).start()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _run(self, repo_id: str, cancelled: threading.Event) -> None:
+        try:
+            model = fetch(repo_id, self.progress.emit, cancelled)
+        except Exception as e:  # ModelError: one line already; anything else, its first line
+            self.failed.emit((str(e).strip().splitlines() or [type(e).__name__])[0])
+            return
+        self.downloaded.emit(model)
 
 
 class ModelLibrary(QDialog):
@@ -58,11 +85,90 @@ class ModelLibrary(QDialog):
         buttons.addWidget(self.load_button)
         layout = QVBoxLayout(self)
         layout.addWidget(self.table, 1)
+        layout.addLayout(self._download_row())
         layout.addWidget(self.status)
         layout.addLayout(buttons)
         self.scanner = Scanner()
         self.scanner.found.connect(self.show_models)
         self.rescan()
+
+    def _download_row(self) -> QHBoxLayout:
+        self.hub_id = QLineEdit(placeholderText="Download from Hugging Face: org/name")
+        self.hub_id.installEventFilter(self)  # Return downloads; it must not reach the dialog's Load button
+        self.download_button = QPushButton("Download")
+        self.download_button.setAutoDefault(False)
+        self.download_bar = QProgressBar(minimumWidth=260, textVisible=True)
+        self.cancel_download_button = QPushButton("Cancel download")
+        self.cancel_download_button.setAutoDefault(False)
+        self.downloading: str | None = None
+        self.downloader = Downloader()
+        self.downloader.progress.connect(self.on_download_progress)
+        self.downloader.downloaded.connect(self.on_downloaded)
+        self.downloader.failed.connect(self.on_download_failed)
+        self.download_button.clicked.connect(self.download)
+        self.cancel_download_button.clicked.connect(self.cancel_download)
+        row = QHBoxLayout()
+        row.addWidget(self.hub_id, 1)
+        for w in (self.download_button, self.download_bar, self.cancel_download_button):
+            row.addWidget(w)
+        self.show_downloading(False)
+        return row
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.hub_id and event.type() == QEvent.KeyPress and event.key() in (Qt.Key_Return, Qt.Key_Enter):
+            self.download()
+            return True
+        return super().eventFilter(obj, event)
+
+    # -- downloading a hub id --
+
+    def download(self) -> None:
+        if self.downloading:
+            return
+        problem = hub_id_problem(self.hub_id.text())
+        if problem:
+            self.status.setText(problem)
+            return
+        self.downloading = self.hub_id.text().strip()
+        self.show_downloading(True)
+        self.download_bar.setRange(0, 0)  # busy until the hub says how large it is
+        self.download_bar.setFormat(f"{self.downloading}: starting")
+        self.status.setText(f"Downloading {self.downloading} into the Hugging Face cache…")
+        self.downloader.start(self.downloading)
+
+    def show_downloading(self, downloading: bool) -> None:
+        self.download_bar.setVisible(downloading)
+        self.cancel_download_button.setVisible(downloading)
+        self.download_button.setEnabled(not downloading)
+        self.hub_id.setEnabled(not downloading)
+
+    def on_download_progress(self, done: int, total: int) -> None:
+        if total > 0 and self.downloading:
+            self.download_bar.setRange(0, 1000)
+            self.download_bar.setValue(int(1000 * done / total))
+            self.download_bar.setFormat(f"{self.downloading}: {done / 1e9:.2f} / {total / 1e9:.2f} GB")
+
+    def cancel_download(self) -> None:
+        if self.downloading:
+            self.downloader.cancel()
+            self.download_bar.setFormat(f"{self.downloading}: cancelling…")
+
+    def on_downloaded(self, model) -> None:
+        name, self.downloading = self.downloading, None
+        self.show_downloading(False)
+        self.show_models([m for m in self.models if m.path != model.path] + [model])
+        self.table.selectRow(len(self.models) - 1)
+        self.status.setText(f"{name} is downloaded: Load uses it.")
+
+    def on_download_failed(self, message: str) -> None:
+        self.downloading = None
+        self.show_downloading(False)
+        self.status.setText(message)
+
+    def done(self, result: int) -> None:
+        """Closing the dialog stops a download under way."""
+        self.downloader.cancel()
+        super().done(result)
 
     def rescan(self) -> None:
         self.scanner.start(self.folders, self.roots)
@@ -80,7 +186,7 @@ class ModelLibrary(QDialog):
                 self.table.setItem(row, col, item)
         self.status.setText(f"{len(models)} model(s): the Hugging Face cache, LM Studio's folder, kvchat's "
                             "models folder and the folders you added." if models else
-                            "No models found. Add a folder, open a .gguf, or type a hub id in Settings.")
+                            "No models found. Add a folder, open a .gguf, or download a hub id above.")
 
     def add_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")

@@ -1,13 +1,18 @@
 """Models already on this machine, and whether each fits here, from its config alone (nothing loads):
 the Hugging Face hub cache, LM Studio's models folder, kvchat's own models folder and folders the
-user adds. A model is a folder with a config.json and safetensors, or a .gguf file."""
+user adds. A model is a folder with a config.json and safetensors, or a .gguf file. A hub id is
+fetched into the hub cache with progress and cancel."""
 import json
 import os
+import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .memory import GiB, plan
 from .paths import data_dir
+
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 GGUF_KEYS = {  # config.json name: the GGUF metadata key after "<architecture>."
     "num_hidden_layers": "block_count", "hidden_size": "embedding_length",
@@ -136,3 +141,30 @@ def verdict(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, 
             prefix = "needs nf4 weights; " if w == "nf4" else ""
             return f"{prefix}fits {tokens // 1024}k tokens at {best[0]}"
     return "too large"
+
+
+def hub_id_problem(text: str) -> str | None:
+    """Why ``text`` is not a Hugging Face model id (org/name), or None."""
+    text = text.strip()
+    if HUB_ID.fullmatch(text):
+        return None
+    example = "org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct"
+    return f"{text} is not a Hugging Face model id: type {example}" if text else f"Type a Hugging Face model id: {example}"
+
+
+def fetch(repo_id: str, progress, cancelled: threading.Event) -> LocalModel:
+    """Download ``repo_id`` into the hub cache, the files the engine's load would fetch, and describe
+    it. ``progress(done, total)`` in bytes; setting ``cancelled`` stops it at the next chunk. Raises
+    the models module's ModelError with one line (offline, not found, cancelled)."""
+    from .models import ModelError, download  # torch: on the caller's worker thread
+
+    def report(done: int, total: int) -> None:
+        if cancelled.is_set():
+            raise ModelError(f"download of {repo_id} cancelled")
+        progress(done, total)
+
+    folder = download(repo_id.strip(), report)
+    try:
+        return describe_folder(folder, "hub cache")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{repo_id} downloaded, but it is not a model kvchat can read: {e}") from None

@@ -43,3 +43,92 @@ def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts,
                     and bridge.engine.config.model == path, timeout=150000)
     assert bridge.engine.load_error is None
     qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == path, timeout=10000)
+
+
+def hub_snapshot(tmp_path, tokenizer, chunks: int, pause: float = 0.0):
+    """huggingface_hub's snapshot_download without the network: byte progress through the tqdm class
+    it is given, then a tiny qwen2 model in the hub cache's layout (models--org--tiny/snapshots/...)."""
+    import time
+
+    from tiny_models import tiny_model
+
+    def snapshot(repo_id, allow_patterns=None, tqdm_class=None, **kw):
+        bar = tqdm_class(total=chunks * 10 ** 7, unit="B", disable=True)
+        for _ in range(chunks):
+            time.sleep(pause)
+            bar.update(10 ** 7)
+        folder = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "abc123"
+        tiny_model("qwen2").save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return str(folder)
+
+    return snapshot
+
+
+def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, app_parts, tmp_path, tokenizer,
+                                                                  monkeypatch):
+    import huggingface_hub
+
+    win, store, bridge, _ = app_parts
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_snapshot(tmp_path, tokenizer, chunks=5, pause=0.2))
+    library = win.model_library(roots=[(tmp_path / "empty", "hub cache")])
+    qtbot.addWidget(library)
+    shown(qtbot, library)
+    qtbot.waitUntil(lambda: "No models found" in library.status.text(), timeout=30000)
+    seen = []
+    library.downloader.progress.connect(lambda *_: seen.append((library.download_bar.value(),
+                                                                 library.download_bar.format())))
+    qtbot.keyClicks(library.hub_id, "org/tiny")
+    qtbot.keyClick(library.hub_id, Qt.Key_Return)
+    assert library.download_bar.isVisible() and not library.download_button.isEnabled()
+    qtbot.waitUntil(lambda: library.table.rowCount() == 1, timeout=30000)
+    assert [value for value, _ in seen] == [200, 400, 600, 800, 1000] and seen[-1][1] == "org/tiny: 0.05 / 0.05 GB"
+    assert library.download_bar.isHidden() and "downloaded" in library.status.text()
+    cells = [library.table.item(0, c).text() for c in range(library.table.columnCount())]
+    assert cells[:3] == ["org/tiny", "hub cache", "qwen2"]
+    assert library.table.selectionModel().selectedRows()[0].row() == 0  # selected: Load uses it
+    path = library.models[0].path
+    qtbot.mouseClick(library.load_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.config.model == path, timeout=60000)
+    assert bridge.load_error is None
+    qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == path, timeout=10000)
+
+
+def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub
+
+    from kvchat.app.model_library import ModelLibrary
+
+    calls = []
+    slow = hub_snapshot(tmp_path, tokenizer, chunks=300, pause=0.05)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: calls.append(a) or slow(*a, **kw))
+    library = ModelLibrary(None, [], None, False, roots=[])
+    qtbot.addWidget(library)
+    shown(qtbot, library)
+    for typed in ("not-an-id", "a/b/c", "./models/x"):
+        library.hub_id.setText(typed)
+        qtbot.mouseClick(library.download_button, Qt.LeftButton)
+        assert "is not a Hugging Face model id" in library.status.text() and library.download_bar.isHidden()
+    assert not calls
+    library.hub_id.setText("org/large")
+    qtbot.mouseClick(library.download_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: library.download_bar.value() > 0, timeout=30000)
+    assert "/ 3.00 GB" in library.download_bar.format()
+    qtbot.mouseClick(library.cancel_download_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: library.download_bar.isHidden(), timeout=10000)
+    assert library.status.text() == "download of org/large cancelled" and library.table.rowCount() == 0
+    assert library.download_button.isEnabled() and len(calls) == 1
+
+
+def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
+    from kvchat.app.model_library import ModelLibrary
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    library = ModelLibrary(None, [], None, False, roots=[])
+    qtbot.addWidget(library)
+    library.hub_id.setText("Qwen/Qwen2.5-0.5B-Instruct")
+    with qtbot.waitSignal(library.downloader.failed, timeout=60000):
+        qtbot.mouseClick(library.download_button, Qt.LeftButton)
+    text = library.status.text()
+    assert "Qwen/Qwen2.5-0.5B-Instruct" in text and "unreachable" in text and "\n" not in text
+    assert library.download_bar.isHidden()
