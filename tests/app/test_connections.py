@@ -203,3 +203,29 @@ def test_a_server_without_cached_counts_says_not_reported(qtbot, app_parts):
     win.open_conversation(chat)
     shown(qtbot, win)
     assert last_stats(win) == ["TTFT 80 ms · 20.0 tok/s · 30 prompt tokens, cached: not reported · on the server"]
+
+
+def test_the_app_reopens_on_the_connection_it_was_using(qtbot, ring, server, tmp_path):
+    """As after a restart: the saved choice is used, and the local engine that was to start is closed
+    before it loads anything."""
+    from kvchat.app.engine_bridge import EngineBridge
+    from kvchat.app.engine_starter import EngineStarter
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.store import Store
+    from kvchat.engine.config import EngineConfig
+
+    Connections().save(Connection("lab", server), api_key=KEY)
+    store = Store(tmp_path / "chat.db")
+    store.set_setting("connection", "lab")
+    made = []
+    local = EngineStarter(EngineConfig(), made.append)
+    win = MainWindow(store, EngineBridge(local))
+    qtbot.addWidget(win)
+    qtbot.waitUntil(lambda: win.bridge.server == server + "/v1" and not win.bridge.switching, timeout=30000)
+    assert win.connection_box.currentText() == "lab" and not local.alive
+    local.start()  # main.run starts it after the first frame: closed by then, it makes nothing
+    assert local.close() and made == []  # close() waits for a maker thread, had one started
+    win.sampling = SamplingParams(max_new_tokens=4, temperature=0)
+    send(qtbot, win, "Hi!")
+    assert store.messages(win.conversation_id)[-1].stats["kv_precision"] == "server"
+    win.bridge.engine.close()
