@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvchat.app.store import Store
 from kvchat.engine.commands import Refused
@@ -48,8 +48,22 @@ class EngineMachine(RuleBasedStateMachine):
         self.models.append(weakref.ref(loaded))
         return loaded
 
-    @rule(tokens=st.integers(1, 6), cancel=st.booleans(), question=st.sampled_from(QUESTIONS))
-    def submit(self, tokens, cancel, question):
+    @initialize()
+    def first_turn(self):
+        """Every example starts with a reply that runs to its end, so later prompts carry one."""
+        self.send(QUESTIONS[0], 4, stop_after=None)
+
+    @rule(tokens=st.integers(1, 6), question=st.sampled_from(QUESTIONS))
+    def reply(self, tokens, question):
+        self.send(question, tokens, stop_after=None)
+
+    @rule(question=st.sampled_from(QUESTIONS), stop_after=st.sampled_from([0, 2]))
+    def stopped_reply(self, question, stop_after):
+        """Stop before the reply starts, or after its second token (the listener runs on the
+        engine thread, so the stop lands mid-reply)."""
+        self.send(question, 6, stop_after)
+
+    def send(self, question: str, tokens: int, stop_after: int | None) -> None:
         """The app's Send: the previous reply has ended (the button is disabled until then); the
         user's row, the history as the store gives it, an empty reply row marked interrupted."""
         self.record_reply()
@@ -57,10 +71,17 @@ class EngineMachine(RuleBasedStateMachine):
         history = [{"role": "system", "content": PERSONA}]
         history += [m.for_engine() for m in self.store.messages(self.conversation)]
         row = self.store.add_message(self.conversation, "assistant", "", interrupted=True)
-        handle = self.engine.submit(Request(messages=history, sampling=SamplingParams(max_new_tokens=tokens,
-                                                                                       temperature=0)))
+        seen = []
+
+        def stop_mid_reply(event):
+            seen.append(event)
+            if stop_after and sum(isinstance(e, TokenDelta) for e in seen) == stop_after:
+                handle.cancel()
+
+        handle = self.engine.submit(Request(messages=history, sampling=SamplingParams(
+            max_new_tokens=tokens, temperature=0, ignore_eos=stop_after is not None)), listener=stop_mid_reply)
         self.reply = (row, handle)
-        if cancel:
+        if stop_after == 0:
             self.futures.append(self.engine.cancel(handle))
         self.futures.append(handle.future)
 
@@ -182,6 +203,6 @@ def machine_model(starter):
 
 def test_random_command_sequences_keep_the_engine_whole(machine_model):
     run = EngineMachine.TestCase
-    run.settings = settings(max_examples=6, stateful_step_count=6, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=8, stateful_step_count=6, deadline=None, derandomize=True,
                             suppress_health_check=list(HealthCheck))
     run("runTest").runTest()
