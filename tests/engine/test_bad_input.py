@@ -81,7 +81,7 @@ def test_a_converted_model_cut_short_on_disk_is_converted_again(tmp_path, monkey
     size = (folder / "model.safetensors").stat().st_size
     (folder / "done").write_text(json.dumps({"source": "x.gguf", "size": size}))
     converted = []
-    monkeypatch.setattr(models, "_convert_gguf", lambda path, where: converted.append(where))
+    monkeypatch.setattr(models, "_convert_gguf", lambda path, where, progress: converted.append(where))
     assert models.gguf_to_folder(tmp_path / "x.gguf", "ab" * 32) == folder and converted == []
     with open(folder / "model.safetensors", "r+b") as f:
         f.truncate(size // 2)
