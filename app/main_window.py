@@ -30,9 +30,6 @@ from .top_bar import Chip, model_name, size_label
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
 RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
 NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
-# Narrower than this, the top bar's widgets do not fit beside the sidebar and the persona badge was
-# cut ("warm (in memo"): the KV chip goes (the status bar names the precision too).
-NARROW_WIDTH = 1080
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
 
 
@@ -254,10 +251,6 @@ class MainWindow(QMainWindow):
     def showEvent(self, event) -> None:
         super().showEvent(event)
         QTimer.singleShot(0, self.focus_input)
-
-    def resizeEvent(self, event) -> None:
-        super().resizeEvent(event)
-        self.kv_chip.setVisible(self.width() >= NARROW_WIDTH)
 
     def escape(self) -> None:
         """Stops a reply; otherwise leaves an edit, putting the box back as it was."""

@@ -447,15 +447,3 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
     assert f"tensor {n} of {n}" in seen[-1][2]
     assert win.load_bar.isHidden()
-
-
-def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
-    """At 1000 px the top bar did not fit beside the sidebar and the badge was cut ("warm (in memo")."""
-    win, _, _, _ = app_parts
-    win.persona_badge.setText("warm (in memory)")
-    win.resize(1000, 700)
-    qtbot.waitUntil(lambda: win.width() == 1000)
-    qtbot.waitUntil(lambda: win.persona_badge.width() >= win.persona_badge.sizeHint().width(), timeout=5000)
-    assert win.kv_chip.isHidden() and "KV" in win.precision_label.text()  # the status bar still names it
-    win.resize(1600, 1000)
-    qtbot.waitUntil(lambda: win.kv_chip.isVisible(), timeout=5000)
