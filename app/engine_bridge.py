@@ -204,9 +204,7 @@ class EngineBridge(QObject):
             if request_id == self._request_id:
                 self.handle = None
             if isinstance(event, Finished):
-                # a server's reply has no token ids (its deltas carry -1): none is kept for it
-                ids = [i for i in event.token_ids if i >= 0]
-                self.finished.emit({"text": event.text, "token_ids": ids,
+                self.finished.emit({"text": event.text, "token_ids": event.token_ids,
                                     "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
             else:
                 self.failed.emit(event.message)

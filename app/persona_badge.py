@@ -3,8 +3,6 @@ import threading
 
 from PySide6.QtCore import QObject, Signal
 
-from kvchat.engine.persona_probe import engine_persona_state
-
 LABELS = {"warm": "warm (in memory)", "disk": "warm (on disk)", "cold": "cold", "short": "too short to cache",
           "server": "server's own cache"}
 
@@ -19,10 +17,8 @@ class BadgeAsker(QObject):
 
         def run():
             try:
-                # a backend that answers for itself (a server, whose cache is its own) does
-                ask = getattr(engine, "persona_state", None)
-                state = ask(system_prompt) if ask else engine_persona_state(engine, system_prompt)
-            except Exception:  # a pool being rebuilt under the question: ask again next time
+                state = engine.persona_state(system_prompt)
+            except Exception:  # a pool being rebuilt, an engine still starting: ask again next time
                 return
             self.answered.emit(persona_id, state)
 

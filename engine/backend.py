@@ -19,6 +19,9 @@ class Backend(Protocol):
 
     def cancel(self, handle: RequestHandle) -> Future: ...
 
+    def persona_state(self, system_prompt: str) -> str:
+        """The badge's answer: warm, disk, cold, short (persona_probe), or server."""
+
     def add_listener(self, callback, replay: bool = False) -> None:
         """ModelReady / LoadFailed, then memory events: MemorySnapshot and Notice (local),
         ServerMemory (remote). ``replay``: a late listener gets how the start ended at once."""

@@ -93,6 +93,13 @@ class Engine:
         self._cancel_running()
         return self._put(command)
 
+    def persona_state(self, system_prompt: str) -> str:
+        """Is this persona's prefix warm (``persona_probe``): the badge's question, asked off the
+        engine thread."""
+        from .persona_probe import engine_persona_state
+
+        return engine_persona_state(self, system_prompt)
+
     def cancel_load(self) -> None:
         """Stop the model load under way or queued (a download stops at its next chunk); the
         previous model comes back."""

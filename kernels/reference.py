@@ -109,10 +109,8 @@ def _dequantized_past(tensors: dict, fmt: KVFormat, block_table, past: int, firs
     return pieces
 
 
-def _before(window: tuple | None, n: int) -> tuple | None:
+def _before(window: tuple, n: int) -> tuple:
     """``window`` rows (``quant.RecentWindow.rows``) of the positions before ``n`` only."""
-    if window is None:
-        return None
     s, first, wk, wv = window
     keep, sinks = max(0, n - first), min(s, n)
     rows = lambda w: torch.cat([w[:sinks], w[s:s + keep]])
@@ -136,8 +134,7 @@ def _merge(parts: list) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0][0]
     total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
-    out = sum(o.float() * (lse - total).exp().unsqueeze(-1) for o, lse in parts)
-    return out
+    return sum(o.float() * (lse - total).exp().unsqueeze(-1) for o, lse in parts)
 
 
 READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy

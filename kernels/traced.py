@@ -6,7 +6,7 @@ op: as an opaque op, a layer's attention cost ~0.2 ms of Python, gathers and an 
 become a few fused C++ loops in the step's own graph: 61 -> 86 tok/s on the starter.
 
 Only the full-precision pool. Traced the same way, with quantize-on-write, dequantize, rotation
-and the window's rows, an int8 pool compiled in 182 s cold (fp16: ~60 s) and decoded at 67 tok/s,
+and the window's rows, an int8 pool compiled in 182 s cold (fp16: 89 s) and decoded at 67 tok/s,
 and int4 took 222 s and ran at 35 tok/s: quantized pools keep the op inside the compiled graph.
 
 Everything a step changes is read from tensors (slot, padded block table, length), so one graph
