@@ -7,7 +7,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout)
 
-from kvchat.engine.connections import Connection, Connections, KeyringUnavailable, get_key
+from kvchat.engine.connections import Connection, Connections, KeyringUnavailable, connection_problem, get_key
 from kvchat.engine.remote import list_models
 
 FIRST_MODEL = "(the server's first model)"
@@ -29,16 +29,10 @@ class ModelLister(QObject):
 
 
 def check(name: str, url: str, taken: set[str]) -> str | None:
-    """Why these values cannot be saved, or None."""
-    if not name:
-        return "a connection needs a name"
-    if name in taken:
+    """Why these values cannot be saved, or None: the engine's rules, and a name not taken."""
+    if name and name in taken:
         return f"a connection named {name!r} already exists"
-    if not url:
-        return "a connection needs the server's base URL, e.g. http://gpu-box:8000"
-    if "://" in url and not url.lower().startswith(("http://", "https://")):
-        return "the base URL must start with http:// or https://"
-    return None
+    return connection_problem(name, url)
 
 
 class ConnectionEditor(QDialog):

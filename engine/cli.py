@@ -136,9 +136,7 @@ def connections_args(sub) -> None:
 
 
 def cmd_connections(args) -> int:
-    from urllib.parse import urlsplit
-
-    from .connections import Connection, Connections, KeyringUnavailable, get_key
+    from .connections import Connection, Connections, KeyringUnavailable, connection_problem, get_key
 
     saved = Connections()
     if args.action == "list":
@@ -158,15 +156,9 @@ def cmd_connections(args) -> int:
     if args.action != "add":
         raise ConfigError("say what to do: kvchat connections add NAME URL | list | remove NAME")
     name, url = args.name.strip(), args.url.strip()
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    if not name or any(ch in name for ch in "\n\t"):
-        raise ConfigError("a connection needs a name without tabs or newlines")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{url!r} is not a server's base URL (e.g. http://gpu-box:8000)")
-    try:
-        parts.port  # noqa: B018 (raises on a port that is not a number)
-    except ValueError:
-        raise ConfigError(f"{url!r} has a port that is not a number") from None
+    problem = connection_problem(name, url)
+    if problem:
+        raise ConfigError(problem)
     key = sys.stdin.readline().strip() if args.api_key_stdin else None
     if args.api_key_stdin and not key:
         raise ConfigError("--api-key-stdin read no key from standard input")

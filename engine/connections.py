@@ -34,6 +34,25 @@ def config_dir() -> Path:
     return path
 
 
+def connection_problem(name: str, url: str) -> str | None:
+    """Why a connection named ``name`` at ``url`` cannot be saved, or None: what the app's editor
+    and ``kvchat connections add`` both check (a URL without a scheme is taken as http)."""
+    from urllib.parse import urlsplit
+
+    if not name or any(ch in name for ch in "\n\t"):
+        return "a connection needs a name without tabs or newlines"
+    if not url:
+        return "a connection needs the server's base URL, e.g. http://gpu-box:8000"
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not a server's base URL: it starts with http:// or https:// (e.g. http://gpu-box:8000)"
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        return f"{url!r} has a port that is not a number"
+    return None
+
+
 class Connections:
     def __init__(self, path: Path | None = None):
         self._path = path
