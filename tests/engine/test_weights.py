@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.engine.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, quantize_linears, weight_bytes
+from kvchat.engine.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, _codes, quantize_linears, weight_bytes
 
 from tiny_models import tiny_model
 
@@ -56,6 +56,38 @@ def test_int4_holds_q4_1_values_up_to_its_bf16_scale_and_zero():
     x = torch.randn(3, k, generator=g)
     want = x.to(torch.bfloat16).float() @ layer.weight.detach().T
     torch.testing.assert_close(Int4Linear(layer)(x), want, atol=2e-2, rtol=2e-2)
+
+
+def test_int4_finds_the_codes_of_q4_1_groups_that_do_not_span_all_16():
+    """A Q4_1 block whose codes span j < 15 steps: min-max rounding to 15 steps moves its values,
+    the grid search finds a grid that holds them all (d and m as GGUF stores them, in fp16)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 32, 64
+    d = torch.rand(n, k // INT4_GROUP, 1, generator=g).add(0.5).mul(0.01).half().float()
+    m = torch.randn(n, k // INT4_GROUP, 1, generator=g).mul(0.05).half().float()
+    span = torch.randint(1, 16, (n, k // INT4_GROUP, 1), generator=g)  # the codes' range: 0..span
+    codes = (torch.rand(n, k // INT4_GROUP, INT4_GROUP, generator=g) * (span + 1)).floor().clamp(max=span)
+    codes[..., :1], codes[..., 1:2] = 0, span  # each group reaches both ends of its range
+    groups = codes * d + m
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+
+    def worst(q):  # the largest error, in steps, of the least-squares fit of each group on q
+        centred = q - q.mean(-1, keepdim=True)
+        scale = (centred * groups).sum(-1, keepdim=True) / centred.square().sum(-1, keepdim=True)
+        zero = (groups - q * scale).mean(-1, keepdim=True)
+        return ((q * scale + zero - groups).abs() / d).max().item()
+
+    found = _codes(groups)
+    assert found.min() >= 0 and found.max() <= 15
+    assert worst(found) < 1e-3
+    assert worst(torch.round((groups - low) / (high - low) * 15)) > 0.1  # what min-max rounding did
+
+
+def test_int4_keeps_the_head_at_int8():
+    model = tiny_model("llama")
+    quantize_linears(model, "int4")
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
 
 
 def test_quantize_linears_replaces_every_linear_and_unties_the_head():
