@@ -25,11 +25,13 @@ from .sampling_defaults import model_defaults
 from .settings_dialog import SettingsDialog, trained_context
 from .store import Store
 from .theme import COLOURS, Theme
-from .top_bar import Chip, model_name, size_label
+from .top_bar import Chip, TopBar, model_name, size_label
 
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
 RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
 NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
+# the model chip elides its name: the context and KV chips give way before it is narrower than this
+MODEL_CHIP_ROOM = 160
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
 
 
@@ -56,7 +58,7 @@ class MainWindow(QMainWindow):
         self.model_config = None  # the loaded model's config and name, read once when it is ready
         self.model_label = ""
         self.setWindowTitle("kvchat")
-        self.resize(1100, 720)
+        self.resize(1200, 720)  # room for every chip of the top bar beside the sidebar
         self._build()
         self._connect()
         self.memory_button.setChecked(bool(store.setting("memory_panel")))
@@ -117,8 +119,9 @@ class MainWindow(QMainWindow):
                   self.memory_button,
                   self.settings_button):
             top.addWidget(w)
-        topbar = QFrame(objectName="topbar")
-        topbar.setLayout(top)
+        # narrow, the KV chip goes first (the status bar names the precision too), then the context's
+        self.top_bar = topbar = TopBar(top, [self.context_chip, self.kv_chip], {self.model_chip: MODEL_CHIP_ROOM},
+                                       objectName="topbar")
 
         self.chat_view = ChatView(self.theme)
         self.input = QPlainTextEdit(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
@@ -719,7 +722,7 @@ class MainWindow(QMainWindow):
 
     def update_chips(self) -> None:
         server = self.bridge.server
-        self.context_chip.setVisible(server is None)
+        self.top_bar.allow(self.context_chip, server is None)
         if server is not None:  # the model and its cache are the server's: the chip names them
             self.model_chip.setText(model_name(self.bridge.settings["model"]))
             self.model_chip.setToolTip(f"{self.bridge.settings['model']} at {server}, the connection's model")

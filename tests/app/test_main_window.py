@@ -447,3 +447,29 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
     assert f"tensor {n} of {n}" in seen[-1][2]
     assert win.load_bar.isHidden()
+
+
+def top_bar_widgets(win):
+    row = win.top_bar.layout()
+    return [row.itemAt(i).widget() for i in range(row.count()) if row.itemAt(i).widget() is not None]
+
+
+def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
+    """At 1000 px the chips' minimum held the window at 1056 px and, forced narrower, the badge was
+    cut ("warm (in memo"): now the KV and context chips give way, and come back when there is room."""
+    win, _, _, _ = app_parts
+    win.badge_asker.answered.emit(win.persona_box.currentData(), "warm")  # the longest state the engine gives
+    assert win.persona_badge.text() == "warm (in memory)"
+    win.resize(1000, 700)
+    qtbot.waitUntil(lambda: win.width() == 1000 and win.kv_chip.isHidden() and win.context_chip.isHidden())
+    badge = win.persona_badge
+    qtbot.waitUntil(lambda: badge.width() >= badge.sizeHint().width())
+    shown = [w for w in top_bar_widgets(win) if w.isVisible()]
+    for left, right in zip(shown, shown[1:]):  # side by side, none drawn over another
+        assert left.geometry().right() < right.geometry().left()
+    assert shown[-1].geometry().right() < win.top_bar.width()
+    assert win.model_chip.width() >= 160  # elided, still readable
+    assert "KV" in win.precision_label.text()  # the status bar still names the precision
+    win.resize(1600, 1000)
+    qtbot.waitUntil(lambda: win.kv_chip.isVisible() and win.context_chip.isVisible())
+    assert win.model_chip.width() == win.model_chip.sizeHint().width()  # the whole name
