@@ -642,8 +642,7 @@ class Engine:
         text, generated, reason = [], [], "length"
         first_at = None
         while True:
-            seen = torch.tensor(seq.token_ids, device=logits.device) if sp.repetition_penalty != 1 else None
-            token = sampler(logits, seen)
+            token = sampler(logits, seq.token_ids)
             if first_at is None:
                 first_at = time.perf_counter()
             seq.token_ids.append(token)

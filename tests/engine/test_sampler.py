@@ -27,8 +27,21 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top():
 
 
 def test_repetition_penalty_as_transformers_defines_it():
-    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), torch.tensor([0, 1]), 2.0)
+    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), torch.tensor([True, True, False]), 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_a_growing_token_list_penalises_every_id_in_it_as_a_tensor_of_them_does():
+    """The engine hands the sequence's own list, one id longer each step; the sampler adds only the
+    new ids to its mask. Each step must choose as a fresh sampler given all ids would."""
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, repetition_penalty=1.3)
+    growing, context = Sampler(params), [5, 9, 5, 2]
+    for step in range(40):
+        logits = torch.randn(16, generator=g) + 3 * torch.nn.functional.one_hot(torch.tensor(context[-1]), 16)
+        want = Sampler(params)(logits, torch.tensor(context))
+        assert growing(logits, context) == want, step
+        context.append(int(torch.randint(0, 16, (1,), generator=g)))
 
 
 def test_seed_makes_sampling_repeatable_and_follows_the_distribution():
