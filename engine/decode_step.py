@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvchat.kernels import traced
+from kvchat.kernels.reference import consecutive_start
 
 from .attention import StepMeta, running
 from .config import DECODE_MODES
@@ -79,7 +80,9 @@ class DecodeStep:
         self._compiled = None
         self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
         self._table, self._table_ids = None, []  # the CPU's block table buffer, and the ids in it
-        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, block table, logits)
+        self._dev_table, self._dev_ids = None, []  # the op's and the graphs' block table, and the ids in it
+        self._wmeta_host = torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_window = None  # and the window
         self.replays = 0
@@ -100,20 +103,20 @@ class DecodeStep:
                               kvchat_step=step).last_hidden_state
         return self.model.lm_head(hidden[0, -1:]).float()
 
-    def __call__(self, meta: StepMeta, token: int, position: int, block_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[vocab]`` of ``token`` at ``position``; ``meta`` holds the step's slot,
-        block table and window as the eager path takes them."""
-        self.ids.fill_(token)
-        self.positions.fill_(position)
-        if self.captured and self._replayable(meta, position):
+    def __call__(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[vocab]`` of ``token`` at ``position``, its K/V written to ``slot`` of ``kv``
+        (``window``: the sequence's full-precision window in a quantized mode). The step's values
+        reach its tensors by fills and its block table by the ids that changed: on CUDA a copy from
+        the host's pageable memory waits for the GPU, and five a step did."""
+        self._set(token, position, slot)
+        if self.captured and self._replayable(window, position):
             if self.device.type == "cuda":
-                return self._replay(meta, block_ids, position)
+                return self._replay(kv, window, token, position, slot, block_ids)
             try:
-                if traced.supports(meta.kv.format):
-                    step = self.traced_inputs(meta, block_ids)
-                    logits = self._compiled_forward()(self.ids, self.positions, step)[0]
+                if traced.supports(kv.format):
+                    logits = self._compiled_forward()(self.ids, self.positions, self.traced_inputs(kv, block_ids))[0]
                 else:
-                    with running(meta):
+                    with running(self._meta(kv, window, block_ids, position)):
                         logits = self._compiled_forward()(self.ids, self.positions)[0]
                 self._compiled_ran = True
                 self.replays += 1
@@ -124,10 +127,42 @@ class DecodeStep:
                 if self._compiled_ran:
                     raise
                 self._fall_back(e)
-        with running(meta):
+        with running(self._meta(kv, window, block_ids, position)):
             return self.forward(self.ids, self.positions)[0]
 
-    def traced_inputs(self, meta: StepMeta, block_ids: list[int]) -> dict:
+    def _set(self, token: int, position: int, slot: int) -> None:
+        self.ids.fill_(token)
+        self.positions.fill_(position)
+        self.slots.fill_(slot)
+        self.lens.fill_(position + 1)
+
+    def _meta(self, kv, window, block_ids: list[int], position: int) -> StepMeta:
+        """The step as the attention op takes it, on this step's tensors."""
+        return StepMeta(kv=kv, slots=self.slots, block_table=self._device_table(block_ids), context_len=position + 1,
+                        first_block=consecutive_start(block_ids), window=window, context_lens=self.lens)
+
+    def _device_table(self, block_ids: list[int]) -> torch.Tensor:
+        """``block_ids`` as int32 in a buffer kept across steps, where only the ids that changed are
+        written: a decode step adds one block every block-size tokens (a fill), a new sequence or a
+        moved block rewrites from the first difference. Captured graphs read views of it, so it is
+        made once at the largest bucket and grows only for eager steps past that."""
+        n, old = len(block_ids), self._dev_ids
+        if self._dev_table is None or n > self._dev_table.numel():
+            self._dev_table = torch.zeros(max(n, BUCKETS[-1] if self.device.type == "cuda" else 64),
+                                          dtype=torch.int32, device=self.device)
+            self._graphs.clear()
+            old = []
+        same = 0
+        if old[:n] != block_ids:
+            same = next((i for i, (a, b) in enumerate(zip(old, block_ids)) if a != b), min(len(old), n))
+            if n - same == 1:
+                self._dev_table[same].fill_(block_ids[same])
+            else:
+                self._dev_table[same:n].copy_(torch.tensor(block_ids[same:], dtype=torch.int32))
+        self._dev_ids = list(block_ids)
+        return self._dev_table[:n]
+
+    def traced_inputs(self, kv, block_ids: list[int]) -> dict:
         """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
         the slot, the block table (a view of a buffer, at least 2 long so that its length is never
         specialized as 1) and the length. The table's length is dynamic, so one graph serves every
@@ -143,25 +178,21 @@ class DecodeStep:
             self._table_ids = list(block_ids)
         table = self._table[:n]
         torch._dynamo.maybe_mark_dynamic(table, 0)
-        self.slots.copy_(meta.slots)
-        self.lens.fill_(meta.context_len)
-        return {"layers": meta.kv.layers, "slot": self.slots, "table": table, "length": self.lens}
+        return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
-    def _replayable(self, meta: StepMeta, position: int) -> bool:
+    def _replayable(self, window, position: int) -> bool:
         """Past a sliding window the op must refuse, and a sink position is stored from Python."""
-        if self.sliding_window is not None and meta.context_len > self.sliding_window:
+        if self.sliding_window is not None and position + 1 > self.sliding_window:
             return False
-        return meta.window is None or position >= meta.window.sinks
+        return window is None or position >= window.sinks
 
     def warm_up(self, kv) -> None:
         """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
         -1) and reads block 0, so the first reply does not wait for it."""
         if not self.captured or (self.device.type == "cuda" and kv.format.quantized):
             return  # a quantized pool's graph holds a sequence's window: captured at that sequence's first step
-        meta = StepMeta(kv=kv, slots=torch.full((1,), -1, device=self.device), block_table=self.lens.new_zeros(1),
-                        context_len=1, first_block=0, context_lens=self.lens)
         with torch.inference_mode():
-            self(meta, 0, 0, [0])
+            self(kv, None, 0, 0, -1, [0])
 
     def _fall_back(self, error: Exception) -> None:
         self.fallback = f"decoding without compilation ({type(error).__name__}: {_one_line(error)})"
@@ -188,45 +219,42 @@ class DecodeStep:
 
     # -- CUDA graphs --
 
-    def _replay(self, meta: StepMeta, block_ids: list[int], position: int) -> torch.Tensor:
-        if self._graph_kv is not meta.kv or self._graph_window is not meta.window:  # other tensors now
+    def _replay(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
+        if self._graph_kv is not kv or self._graph_window is not window:  # other tensors now
             self._graphs.clear()
-            self._graph_kv, self._graph_window = meta.kv, meta.window
+            self._graph_kv, self._graph_window = kv, window
         bucket = next((b for b in BUCKETS if b >= len(block_ids)), None)
         if bucket is None:
-            with running(meta):
+            with running(self._meta(kv, window, block_ids, position)):
                 return self.forward(self.ids, self.positions)[0]
+        self._device_table(block_ids)
         if bucket not in self._graphs:
             try:
-                self._graphs[bucket] = self._capture(meta, bucket)
+                self._graphs[bucket] = self._capture(kv, window, position, bucket)
             except Exception as e:
                 self._fall_back(e)
-                with running(meta):
+                with running(self._meta(kv, window, block_ids, position)):
                     return self.forward(self.ids, self.positions)[0]
-        graph, table, logits = self._graphs[bucket]
-        table[:len(block_ids)].copy_(torch.tensor(block_ids, dtype=torch.int32), non_blocking=True)
-        self.slots.copy_(meta.slots)
-        self.lens.fill_(meta.context_len)
-        window = meta.window
+            self._set(token, position, slot)  # capturing wrote its own
+        graph, logits = self._graphs[bucket]
         if window is not None:  # what the op's write and attend would do in Python, done here
             for layer in range(len(window.end)):
                 window.note(layer, position, 1)
-            bounds = (*window.bounds(0, meta.context_len), window.ring_row(position))
-            self.wmeta.copy_(torch.tensor(bounds, dtype=torch.int32), non_blocking=True)
+            bounds = (*window.bounds(0, position + 1), window.ring_row(position))
+            self._wmeta_host.copy_(torch.tensor(bounds, dtype=torch.int32))
+            self.wmeta.copy_(self._wmeta_host, non_blocking=True)  # pinned: the host goes on
         graph.replay()
         self.replays += 1
         return logits[0].clone()
 
-    def _capture(self, step: StepMeta, bucket: int) -> tuple:
-        """Record the step for block tables up to ``bucket`` blocks. Warm-up and capture write to
-        slot -1 and ring row -1, which the write kernel skips, so they leave the pool and the
-        window untouched; the window's bookkeeping, which the op's Python updates as it records, is
-        put back after."""
-        table = torch.zeros(bucket, dtype=torch.int32, device=self.device)
-        window = step.window
-        length = step.context_len if window is not None else 1  # a window is recorded at its own place
-        meta = StepMeta(kv=step.kv, slots=self.slots, block_table=table, context_len=length, context_lens=self.lens,
-                        window=window, window_meta=self.wmeta if window is not None else None)
+    def _capture(self, kv, window, position: int, bucket: int) -> tuple:
+        """Record the step for block tables up to ``bucket`` blocks (a view of the step's table
+        buffer). Warm-up and capture write to slot -1 and ring row -1, which the write kernel skips,
+        so they leave the pool and the window untouched; the window's bookkeeping, which the op's
+        Python updates as it records, is put back after."""
+        length = position + 1 if window is not None else 1  # a window is recorded at its own place
+        meta = StepMeta(kv=kv, slots=self.slots, block_table=self._dev_table[:bucket], context_len=length,
+                        context_lens=self.lens, window=window, window_meta=self.wmeta if window is not None else None)
         self.slots.fill_(-1)
         self.lens.fill_(length)
         self.wmeta.copy_(torch.tensor([0, 0, -1], dtype=torch.int32))
@@ -246,4 +274,4 @@ class DecodeStep:
         finally:
             if kept is not None:
                 window.start, window.end, window.sink_len = kept
-        return graph, table, logits
+        return graph, logits

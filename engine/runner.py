@@ -28,18 +28,18 @@ class ModelRunner:
         block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
         if seq.window is None:
             seq.window = self.kv.window_for(seq.token_ids, start)
+        if end == start + 1 and want_logits is True:
+            logits = self.step(self.kv, seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids)
+            self._computed(seq, start, end)
+            return logits
         meta = StepMeta(
             kv=self.kv,
             slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
-            block_table=torch.tensor(block_ids, device=dev, dtype=torch.int32),  # what the decode kernel reads
+            block_table=torch.tensor(block_ids, device=dev, dtype=torch.int32),
             context_len=end,
             first_block=consecutive_start(block_ids),
             window=seq.window,
         )
-        if end == start + 1 and want_logits is True:
-            logits = self.step(meta, seq.token_ids[start], start, block_ids)
-            self._computed(seq, start, end)
-            return logits
         ids = torch.tensor([seq.token_ids[start:end]], device=dev)
         positions = torch.arange(start, end, device=dev).unsqueeze(0)
         with running(meta):

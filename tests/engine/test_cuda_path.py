@@ -103,3 +103,24 @@ def inside_attention(event) -> bool:
             return False
         parent = parent.cpu_parent
     return inside
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
+    """On a GPU each tensor made from Python values is a copy from pageable memory, which waits for
+    the GPU: a decode step made three (the runner's slot and block table, the length), four with a
+    window. Now the step's values go in by fills and the block table by its new ids, so only the
+    first step of a sequence may copy (its table, unless the step's buffer holds those ids), and an eager step with a window its bounds (a
+    captured one copies them from pinned memory, without waiting)."""
+    runner, manager, seq = runner_at(model, precision)
+    made = []
+    with on_cuda_path(), torch.inference_mode():
+        runner.forward(seq, len(seq), want_logits=False)
+        for token in range(7, 27):  # 40 -> 60 tokens: a new block at 48
+            seq.token_ids.append(token)
+            manager.reserve(seq, len(seq))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.forward(seq, len(seq), want_logits=True)
+            made.append(sum(e.name == "aten::lift_fresh" for e in prof.events()))
+    window = 1 if precision == "int4" else 0
+    assert made[0] <= 1 + window and made[1:] == [window] * 19, made  # the table's ids may be there from before

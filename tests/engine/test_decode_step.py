@@ -72,11 +72,8 @@ def test_the_cpu_decode_forward_with_traced_attention_has_no_graph_break(tiny):
     step = ModelRunner(tiny.model, pool.kv, pool.manager, "eager").step
     seq = Sequence(prompt_ids(20))
     pool.manager.reserve(seq, 21)
-    block_ids = [b.id for b in seq.blocks]
-    meta = StepMeta(kv=pool.kv, slots=torch.tensor([20], device=DEVICE), block_table=torch.tensor(
-        block_ids, dtype=torch.int32, device=DEVICE), context_len=21)
     with torch.inference_mode():
-        inputs = step.traced_inputs(meta, block_ids)
+        inputs = step.traced_inputs(pool.kv, [b.id for b in seq.blocks])
         explained = torch._dynamo.explain(step.forward)(step.ids, step.positions, inputs)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
