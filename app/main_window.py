@@ -679,11 +679,13 @@ class MainWindow(QMainWindow):
             self.model_chip.setText("connecting…" if what.startswith("connecting") else "loading…")
 
     def on_load_progress(self, done: int, total: int, stage: str = "download") -> None:
-        """A download in bytes; a GGUF conversion tensor by tensor (busy while it reads the file)."""
-        if stage == "convert":
+        """A download in bytes; a GGUF conversion tensor by tensor (busy while it reads the file);
+        then the weights, tensor by tensor."""
+        if stage in ("convert", "weights"):
+            what = "converting GGUF" if stage == "convert" else "loading weights"
             self.load_bar.setRange(0, total)
             self.load_bar.setValue(done)
-            self.load_bar.setFormat(f"converting GGUF: tensor {done} of {total}" if total else "converting GGUF")
+            self.load_bar.setFormat(f"{what}: tensor {done} of {total}" if total else what)
             return
         if total <= 0:
             return

@@ -9,6 +9,7 @@
   after each tensor, so the app's bar moves per tensor and a cancel stops at the next one.
 
 All are module attributes swapped for the duration, under a lock: one conversion at a time.
+``weights_counted`` does the same for the "Loading weights" bar of any model load.
 Without them (another transformers version) the conversion still works, only slower and silent.
 """
 import functools
@@ -31,7 +32,7 @@ def converting(path, progress: Callable[[int, int], None]):
         gguf.GGUFReader = _read_once(real_reader, path)
         gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)  # (arch, layers) -> map
         if real_bar is not None:
-            gguf_utils.tqdm = lambda iterable, *args, **kwargs: _Counted(iterable, progress)
+            gguf_utils.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
         try:
             yield
         finally:
@@ -56,7 +57,7 @@ def _read_once(reader_class, path):
     return reader
 
 
-class _Counted:
+class Counted:
     """Iterates like the tqdm bar it replaces; after each item, ``progress(done, total)``."""
 
     def __init__(self, iterable, progress):
@@ -71,3 +72,26 @@ class _Counted:
         for done, item in enumerate(self.items, 1):
             yield item
             self.progress(done, total)
+
+
+_WEIGHTS_LOCK = threading.Lock()
+
+
+@contextmanager
+def weights_counted(progress: Callable[[int, int], None] | None):
+    """Around ``from_pretrained``: its per-tensor loop (transformers 5.x, ``core_model_loading``)
+    reports ``progress(done, total)`` instead of drawing a terminal bar."""
+    try:
+        import transformers.core_model_loading as loading
+    except ImportError:  # another transformers: the load is silent
+        loading = None
+    if progress is None or getattr(loading, "tqdm", None) is None:
+        yield
+        return
+    with _WEIGHTS_LOCK:
+        real_bar = loading.tqdm
+        loading.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
+        try:
+            yield
+        finally:
+            loading.tqdm = real_bar

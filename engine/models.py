@@ -169,7 +169,8 @@ def folder_identity(folder: Path, revision: str = "") -> str:
 def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "none",
          progress: Callable[[int, int, str], None] | None = None, decode: str = "auto") -> LoadedModel:
     """``progress(done, total, stage)``: stage "download" counts bytes, "convert" the GGUF's tensors
-    (total 0 while the file is being read); raising in it stops the load there."""
+    (total 0 while the file is being read), "weights" the tensors loaded; raising in it stops the
+    load there."""
     source = resolve(spec)
     dev = pick_device(device)
     weights = pick_weights(weights, dev, decode)
@@ -185,7 +186,7 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
     else:
         folder = Path(source.location)
         identity = "folder:" + folder_identity(folder)
-    model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source)
+    model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source, staged("weights"))
     if weights != "none":  # other weights give other K/V: the prefix cache must not mix them
         identity += f"|weights:{weights}"
     return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
@@ -274,7 +275,7 @@ def save_plain(model, folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def _load_folder(folder: Path, device, dtype, weights, source):
+def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -292,7 +293,12 @@ def _load_folder(folder: Path, device, dtype, weights, source):
         kwargs["device_map"] = {"": device.index or 0}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        from .gguf_convert import weights_counted
+
+        with weights_counted(progress):
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ModelError:  # the load was cancelled from the progress callback
+        raise
     except Exception as e:
         raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
     if device.type != "cuda":

@@ -426,7 +426,8 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
 
 
 def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
-    """A fresh cache: the bar is busy while the file is read, then counts the tensors up to all."""
+    """A fresh cache: the bar is busy while the file is read, then counts the tensors up to all;
+    then it counts the weights loaded."""
     import gguf
 
     from kvchat.engine.models import starter_path
@@ -443,9 +444,13 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     qtbot.waitUntil(lambda: not bridge.switching, timeout=150000)
     assert bridge.load_error is None
     assert seen[0][1] == 0 and seen[0][2] == "converting GGUF"  # busy: no count while the file is read
-    counted = [value for value, maximum, _ in seen if maximum == n]
+    converting = [s for s in seen if s[2].startswith("converting")]
+    counted = [value for value, maximum, _ in converting if maximum == n]
     assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
-    assert f"tensor {n} of {n}" in seen[-1][2]
+    assert f"tensor {n} of {n}" in converting[-1][2]
+    loading = seen[len(converting):]  # then the weights, each tensor of the converted model
+    assert loading and all(s[2].startswith("loading weights") for s in loading)
+    assert [s[0] for s in loading] == sorted(s[0] for s in loading) and loading[-1][0] == loading[-1][1] > 0
     assert win.load_bar.isHidden()
 
 
