@@ -48,7 +48,8 @@ class Finished:
 @dataclass
 class LoadProgress:
     """How far a load is: ``stage`` "download" counts bytes, "convert" the tensors of a GGUF being
-    converted; ``total`` 0 while unknown (a conversion reading its file)."""
+    converted, "weights" the tensors loaded; "read", "tokenizer" and "model", a conversion's steps
+    before its count, have ``total`` 0 (models.load)."""
     done: int
     total: int
     stage: str = "download"

@@ -2,6 +2,7 @@
 
 - It parses the file three times (for the tokenizer, the config and the weights), and parsing the
   starter's 49k-token vocabulary takes 2.5-4 s here each time: the same reader serves all three.
+  It is parsed on entering ``converting``, so the caller can say when reading ends.
 - It builds gguf's tensor-name map once per module of the model (397 times for the starter, 4-5 s
   in all), always for the same architecture and layer count: it is built once.
 - It reports progress only to a terminal bar: the tensor loop's ``tqdm`` (transformers 5.x,
@@ -23,13 +24,15 @@ _LOCK = threading.Lock()
 
 @contextmanager
 def converting(path, progress: Callable[[int, int], None]):
+    """Parses ``path`` (a bad file raises here), then swaps in the reader, the map and the counter."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     with _LOCK:
         real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        parsed = real_reader(path)
         real_bar = getattr(gguf_utils, "tqdm", None)
-        gguf.GGUFReader = _read_once(real_reader, path)
+        gguf.GGUFReader = _read_once(real_reader, path, parsed)
         gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)  # (arch, layers) -> map
         if real_bar is not None:
             gguf_utils.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
@@ -41,18 +44,15 @@ def converting(path, progress: Callable[[int, int], None]):
                 gguf_utils.tqdm = real_bar
 
 
-def _read_once(reader_class, path):
-    """A stand-in for GGUFReader that parses ``path`` once; any other file is read as usual. The
-    reader is only read from (fields, tensors over a read-only memory map), so sharing it is safe."""
+def _read_once(reader_class, path, parsed):
+    """A stand-in for GGUFReader that gives ``parsed`` for ``path``; any other file is read as usual.
+    The reader is only read from (fields, tensors over a read-only memory map), so sharing it is safe."""
     target = os.path.realpath(path)
-    made = {}
 
     def reader(file, *args, **kwargs):
         if args or kwargs or os.path.realpath(file) != target:
             return reader_class(file, *args, **kwargs)
-        if "reader" not in made:
-            made["reader"] = reader_class(file)
-        return made["reader"]
+        return parsed
 
     return reader
 

@@ -426,8 +426,9 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
 
 
 def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
-    """A fresh cache: the bar is busy while the file is read, then counts the tensors up to all;
-    then it counts the weights loaded."""
+    """A fresh cache: while there is no count (reading the file, making the tokenizer and the
+    model) the bar is busy and the label beside it says which; then it counts the tensors up to
+    all; then the weights loaded."""
     import gguf
 
     from kvchat.engine.models import starter_path
@@ -437,21 +438,23 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     model = tmp_path / "smollm2.gguf"
     model.symlink_to(starter_path())
     n = len(gguf.GGUFReader(model).tensors)
-    seen = []  # the bar as the user sees it after each progress event (the window's slot runs first)
+    seen = []  # what the user sees after each progress event (the window's slot runs first)
     bridge.load_progress.connect(lambda *_: seen.append((win.load_bar.value(), win.load_bar.maximum(),
-                                                         win.load_bar.format())))
+                                                         win.load_bar.text(), win.precision_label.text())))
     win.load_model({"model": str(model)}, previous=None)
     qtbot.waitUntil(lambda: not bridge.switching, timeout=150000)
     assert bridge.load_error is None
-    assert seen[0][1] == 0 and seen[0][2] == "converting GGUF"  # busy: no count while the file is read
+    busy = [label for _, maximum, text, label in seen if maximum == 0]
+    assert busy == ["reading GGUF file…", "converting GGUF: the tokenizer…", "converting GGUF: building the model…"]
+    assert all(not text for _, maximum, text, _ in seen[:3])  # a busy bar draws no text: the label has it
     converting = [s for s in seen if s[2].startswith("converting")]
-    counted = [value for value, maximum, _ in converting if maximum == n]
+    counted = [value for value, maximum, _, _ in converting if maximum == n]
     assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
-    assert f"tensor {n} of {n}" in converting[-1][2]
-    loading = seen[len(converting):]  # then the weights, each tensor of the converted model
+    assert f"tensor {n} of {n}" in converting[-1][2] and converting[-1][3] == "converting GGUF…"
+    loading = seen[3 + len(converting):]  # then the weights, each tensor of the converted model
     assert loading and all(s[2].startswith("loading weights") for s in loading)
     assert [s[0] for s in loading] == sorted(s[0] for s in loading) and loading[-1][0] == loading[-1][1] > 0
-    assert win.load_bar.isHidden()
+    assert win.load_bar.isHidden() and win.precision_label.text().startswith("KV ")  # ready
 
 
 def top_bar_widgets(win):

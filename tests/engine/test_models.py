@@ -50,6 +50,9 @@ def test_garbage_gguf_is_a_one_line_error(tmp_path):
     bad.write_bytes(b"not a gguf at all" * 100)
     with pytest.raises(ModelError, match="cannot read GGUF file"):
         load(str(bad))
+    import gguf
+
+    assert gguf.GGUFReader.__name__ == "GGUFReader"  # parsed before anything was swapped
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -99,8 +102,8 @@ def test_quantized_weights_need_cuda():
 
 
 def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch, tmp_path):
-    """A fresh cache: progress (0, 0) while the file is read, then (i, n) after each of its n
-    tensors; raising in the callback (the engine's cancel) stops the conversion with that reason."""
+    """A fresh cache: stages "read", "tokenizer" and "model" with no count, then (i, n) after each of
+    its n tensors; raising in the callback (the engine's cancel) stops the conversion with that reason."""
     import gguf
 
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
@@ -108,7 +111,7 @@ def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch
     digest = models.file_digest(path)
     n = len(gguf.GGUFReader(path).tensors)
 
-    def cancel_at_100(done, total):
+    def cancel_at_100(done, total, stage):
         if done == 100:
             raise ModelError("loading cancelled")
 
@@ -118,9 +121,9 @@ def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch
     assert gguf.GGUFReader.__name__ == "GGUFReader"  # transformers and gguf are as they were
 
     seen = []
-    folder = models.gguf_to_folder(path, digest, lambda done, total: seen.append((done, total)))
+    folder = models.gguf_to_folder(path, digest, lambda *a: seen.append(a))
     assert (folder / "done").is_file() and models.converted_problem(folder) is None
-    assert seen[0] == (0, 0) and seen[-1] == (n, n) and n == 272
-    assert [d for d, t in seen[1:]] == list(range(n + 1)) and {t for d, t in seen[1:]} == {n}
+    assert seen[:3] == [(0, 0, "read"), (0, 0, "tokenizer"), (0, 0, "model")] and n == 272
+    assert seen[3:] == [(i, n, "convert") for i in range(n + 1)]
     seen.clear()
     assert models.gguf_to_folder(path, digest, lambda *a: seen.append(a)) == folder and not seen  # cached
