@@ -84,12 +84,24 @@ class BlockPool:
             return None
         return block
 
+    def children(self, parent: bytes) -> list[Block]:
+        """The cached blocks that follow the block named ``parent``: a scan, run once a request."""
+        return [b for b in self.cached.values() if b.parent == parent]
+
     def touch(self, block: Block) -> None:
         """Take a reference to a cached block, pulling it out of a free queue if it sat there."""
         if block.ref_cnt == 0:
             self.free_queue.pop(block.id, None)
             self.pinned_queue.pop(block.id, None)
         block.ref_cnt += 1
+
+    def claim(self, block: Block) -> None:
+        """Take a free cached block to write into: it leaves the cache, as its rows will change
+        (not an eviction: nothing is lost that the taker does not keep)."""
+        self.touch(block)
+        if self.cached.get(block.hash) is block:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.pinned, block.parent = None, (), False, None
 
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference from each; the tail goes first into the queue so it is evicted first."""

@@ -568,7 +568,7 @@ class Engine:
             self.personas.remember(seq, persona_len)
         except Exception:
             log.exception("could not remember the persona")
-        self.manager.free(seq)
+        self.manager.free(seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def context_limit(self) -> int:
         """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
@@ -628,6 +628,7 @@ class Engine:
         limit = self.context_limit()
         self.manager.match_prefix(seq)
         self.personas.restore(seq, persona_len)
+        self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         stats.cached_tokens = seq.num_computed
         logits = None
         while seq.num_computed < prompt_len:

@@ -231,6 +231,17 @@ class RecentWindow:
         self.v[layer].index_copy_(0, index, value[n - keep:].to(self.v.dtype))
         self.note(layer, first_pos, n)
 
+    def rewind(self, length: int) -> None:
+        """Go on from position ``length``: a new sequence that shares the tokens before it (a
+        chat's next turn) keeps the rows this one holds of them, exact, instead of reading them
+        back quantized."""
+        for layer, (start, end) in enumerate(zip(self.start, self.end)):
+            held = max(start, end - self.size)  # older positions' rows were overwritten
+            self.start[layer] = held if held <= length <= end else length
+            self.end[layer] = length
+        self.sink_len = [min(n, length) for n in self.sink_len]
+        self._last_index = (None, None)
+
     def ring_row(self, position: int) -> int:
         return self.sinks + position % self.size
 

@@ -4,6 +4,8 @@ A token at position ``p`` of a sequence lives at slot ``block_table[p // block_s
 + p % block_size``; slot ``-1`` is padding and is never written. The per-layer tensors and the
 quantized layout are defined in ``quant.py``.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -85,11 +87,40 @@ def split_attention(query: torch.Tensor, past: list, k: torch.Tensor, v: torch.T
     kv_heads = k.shape[1]
     g = heads // kv_heads
     folded = query.transpose(0, 1).reshape(1, kv_heads, g * t, d)
-    parts = [_FLASH(folded, pk.transpose(0, 1)[None], pv.transpose(0, 1)[None], scale=scale)[:2] for pk, pv in past]
+    parts = [part for pk, pv in past for part in _context_parts(folded, pk, pv, scale)]
     k, v = (x.transpose(0, 1).repeat_interleave(g, 0)[None] for x in (k, v))
     out, lse = _FLASH(query.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)[:2]
     parts.append((out.reshape(folded.shape), lse.reshape(1, kv_heads, g * t)))
     return _merge(parts).to(query.dtype).reshape(heads, t, d).transpose(0, 1)
+
+
+MIN_SPLIT = 512  # keys per part, at least: the kernel's own block of keys
+
+
+def _context_parts(folded: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> list:
+    """``split_attention``'s parts for one context piece ``[n, Hkv, D]``. The kernel shares out
+    (KV head, block of query rows) pairs among the threads: a few new tokens make one block a head,
+    3 pairs for the starter's 3 KV heads, and one of 2 threads would do two while the other waits.
+    So the keys are cut into ``s`` equal parts, a batch of one call, and ``s`` times the pairs
+    share out evenly (then merged like the other parts)."""
+    s = _splits(folded.shape[1], folded.shape[2])
+    n = k.shape[0] // s
+    if s == 1 or n < MIN_SPLIT:
+        return [_FLASH(folded, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)[:2]]
+    ks, vs = (x[:n * s].unflatten(0, (s, n)).permute(0, 2, 1, 3) for x in (k, v))
+    out, lse = _FLASH(folded.expand(s, -1, -1, -1), ks, vs, scale=scale)[:2]
+    parts = [(out[i:i + 1], lse[i:i + 1]) for i in range(s)]
+    if n * s < k.shape[0]:
+        parts += _context_parts(folded, k[n * s:], v[n * s:], scale)
+    return parts
+
+
+def _splits(kv_heads: int, rows: int) -> int:
+    """How many parts make the kernel's work items a multiple of the threads. Its block of query
+    rows (ATen's CPU flash attention) is 32 rows under 192, 64 under 768, else 256."""
+    block = 32 if rows < 192 else 64 if rows < 768 else 256
+    items, threads = kv_heads * -(-rows // block), torch.get_num_threads()
+    return threads // math.gcd(items, threads)
 
 
 def _dequantized_past(tensors: dict, fmt: KVFormat, block_table, past: int, first_block, dtype,

@@ -69,7 +69,7 @@ def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(starter, tmp
     again = engine.generate(messages, max_new_tokens=8, temperature=0)
     engine.close()
     assert first.stats.kv_precision == "int4" and first.token_ids
-    assert again.stats.cached_tokens == (again.stats.prompt_tokens - 1) // 16 * 16
+    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1  # its partly filled last block too
     assert again.token_ids == first.token_ids
     restarted = shared_engine(starter, "int4", PersonaStore(tmp_path))
     done = restarted.generate(messages, max_new_tokens=8, temperature=0)
