@@ -158,6 +158,7 @@ def test_personas_hit_the_servers_cache_and_the_memory_panel_shows_the_servers_f
     assert "%" in panel.text().split("hit rate")[1]
 
     # back on this computer: the local engine answers, and its replies keep their token ids again
+    win.resize(1600, 900)  # beside the open memory panel, room in the top bar for every chip
     choose(qtbot, win.connection_box, LOCAL)
     qtbot.waitUntil(lambda: bridge.server is None and not bridge.switching and bridge.engine.ready.is_set(),
                     timeout=60000)
