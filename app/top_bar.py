@@ -5,13 +5,18 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QStyle, QToolButton, QWidget
 
 from kvchat.engine.memory import parameter_counts
 
+from .model_library import count
+
 
 def size_label(config) -> str:
+    """The model's parameters as the library counts them: what the load counted before int8/int4
+    weights untied the config (that config counts a tied embedding twice: 163M for the 135M starter)."""
+    n = getattr(config, "kvchat_parameter_count", None)
     try:
-        n = sum(parameter_counts(config))
+        n = n or sum(parameter_counts(config))
     except Exception:  # a config the planner cannot read still gets a chip, without a size
         return ""
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return count(n)  # as the library writes it
 
 
 def model_name(source_label: str) -> str:

@@ -308,12 +308,25 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
         raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
     if device.type != "cuda":
         model.to(device)
+    model.config.kvchat_parameter_count = _parameter_count(config)
     if cpu_quant:
         try:
             quantize_linears(model, weights)
         except ValueError as e:
             raise ModelError(f"{source.label}: {e}") from None
     return model.eval(), tokenizer
+
+
+def _parameter_count(config) -> int | None:
+    """The checkpoint's parameters, a tied embedding once, as the model library counts them. Kept
+    on the loaded config because int8/int4 weights give a tied head its own copy and untie the
+    config, which then counted the embedding twice (163M for the 135M starter)."""
+    from .memory import parameter_counts
+
+    try:
+        return sum(parameter_counts(config))
+    except (TypeError, KeyError, AttributeError):  # a config the planner cannot read: no count
+        return None
 
 
 def _bnb_config(weights: str, device, dtype: torch.dtype):

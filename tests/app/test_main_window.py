@@ -481,3 +481,31 @@ def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
     win.resize(1600, 1000)
     qtbot.waitUntil(lambda: win.kv_chip.isVisible() and win.context_chip.isVisible())
     assert win.model_chip.width() == win.model_chip.sizeHint().width()  # the whole name
+
+
+def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_path):
+    """int8 weights (the CPU's 'auto') give the tied head its own copy and untie the config, which
+    then counted the embedding twice: the chip read 163M, the library 135M for the same starter."""
+    from kvchat.app.engine_bridge import EngineBridge
+    from kvchat.engine.config import EngineConfig
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.models import starter_path
+
+    engine = Engine(EngineConfig(max_context=512, weights="int8"), persona_store=None)
+    bridge = EngineBridge(engine, lambda settings: None)
+    win = shown(qtbot, MainWindow(Store(tmp_path / "chat.db"), bridge, SamplingParams(max_new_tokens=4)))
+    qtbot.addWidget(win)
+    try:
+        qtbot.waitUntil(lambda: "weights" in win.model_chip.text(), timeout=120000)
+        assert engine.loaded.model.config.tie_word_embeddings is False  # the case that read 163M
+        folder = tmp_path / "models"
+        folder.mkdir()
+        (folder / "smollm2.gguf").symlink_to(starter_path())
+        library = win.model_library(roots=[(folder, "here")])
+        qtbot.addWidget(library)
+        library.show()
+        qtbot.waitUntil(lambda: library.table.rowCount() == 1, timeout=30000)
+        in_library = library.table.item(0, 3).text()
+        assert in_library == "135M" and win.model_chip.text().split(" · ")[1] == in_library
+    finally:
+        engine.close()
