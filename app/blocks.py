@@ -40,7 +40,9 @@ def code_html(code: str, language: str, dark: bool) -> str:
         lexer = get_lexer_by_name(language) if language else TextLexer()
     except ClassNotFound:
         lexer = TextLexer()
-    return '<pre style="margin-top:0; margin-bottom:0">' + highlight(code, lexer, FORMATTERS[dark]).rstrip("\n") + "</pre>"
+    # pre-wrap: a long line wraps inside the block instead of running past its right edge
+    return ('<pre style="margin-top:0; margin-bottom:0; white-space:pre-wrap">'
+            + highlight(code, lexer, FORMATTERS[dark]).rstrip("\n") + "</pre>")
 
 
 def blocks(content: str, dark: bool) -> list[dict]:

@@ -138,6 +138,22 @@ def test_code_blocks_show_their_language_and_copy(qtbot, app_parts):
     assert qml_items(win, "copyCode")[0].property("text") == "Copied"
 
 
+def test_a_long_code_line_wraps_inside_its_block(qtbot, app_parts):
+    """It ran past the block's right edge (a <pre> does not wrap)."""
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    win.new_conversation()
+    store.add_message(win.conversation_id, "user", "code")
+    line = "x = 1  # " + "a long comment " * 30
+    store.add_message(win.conversation_id, "assistant", f"```python\n{line}\n```")
+    win.render_chat()
+    qtbot.waitUntil(lambda: len(qml_items(win, "codeText")) == 1, timeout=5000)
+    code = qml_items(win, "codeText")[0]
+    qtbot.waitUntil(lambda: code.property("contentHeight") > 0, timeout=5000)
+    assert code.property("contentWidth") <= code.property("width")
+    assert code.property("lineCount") > 1
+
+
 def test_persona_editor_and_export(qtbot, app_parts, tmp_path):
     win, store, _, _ = app_parts
     win.save_persona(None, "Pirate", "You talk like a pirate.")
