@@ -122,21 +122,25 @@ def long_chat(n: int) -> list[dict]:
     return out
 
 
-def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 3, precision: str = "fp16",
+def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 5, precision: str = "fp16",
                     prefix: str = "d_") -> dict:
     """(d) TTFT of a new turn after ``n`` messages whose prefix is cached: what is left is the
     prompt's encoding, the prefix match and the uncached tail (the new message), whose attention
-    over the cached context is the one cost that grows with the chat."""
+    over the cached context is the one cost that grows with the chat. Both chats are cached in the
+    one pool and their turns taken in turn, so that a machine busy with something else for a while
+    slows both alike, not one of the two medians."""
     engine = Engine(EngineConfig(model=model, max_context=8192, kv_precision=precision), persona_store=None)
     engine.wait_ready()
-    out = {}
-    for n in lengths:
-        history = long_chat(n)
-        question = "Thank you. Is there a photocopier on the ground floor"
+    question = "Thank you. Is there a photocopier on the ground floor"
+    histories = {n: long_chat(n) for n in lengths}
+    for history in histories.values():
         _ttft(engine, history + [{"role": "user", "content": question + "?"}])  # computes the whole history
-        runs = [_ttft(engine, history + [{"role": "user", "content": question + "!" * (r + 1)}]) for r in range(repeats)]
-        encode = _encode_ms(engine, history + [{"role": "user", "content": question + "."}])
-        out[n] = (statistics.median(t for t, _ in runs), runs[-1][1].stats, encode)
+    runs = {n: [] for n in lengths}
+    for r in range(repeats):
+        for n, history in histories.items():
+            runs[n].append(_ttft(engine, history + [{"role": "user", "content": question + "!" * (r + 1)}]))
+    out = {n: (statistics.median(t for t, _ in runs[n]), runs[n][-1][1].stats,
+               _encode_ms(engine, histories[n] + [{"role": "user", "content": question + "."}])) for n in lengths}
     engine.close()
     short, long_ = lengths
     computed = lambda n: out[n][1].prompt_tokens - out[n][1].cached_tokens
