@@ -148,7 +148,7 @@ class DecodeStep:
         made once at the largest bucket and grows only for eager steps past that."""
         n, old = len(block_ids), self._dev_ids
         if self._dev_table is None or n > self._dev_table.numel():
-            self._dev_table = torch.zeros(max(n, BUCKETS[-1] if self.device.type == "cuda" else 64),
+            self._dev_table = torch.zeros(max(2 * n, BUCKETS[-1] if self.device.type == "cuda" else 64),
                                           dtype=torch.int32, device=self.device)
             self._graphs.clear()
             old = []

@@ -8,6 +8,7 @@ import torch
 from kvchat.engine.attention import StepMeta, running
 from kvchat.engine.bench_decode import IdTokenizer
 from kvchat.engine.config import EngineConfig, Precision
+from kvchat.engine.decode_step import DecodeStep
 from kvchat.engine.engine import Engine
 from kvchat.engine.events import Notice
 from kvchat.engine.kv_manager import Sequence
@@ -152,3 +153,22 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
     assert first.token_ids == second.token_ids and len(first.token_ids) == 8
     eager = [n for n in notices if n.kind == "eager"]
     assert len(eager) == 1 and "no C++ compiler found" in eager[0].message
+
+
+def test_the_step_block_table_holds_exactly_the_ids_it_was_given():
+    """Only changed ids are written: growing by a block, a new sequence, a block moved mid-table,
+    a shorter table, and growth past the buffer (which then doubles)."""
+    step = DecodeStep(tiny_model("llama"), "eager")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(500, generator=g)[:3].tolist()
+    for change in range(120):
+        if change == 40:
+            ids = torch.randperm(500, generator=g)[:len(ids)].tolist()  # another sequence
+        elif change % 13 == 5:
+            ids[len(ids) // 2] = 999  # a moved block
+        elif change == 60:
+            ids = ids[:len(ids) // 2]  # shorter
+        else:
+            ids = ids + [int(torch.randint(500, (1,), generator=g))]
+        assert step._device_table(ids).tolist() == ids, change
+    assert len(ids) > 64  # past the first buffer
