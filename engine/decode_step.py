@@ -79,8 +79,9 @@ class DecodeStep:
         self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
         self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
-        self._table, self._table_ids = None, []  # the CPU's block table buffer, and the ids in it
-        self._dev_table, self._dev_ids = None, []  # the op's and the graphs' block table, and the ids in it
+        self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
+        # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
+        self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
         self._wmeta_host = torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
         self._graph_kv = None  # the pool the graphs were captured on
@@ -142,25 +143,10 @@ class DecodeStep:
                         first_block=consecutive_start(block_ids), window=window, context_lens=self.lens)
 
     def _device_table(self, block_ids: list[int]) -> torch.Tensor:
-        """``block_ids`` as int32 in a buffer kept across steps, where only the ids that changed are
-        written: a decode step adds one block every block-size tokens (a fill), a new sequence or a
-        moved block rewrites from the first difference. Captured graphs read views of it, so it is
-        made once at the largest bucket and grows only for eager steps past that."""
-        n, old = len(block_ids), self._dev_ids
-        if self._dev_table is None or n > self._dev_table.numel():
-            self._dev_table = torch.zeros(max(2 * n, BUCKETS[-1] if self.device.type == "cuda" else 64),
-                                          dtype=torch.int32, device=self.device)
+        """``block_ids`` as int32 on the device; a new buffer drops the graphs, which read the old."""
+        if self._table.hold(block_ids):
             self._graphs.clear()
-            old = []
-        same = 0
-        if old[:n] != block_ids:
-            same = next((i for i, (a, b) in enumerate(zip(old, block_ids)) if a != b), min(len(old), n))
-            if n - same == 1:
-                self._dev_table[same].fill_(block_ids[same])
-            else:
-                self._dev_table[same:n].copy_(torch.tensor(block_ids[same:], dtype=torch.int32))
-        self._dev_ids = list(block_ids)
-        return self._dev_table[:n]
+        return self._table.buffer[:len(block_ids)]
 
     def traced_inputs(self, kv, block_ids: list[int]) -> dict:
         """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
@@ -169,14 +155,8 @@ class DecodeStep:
         context; the pool's size is not (a pool of another size compiles again): with every
         layer's pool tensors dynamic too, the first compile of the starter took 103 s and a warm
         start 13.3 s, against 89 s and 11.4 s (the op's graph: 47 s and 9.7 s)."""
-        n = max(len(block_ids), 2)
-        if self._table is None or self._table.numel() < n:
-            self._table = torch.zeros(max(64, 2 * n), dtype=torch.long, device=self.device)
-            self._table_ids = []
-        if self._table_ids != block_ids:
-            self._table[:len(block_ids)] = torch.tensor(block_ids, dtype=torch.long)
-            self._table_ids = list(block_ids)
-        table = self._table[:n]
+        self._traced_table.hold(block_ids)
+        table = self._traced_table.buffer[:max(len(block_ids), 2)]
         torch._dynamo.maybe_mark_dynamic(table, 0)
         return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
@@ -253,7 +233,7 @@ class DecodeStep:
         so they leave the pool and the window untouched; the window's bookkeeping, which the op's
         Python updates as it records, is put back after."""
         length = position + 1 if window is not None else 1  # a window is recorded at its own place
-        meta = StepMeta(kv=kv, slots=self.slots, block_table=self._dev_table[:bucket], context_len=length,
+        meta = StepMeta(kv=kv, slots=self.slots, block_table=self._table.buffer[:bucket], context_len=length,
                         context_lens=self.lens, window=window, window_meta=self.wmeta if window is not None else None)
         self.slots.fill_(-1)
         self.lens.fill_(length)
@@ -275,3 +255,30 @@ class DecodeStep:
             if kept is not None:
                 window.start, window.end, window.sink_len = kept
         return graph, logits
+
+
+class IdBuffer:
+    """Block ids in a tensor kept across steps, where only the ids that changed since the last call
+    are written: a decode step adds one block every block-size tokens (a fill), a new sequence or
+    a moved block rewrites from the first difference. On CUDA a copy from the host's pageable
+    memory waits for the GPU; a fill does not."""
+
+    def __init__(self, dtype: torch.dtype, device, min_size: int):
+        self.dtype, self.device, self.min_size = dtype, device, min_size
+        self.buffer, self.ids = None, []
+
+    def hold(self, block_ids: list[int]) -> bool:
+        """Put ``block_ids`` at the buffer's start; True when the buffer was made anew (it doubles)."""
+        n, old = len(block_ids), self.ids
+        made = self.buffer is None or n > self.buffer.numel()
+        if made:
+            self.buffer = torch.zeros(max(2 * n, self.min_size), dtype=self.dtype, device=self.device)
+            old = []
+        if old[:n] != block_ids:
+            same = next((i for i, (a, b) in enumerate(zip(old, block_ids)) if a != b), min(len(old), n))
+            if n - same == 1:
+                self.buffer[same].fill_(block_ids[same])
+            else:
+                self.buffer[same:n].copy_(torch.tensor(block_ids[same:], dtype=self.dtype))
+        self.ids = list(block_ids)
+        return made

@@ -31,17 +31,28 @@ def converting(path, progress: Callable[[int, int], None]):
     with _LOCK:
         real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
         parsed = real_reader(path)
-        real_bar = getattr(gguf_utils, "tqdm", None)
         gguf.GGUFReader = _read_once(real_reader, path, parsed)
         gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)  # (arch, layers) -> map
-        if real_bar is not None:
-            gguf_utils.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
         try:
-            yield
+            with _bar_counted(gguf_utils, progress):
+                yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
-            if real_bar is not None:
-                gguf_utils.tqdm = real_bar
+
+
+@contextmanager
+def _bar_counted(module, progress: Callable[[int, int], None]):
+    """``module.tqdm`` (transformers' terminal bar over a tensor loop) reports to ``progress``
+    instead, for the duration; a module without one is left as it is. Callers hold their lock."""
+    real_bar = getattr(module, "tqdm", None)
+    if real_bar is None:
+        yield
+        return
+    module.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
+    try:
+        yield
+    finally:
+        module.tqdm = real_bar
 
 
 def _read_once(reader_class, path, parsed):
@@ -85,13 +96,8 @@ def weights_counted(progress: Callable[[int, int], None] | None):
         import transformers.core_model_loading as loading
     except ImportError:  # another transformers: the load is silent
         loading = None
-    if progress is None or getattr(loading, "tqdm", None) is None:
+    if progress is None or loading is None:
         yield
         return
-    with _WEIGHTS_LOCK:
-        real_bar = loading.tqdm
-        loading.tqdm = lambda iterable, *args, **kwargs: Counted(iterable, progress)
-        try:
-            yield
-        finally:
-            loading.tqdm = real_bar
+    with _WEIGHTS_LOCK, _bar_counted(loading, progress):
+        yield

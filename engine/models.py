@@ -283,6 +283,8 @@ def save_plain(model, folder: Path) -> None:
 def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_convert import weights_counted
+
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as e:
@@ -298,8 +300,6 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
         kwargs["device_map"] = {"": device.index or 0}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        from .gguf_convert import weights_counted
-
         with weights_counted(progress):
             model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except ModelError:  # the load was cancelled from the progress callback
