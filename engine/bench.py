@@ -49,6 +49,17 @@ USER_TURNS = [
 ]
 
 
+# (d)'s new turns: each one new text, as a user's next message is (no shared prefix beyond the
+# chat template), so each turn computes the whole message against the cached history
+NEW_TURNS = [
+    "Thank you. Is there a photocopier on the ground floor?",
+    "Can I renew my loans by telephone, or only at the desk?",
+    "Are dogs allowed in the garden reading area in summer?",
+    "How much does a replacement library card cost these days?",
+    "Do you keep back issues of the local newspaper from the sixties?",
+]
+
+
 def _ttft(engine, messages, max_new_tokens=1) -> tuple[float, object]:
     done = engine.submit(Request(messages=messages, sampling=SamplingParams(
         max_new_tokens=max_new_tokens, temperature=0))).result()
@@ -131,16 +142,16 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 5, 
     slows both alike, not one of the two medians."""
     engine = Engine(EngineConfig(model=model, max_context=8192, kv_precision=precision), persona_store=None)
     engine.wait_ready()
-    question = "Thank you. Is there a photocopier on the ground floor"
     histories = {n: long_chat(n) for n in lengths}
     for history in histories.values():
-        _ttft(engine, history + [{"role": "user", "content": question + "?"}])  # computes the whole history
+        _ttft(engine, history + [{"role": "user", "content": "Thank you."}])  # computes the whole history
     runs = {n: [] for n in lengths}
     for r in range(repeats):
+        question = {"role": "user", "content": NEW_TURNS[r % len(NEW_TURNS)]}
         for n, history in histories.items():
-            runs[n].append(_ttft(engine, history + [{"role": "user", "content": question + "!" * (r + 1)}]))
+            runs[n].append(_ttft(engine, history + [question]))
     out = {n: (statistics.median(t for t, _ in runs[n]), runs[n][-1][1].stats,
-               _encode_ms(engine, histories[n] + [{"role": "user", "content": question + "."}])) for n in lengths}
+               _encode_ms(engine, histories[n] + [{"role": "user", "content": NEW_TURNS[-1]}])) for n in lengths}
     engine.close()
     short, long_ = lengths
     computed = lambda n: out[n][1].prompt_tokens - out[n][1].cached_tokens
