@@ -26,6 +26,7 @@ from .memory import PREFIX_RESERVE, PRECISIONS, MemoryProbe, MemorySnapshot, act
 from .models import LoadedModel, ModelError, load
 from .persona_store import PersonaStore
 from .sampler import Sampler
+from .weights import warm_up as warm_weights
 
 log = logging.getLogger("kvchat.engine")
 PRESSURE_SLACK = 256 << 20  # short by less (or an eighth of the pool): a module loaded late, not a program
@@ -378,6 +379,7 @@ class Engine:
         started = time.perf_counter()
         try:
             self.runner.step.warm_up(self.kv)
+            warm_weights(self.loaded.model)
         except Exception:
             log.exception("warming up the decode step failed")
         log.info("decode step ready (%s) in %.1f s", self.runner.step.mode, time.perf_counter() - started)

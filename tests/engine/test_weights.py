@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvchat.engine import weights
 from kvchat.engine.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, _codes, quantize_linears, weight_bytes
 
 from tiny_models import tiny_model
@@ -40,6 +41,29 @@ def test_int8_compiled_single_row_equals_eager():
     x = torch.randn(1, 1, 96)
     compiled = torch.compile(q, fullgraph=True)
     torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_eager_paths_run_compiled_for_every_shape_and_equal_the_dequantized_product():
+    for n, k in ((96, 128), (64, 64), (160, 96)):  # a square one: dynamic shapes specialise n == k
+        q = Int8Linear(linear(n=n, k=k, seed=n))
+        for rows in (1, 3):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
+    for fn in (weights._dequantized, weights._row_product):
+        assert isinstance(weights.fused(fn), weights._FirstCallGuard) and weights.fused(fn).compiled is not None
+
+
+def test_int8_falls_back_to_eager_once_when_compiling_fails(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(weights, "_fused", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
+    q = Int8Linear(linear(seed=3))
+    x = torch.randn(4, 128)
+    for _ in range(2):
+        torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
+    assert [r.getMessage() for r in caplog.records] == ["int8 weights without compilation (RuntimeError: no compiler today)"]
 
 
 def test_int4_holds_q4_1_values_up_to_its_bf16_scale_and_zero():
