@@ -194,6 +194,7 @@ class Engine:
             return refuse(command, self.load_error or "no model is loaded")
         try:
             if isinstance(command, Submit):
+                self._warm_decode()  # a first request before an idle second: warned the same
                 self._serve(command.handle)
                 self._report_fallback()
             else:
@@ -377,12 +378,21 @@ class Engine:
             return
         self._warmed = True
         started = time.perf_counter()
+        # compiling on the CPU takes a minute or more the first time: a message sent meanwhile
+        # waits, and the user should know why (a CUDA capture takes a second)
+        told = self.runner.step.captured and self.loaded.device.type == "cpu"
+        if told:
+            self._notice("warm-up", "preparing fast decoding for this model: a minute or two the first time, "
+                                    "seconds after; a message sent now is answered when it is done")
         try:
             self.runner.step.warm_up(self.kv)
             warm_weights(self.loaded.model)
         except Exception:
             log.exception("warming up the decode step failed")
-        log.info("decode step ready (%s) in %.1f s", self.runner.step.mode, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        log.info("decode step ready (%s) in %.1f s", self.runner.step.mode, elapsed)
+        if told and self.runner.step.captured:
+            self._notice("warm-up", f"fast decoding ready ({elapsed:.0f} s)")
         self._report_fallback()
 
     def _report_fallback(self) -> None:

@@ -57,7 +57,8 @@ class LoadProgress:
 
 @dataclass
 class Notice:
-    """Something the user should know: kind is downshift, shrink, evict, trim or pressure."""
+    """Something the user should know: kind is downshift, shrink, evict, trim, pressure, eager
+    (decoding without compilation) or warm-up (compiling the decode step)."""
     kind: str
     message: str
 

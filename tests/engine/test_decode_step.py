@@ -1,6 +1,7 @@
 """The compiled (CPU) and captured (CUDA) decode step against the eager one: same logits within
 1e-4 in fp32, same greedy tokens, in every KV precision and across a downshift."""
 import copy
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kvchat.engine.kv_manager import Sequence
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.runner import ModelRunner
 
+from polling import wait_for
 from tiny_models import ARCHS, as_loaded, tiny_model
 
 TOL = 1e-4
@@ -151,8 +153,21 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
     second = engine.generate(hello, max_new_tokens=8, temperature=0)
     engine.close()
     assert first.token_ids == second.token_ids and len(first.token_ids) == 8
-    eager = [n for n in notices if n.kind == "eager"]
-    assert len(eager) == 1 and "no C++ compiler found" in eager[0].message
+    assert [n.kind for n in notices] == ["warm-up", "eager"]  # preparing, then why not: no "ready"
+    assert "preparing fast decoding" in notices[0].message and "no C++ compiler found" in notices[1].message
+
+
+def test_the_engine_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
+    """The notices only: compiling itself is tested above (a stand-in warm-up that takes 0.3 s)."""
+    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: time.sleep(0.3))
+    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=starter, persona_store=False)
+    notices = []
+    engine.add_listener(lambda e: notices.append(e) if isinstance(e, Notice) else None)
+    engine.wait_ready(60)
+    assert wait_for(lambda: len(notices) == 2)
+    engine.close()
+    assert [n.kind for n in notices] == ["warm-up", "warm-up"]
+    assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (0 s)"
 
 
 def test_the_step_block_table_holds_exactly_the_ids_it_was_given():
