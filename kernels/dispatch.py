@@ -1,8 +1,8 @@
 """One dispatch: Triton on CUDA, the torch reference everywhere else.
 
 On CUDA, writes go through the fused kernel (no host sync to find padding slots) and single-token
-decode through the paged decode kernel; prefill chunks dequantize into a temporary buffer and use
-SDPA (the reference path).
+decode through the paged decode kernel; prefill chunks use SDPA over the context in a temporary
+buffer (the reference path), which a quantized pool's rows reach dequantized by a kernel in one pass.
 """
 import functools
 
@@ -85,5 +85,6 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
         return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
                                          rotation, k_channel_scale, window=rows)
     rows = window[0].rows(window[1], context_len) if held is not None else None
+    read_rows = _triton_kv().dequantize_rows if fmt.quantized and use_triton(query, tensors, fmt) else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
-                                     k_channel_scale, rows, fresh)
+                                     k_channel_scale, rows, fresh, read_rows)

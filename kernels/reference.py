@@ -31,13 +31,13 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_table: torch.Tensor,
                     context_len: int, scale: float, first_block: int | None = None,
                     rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None,
-                    window: tuple | None = None, fresh: tuple | None = None) -> torch.Tensor:
+                    window: tuple | None = None, fresh: tuple | None = None, read_rows=None) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]``, the last T tokens of a sequence of
     ``context_len`` tokens whose K/V are already in the pool. ``window``, from
     ``quant.RecentWindow.rows``, replaces the quantized rows it holds. ``fresh``, the query tokens'
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
-    vLLM's chunked prefill does. Returns ``[T, heads, D]``."""
+    vLLM's chunked prefill does. ``read_rows``: as in ``sequence_rows``. Returns ``[T, heads, D]``."""
     if fresh is None and in_place(query, fmt, context_len):  # a plain pool: read where it lies
         return prefill_in_place(query, tensors, block_table, context_len, scale)
     dtype = query.dtype
@@ -49,7 +49,7 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
         out = split_attention(q, past, fresh[0].to(dtype), fresh[1].to(dtype), scale)
     else:
         k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
-                              query.shape[-1]) for name in ("k", "v"))
+                              query.shape[-1], read_rows) for name in ("k", "v"))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
     return quant.rotate(out.float(), rotation.float()).to(dtype) if fmt.v_bits < 16 else out
@@ -172,21 +172,27 @@ READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy
 
 
 def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_len: int, first_block,
-                  dtype, fresh: tuple | None, window: tuple | None, head_dim: int) -> torch.Tensor:
+                  dtype, fresh: tuple | None, window: tuple | None, head_dim: int, read_rows=None) -> torch.Tensor:
     """A sequence's K or V ``[context_len, kv_heads, D]`` in the model's dtype, as attention reads
     it: the pool's rows (a view when they are plain and consecutive), the last ones from ``fresh``,
     the window's rows over their quantized copies. Dequantized in fp32 (int8 x an fp16 scale is
-    not exact in bf16) a slice at a time, so the fp32 copy never spans a long context."""
+    not exact in bf16) a slice at a time, so the fp32 copy never spans a long context.
+    ``read_rows(tensors, fmt, name, block_table, first, n, out)``, when given, fills the pool's rows
+    instead of those slices, with the same values (``triton_kv.dequantize_rows``, on CUDA: one pass
+    over the codes instead of a gather, an fp32 copy and a cast per layer and chunk)."""
     bits = fmt.k_bits if name == "k" else fmt.v_bits
     if bits == 16 and fresh is None:
         return quant.read(tensors, fmt, name, block_table, context_len, first_block, dtype)
     past = context_len - fresh[0].shape[0] if fresh is not None else context_len
     out = torch.empty(context_len, tensors[name].shape[2], head_dim, dtype=dtype, device=tensors[name].device)
-    for first in range(0, past, READ_SLICE):
-        n = min(READ_SLICE, past - first)
-        blocks, offset = slice_table(block_table, first, n, tensors[name].shape[1])
-        start = None if first_block is None else first_block + first // tensors[name].shape[1]
-        out[first:first + n] = quant.read(tensors, fmt, name, blocks, offset + n, start, torch.float32)[offset:]
+    if read_rows is not None:
+        read_rows(tensors, fmt, name, block_table, 0, past, out[:past])
+    else:
+        for first in range(0, past, READ_SLICE):
+            n = min(READ_SLICE, past - first)
+            blocks, offset = slice_table(block_table, first, n, tensors[name].shape[1])
+            start = None if first_block is None else first_block + first // tensors[name].shape[1]
+            out[first:first + n] = quant.read(tensors, fmt, name, blocks, offset + n, start, torch.float32)[offset:]
     if fresh is not None:
         out[past:] = fresh[0 if name == "k" else 1]
     if window is not None and bits < 16:

@@ -293,3 +293,57 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     if fmt.v_bits < 16:
         out = out @ rotation.float()
     return out.to(query.dtype)
+
+
+# ``first`` and ``n`` move with every prefill chunk: specializing on them would compile again mid-prompt.
+@triton.jit(do_not_specialize=["first", "n"])
+def _dequantize_rows_kernel(data_ptr, scale_ptr, table_ptr, out_ptr, first, n, out_stride_t, out_stride_h,
+                            KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+                            GROUP: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr):
+    """One program per (ROWS positions, KV head): codes and scales read where the block table puts
+    them, multiplied in fp32 and rounded once to out's dtype, as ``quant.read`` in fp32 then a cast."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(1)
+    live = i < n
+    p = first + i
+    # past n the table may end: block 0 stands in, so every load stays in the pool; the store is masked
+    block_id = tl.load(table_ptr + p // BS, mask=live, other=0).to(tl.int64)
+    row = (block_id * BS + p % BS) * KV_HEADS + h
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)
+    dst = out_ptr + i.to(tl.int64)[:, None] * out_stride_t + h * out_stride_h + j[None, :]
+    lo = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 0, GROUP)
+    hi = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 1, GROUP)
+    if BF16:
+        lo = _to_bf16(lo)
+        hi = _to_bf16(hi)
+    tl.store(dst, lo.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(dst + HALF, hi.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 rounded to nearest, ties to even, as torch casts (finite values only). The
+    interpreter's own cast rounds otherwise, so the tests could not hold it to torch's bits; spelled
+    out in integers, the kernel under test is the kernel a GPU runs."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.Tensor, first: int, n: int,
+                    out: torch.Tensor, rows: int = 64) -> None:
+    """K or V (``name``) of positions ``first .. first + n`` of one sequence into ``out``
+    ``[n, kv_heads, D]`` in one pass: the prefill's past context without a gathered copy or an
+    fp32 one. Still rotated, as the pool holds it; the window and fresh rows are the caller's."""
+    _, bs, kv_heads, _ = tensors[name].shape
+    d = out.shape[-1]
+    _check(tensors, fmt, d)
+    if n == 0:
+        return
+    assert out.shape[0] == n and out.stride(-1) == 1, "out: [n, kv_heads, D], each row contiguous"
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    _dequantize_rows_kernel[(triton.cdiv(n, rows), kv_heads)](
+        tensors[name], tensors.get(name + "_scale", tensors[name]), block_table, out, first, n,
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, D=d, BS=bs, BITS=bits, GROUP=quant.GROUP, ROWS=rows,
+        BF16=out.dtype == torch.bfloat16)
