@@ -382,8 +382,7 @@ class Engine:
         # waits, and the user should know why (a CUDA capture takes a second)
         told = self.runner.step.captured and self.loaded.device.type == "cpu"
         if told:
-            self._notice("warm-up", "preparing fast decoding for this model: a minute or two the first time, "
-                                    "seconds after; a message sent now is answered when it is done")
+            self._notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
         try:
             self.runner.step.warm_up(self.kv)
             warm_weights(self.loaded.model)
