@@ -1,5 +1,6 @@
 """Triton kernels for the quantized paged KV pool (layout: quant.py). Twins of reference.py:
-``quantize_write`` of ``quant.write`` and ``paged_decode`` of ``reference.paged_attention`` at T=1.
+``quantize_write`` of ``quant.write``, ``paged_decode`` of ``reference.paged_attention`` at T=1, and
+``dequantize_rows`` of the slices ``reference.sequence_rows`` reads for a prefill chunk.
 
 Each head_dim vector is handled as two halves of D/2, the split-half int4 layout's natural unit:
 byte j of a packed row holds dim j and dim j + D/2, so one load serves both halves.
