@@ -160,9 +160,10 @@ class MainWindow(QMainWindow):
         status = QHBoxLayout()
         status.setContentsMargins(16, 0, 16, 6)
         status.addWidget(self.notice_label, 1)
+        # the stage's label before the bar: its width changes from stage to stage, the bar's place does not
+        status.addWidget(self.precision_label)
         status.addWidget(self.load_bar)
         status.addWidget(self.cancel_load_button)
-        status.addWidget(self.precision_label)
         statusbar = QFrame(objectName="statusbar")
         statusbar.setLayout(status)
 

@@ -1,7 +1,7 @@
 """The main window on the starter model, offscreen, with a real SQLite file."""
 import json
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
 from kvchat.app.main_window import WAITING_NOTE, MainWindow
@@ -525,3 +525,18 @@ def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_pat
         assert in_library == "135M" and win.model_chip.text().split(" · ")[1] == in_library
     finally:
         engine.close()
+
+
+def test_the_load_bar_stays_put_while_the_stage_beside_it_changes(qtbot, app_parts):
+    """The stage label's text grows and shrinks from stage to stage; the bar must not jump sideways."""
+    win, _, bridge, _ = app_parts
+    win.show()
+    win.set_loading(True)
+    edges = []
+    for done, total, stage in ((0, 0, "read"), (0, 0, "tokenizer"), (0, 0, "model"), (5, 272, "convert"),
+                               (272, 272, "convert"), (9, 272, "weights")):
+        bridge.load_progress.emit(done, total, stage)
+        qtbot.wait(30)  # the layout runs on the next turn of the event loop
+        left = win.load_bar.mapTo(win, QPoint(0, 0)).x()
+        edges.append((left, left + win.load_bar.width()))
+    assert len(set(edges)) == 1, edges
