@@ -40,7 +40,7 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
     names (-1: none). Read from a tensor, so that a captured step can replay it."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # offsets past 2**31 in a large pool's layer
     if BITS == 16:  # the fp16 mode: stored as it is
         _store_plain(x_ptr, data_ptr, slot, t, h, x_stride_t, x_stride_h, KV_HEADS, D)
     elif slot >= 0:
@@ -225,7 +225,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
         for i in range(BLOCKS_PER_SPLIT):
             blk = split * BLOCKS_PER_SPLIT + i
             if (blk * BS < end) & ((blk + 1) * BS > kv_start) & (kv_start < end):
-                block_id = tl.load(table_ptr + b * table_stride + blk)
+                # in int64: an element's offset passes 2**31 in a layer of 2M tokens (8 KV heads, D=128)
+                block_id = tl.load(table_ptr + b * table_stride + blk).to(tl.int64)
                 row = (block_id * BS + offs) * KV_HEADS + kvh
                 valid = (blk * BS + offs < end) & (blk * BS + offs >= kv_start)
                 k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
