@@ -31,60 +31,95 @@ def _check(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
         raise ValueError(f"the Triton KV kernels cannot take this pool: {problem} (the torch reference can)")
 
 
-@triton.jit
+# One tile of WRITE_TILE tokens per program: the rotation (64 KiB at D=128) is read once per tile
+# instead of once per token, and rotated with tl.dot, whose dimensions must all be >= 16 on a GPU
+# (HALF >= 32 holds: quantized formats need head_dim >= 64). The sum runs over D in steps of
+# WRITE_K: an fp32 dot is lowered to FMAs that hold a thread's whole K slice of both operands in
+# registers (triton-lang/triton#5572). Compiled for sm_86 and sm_90 here (Triton 3.9's ptxas, no
+# GPU), one D=128 slice spilled 5-8 KB a thread; slices of 32 took 72-92 registers, none spilled.
+WRITE_TILE = 16
+WRITE_K = 32
+
+
+@triton.jit(do_not_specialize=["n"])
 def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, wmeta_ptr,
-                           x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr):
-    """One program per (token, KV head). With RING (one token), its transformed row, before
-    rounding, also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]``
-    names (-1: none). Read from a tensor, so that a captured step can replay it."""
-    t = tl.program_id(0)
+                           n, x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (BLOCK_T tokens, KV head); rows past ``n`` and padding slots (-1) are
+    masked out of every store. With RING (one token, row 0), its transformed row, before rounding,
+    also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]`` names (-1:
+    none). Read from a tensor, so that a captured step can replay it."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t).to(tl.int64)  # offsets past 2**31 in a large pool's layer
+    live = t < n
+    slot = tl.load(slot_ptr + t, mask=live, other=-1).to(tl.int64)  # offsets past 2**31 in a large pool's layer
+    keep = slot >= 0
+    row = slot * KV_HEADS + h
+    rows_ptr = x_ptr + t[:, None] * x_stride_t + h * x_stride_h
     if BITS == 16:  # the fp16 mode: stored as it is
-        _store_plain(x_ptr, data_ptr, slot, t, h, x_stride_t, x_stride_h, KV_HEADS, D)
-    elif slot >= 0:
-        HALF: tl.constexpr = D // 2
         d = tl.arange(0, D)
-        x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d).to(tl.float32)
-        if HAS_CENTER:
-            x = (x - tl.load(center_ptr + h * D + d)) * tl.load(cscale_ptr + h * D + d)
+        x = tl.load(rows_ptr + d[None, :], mask=keep[:, None])
+        tl.store(data_ptr + row[:, None] * D + d[None, :], x.to(data_ptr.dtype.element_ty), mask=keep[:, None])
+    else:
+        HALF: tl.constexpr = D // 2
         j = tl.arange(0, HALF)
-        # rotated halves: y[j] = sum_i x[i] H[i, j], and y[j + D/2]
-        lo = tl.sum(x[:, None] * tl.load(rot_ptr + d[:, None] * D + j[None, :]), axis=0)
-        hi = tl.sum(x[:, None] * tl.load(rot_ptr + d[:, None] * D + HALF + j[None, :]), axis=0)
-        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-        G: tl.constexpr = HALF // GROUP
-        lo_g = tl.reshape(lo, (G, GROUP))
-        hi_g = tl.reshape(hi, (G, GROUP))
-        s_lo = _group_scale(lo_g, QMAX, CLIP)
-        s_hi = _group_scale(hi_g, QMAX, CLIP)
-        q_lo = tl.reshape(tl.clamp(_round(lo_g / s_lo.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
-        q_hi = tl.reshape(tl.clamp(_round(hi_g / s_hi.to(tl.float32)[:, None]), -QMAX, QMAX), (HALF,))
+        lo, hi = _rotate_tile(rows_ptr, keep, center_ptr + h * D, cscale_ptr + h * D, rot_ptr, j, D, HALF,
+                              HAS_CENTER, BLOCK_T, BLOCK_K)
         if RING:
             ring_row = tl.load(wmeta_ptr + 2)
             if ring_row >= 0:
-                ring = (ring_row * KV_HEADS + h) * D
-                tl.store(ring_ptr + ring + j, lo.to(ring_ptr.dtype.element_ty))
-                tl.store(ring_ptr + ring + HALF + j, hi.to(ring_ptr.dtype.element_ty))
+                # one pointer per element of the tile, every row on the ring's row: only row 0 is stored
+                ring = (ring_row * KV_HEADS + h) * D + 0 * t[:, None] + j[None, :]
+                to_ring = (keep & (t == 0))[:, None]
+                tl.store(ring_ptr + ring, lo.to(ring_ptr.dtype.element_ty), mask=to_ring)
+                tl.store(ring_ptr + ring + HALF, hi.to(ring_ptr.dtype.element_ty), mask=to_ring)
+        q_lo, s_lo = _quantize_half(lo, BLOCK_T, HALF, BITS, GROUP, CLIP)
+        q_hi, s_hi = _quantize_half(hi, BLOCK_T, HALF, BITS, GROUP, CLIP)
+        G: tl.constexpr = HALF // GROUP
         g = tl.arange(0, G)
-        row = (slot * KV_HEADS + h)
-        tl.store(scale_ptr + row * (D // GROUP) + g, s_lo)
-        tl.store(scale_ptr + row * (D // GROUP) + G + g, s_hi)
+        scale_row = scale_ptr + row[:, None] * (D // GROUP) + g[None, :]
+        tl.store(scale_row, s_lo, mask=keep[:, None])
+        tl.store(scale_row + G, s_hi, mask=keep[:, None])
         if BITS == 8:
-            tl.store(data_ptr + row * D + j, q_lo.to(tl.int8))
-            tl.store(data_ptr + row * D + HALF + j, q_hi.to(tl.int8))
+            dst = data_ptr + row[:, None] * D + j[None, :]
+            tl.store(dst, q_lo.to(tl.int8), mask=keep[:, None])
+            tl.store(dst + HALF, q_hi.to(tl.int8), mask=keep[:, None])
         else:
             packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
-            tl.store(data_ptr + row * HALF + j, packed.to(tl.uint8))
+            tl.store(data_ptr + row[:, None] * HALF + j[None, :], packed.to(tl.uint8), mask=keep[:, None])
 
 
 @triton.jit
-def _store_plain(x_ptr, data_ptr, slot, t, h, x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr):
-    if slot >= 0:
-        d = tl.arange(0, D)
-        x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
-        tl.store(data_ptr + (slot * KV_HEADS + h) * D + d, x.to(data_ptr.dtype.element_ty))
+def _rotate_tile(rows_ptr, keep, center_ptr, cscale_ptr, rot_ptr, j, D: tl.constexpr, HALF: tl.constexpr,
+                 HAS_CENTER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rotated halves of the tile's rows, ``[BLOCK_T, HALF]`` each: ``x @ H[:, :D/2]`` and
+    ``x @ H[:, D/2:]``, summed over D a BLOCK_K slice at a time. "ieee": on a GPU an fp32 dot would
+    otherwise round its inputs to TF32 (10-bit mantissa), moving many values across a rounding edge."""
+    lo = tl.zeros([BLOCK_T, HALF], dtype=tl.float32)
+    hi = tl.zeros([BLOCK_T, HALF], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(rows_ptr + k[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+        if HAS_CENTER:
+            x = (x - tl.load(center_ptr + k)[None, :]) * tl.load(cscale_ptr + k)[None, :]
+        h_rows = rot_ptr + k[:, None] * D + j[None, :]
+        lo = tl.dot(x, tl.load(h_rows), lo, input_precision="ieee")
+        hi = tl.dot(x, tl.load(h_rows + HALF), hi, input_precision="ieee")
+    return lo, hi
+
+
+@triton.jit
+def _quantize_half(y, BLOCK_T: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   CLIP: tl.constexpr):
+    """``[BLOCK_T, HALF]`` rotated values -> (codes ``[BLOCK_T, HALF]``, fp16 scales ``[BLOCK_T, G]``):
+    the groups of every token as the rows of one 2-D tile, then back."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    G: tl.constexpr = HALF // GROUP
+    groups = tl.reshape(y, (BLOCK_T * G, GROUP))
+    s = _group_scale(groups, QMAX, CLIP)
+    q = tl.clamp(_round(groups / s.to(tl.float32)[:, None]), -QMAX, QMAX)
+    return tl.reshape(q, (BLOCK_T, HALF)), tl.reshape(s, (BLOCK_T, G))
 
 
 @triton.jit
@@ -104,7 +139,7 @@ def _pick(scale, best, candidate, err):
 @triton.jit
 def _group_scale(groups, QMAX: tl.constexpr, CLIP: tl.constexpr):
     """fp16 scale per group; with CLIP, the least-squares choice among quant.CLIP_RATIOS (spelled
-    out here, in the same order; a test checks the writes stay byte-exact)."""
+    out here, in the same order; a test checks the writes against the reference's)."""
     amax = tl.max(tl.abs(groups), axis=1)
     scale, best = _scale_error(groups, amax, 1.0, QMAX)
     if CLIP:
@@ -142,15 +177,16 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
         center = name == "k" and k_center is not None and bits < 16
         dummy = tensors[name]
         to_ring = ring is not None and bits < 16
-        _quantize_write_kernel[(t, kv_heads)](
+        _quantize_write_kernel[(triton.cdiv(t, WRITE_TILE), kv_heads)](
             x, slots, k_center.float().contiguous() if center else dummy,
             (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
             if center else dummy,
             rotation.float().contiguous() if bits < 16 else dummy, tensors[name], tensors.get(name + "_scale", dummy),
             ring[0 if name == "k" else 1] if to_ring else dummy, ring[2] if to_ring else slots,
-            x.stride(0), x.stride(1),
+            t, x.stride(0), x.stride(1),
             KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
-            CLIP=name == "k" and bits == 4, RING=to_ring)
+            CLIP=name == "k" and bits == 4, RING=to_ring, BLOCK_T=WRITE_TILE,
+            BLOCK_K=WRITE_K)
 
 
 @triton.jit
