@@ -160,7 +160,9 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
 def test_the_engine_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
     """The notices only: compiling itself is tested above (a stand-in warm-up that takes 0.3 s)."""
     monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: time.sleep(0.3))
-    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=starter, persona_store=False)
+    lm = copy.copy(starter)
+    lm.model = copy.deepcopy(starter.model)  # the engine sets its attention: other tests share the starter
+    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, persona_store=False)
     notices = []
     engine.add_listener(lambda e: notices.append(e) if isinstance(e, Notice) else None)
     engine.wait_ready(60)
