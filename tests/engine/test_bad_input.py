@@ -136,9 +136,12 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_not_the_chat(starter):
 
     from test_cli import KVCHAT
 
+    # a suite started in the background by a shell without job control inherits SIGINT ignored, and
+    # Python then keeps ignoring it: the chat must get Ctrl-C as a terminal would give it
     chat = subprocess.Popen([KVCHAT, "chat", "--temperature", "0", "--max-new-tokens", "400", "--context", "512"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "KVCHAT_HOME": os.environ["KVCHAT_HOME"]})
+                            env={**os.environ, "KVCHAT_HOME": os.environ["KVCHAT_HOME"]},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chat.stdin.write(b"Write a long story about a dragon who learns to sail.\n")
     chat.stdin.flush()
     seen = b""
