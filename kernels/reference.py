@@ -130,14 +130,21 @@ def _dequantized_past(tensors: dict, fmt: KVFormat, block_table, past: int, firs
     piece (no copy into one tensor, none of the rows the window holds)."""
     s, first, wk, wv = _before(window, past) if window is not None else (0, past, None, None)
     pieces = [(wk.to(dtype), wv.to(dtype))] if wk is not None and wk.shape[0] else []
-    bs = tensors["k"].shape[1]
     for start in range(s, first, READ_SLICE):
         n = min(READ_SLICE, first - start)
-        blocks, offset = slice_table(block_table, start, n, bs)
-        lead = None if first_block is None else first_block + start // bs
-        pieces.append(tuple(quant.read(tensors, fmt, name, blocks, offset + n, lead, torch.float32)[offset:].to(dtype)
+        pieces.append(tuple(read_positions(tensors, fmt, name, block_table, start, n, first_block).to(dtype)
                             for name in ("k", "v")))
     return pieces
+
+
+def read_positions(tensors: dict, fmt: KVFormat, name: str, block_table, first: int, n: int,
+                   first_block: int | None) -> torch.Tensor:
+    """K or V of positions ``first .. first + n`` in fp32 ``[n, kv_heads, D]`` (int8 x an fp16 scale
+    is not exact in bf16): only the blocks holding them are read."""
+    bs = tensors[name].shape[1]
+    blocks, offset = slice_table(block_table, first, n, bs)
+    lead = None if first_block is None else first_block + first // bs
+    return quant.read(tensors, fmt, name, blocks, offset + n, lead, torch.float32)[offset:]
 
 
 def _before(window: tuple, n: int) -> tuple:
@@ -190,9 +197,7 @@ def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_
     else:
         for first in range(0, past, READ_SLICE):
             n = min(READ_SLICE, past - first)
-            blocks, offset = slice_table(block_table, first, n, tensors[name].shape[1])
-            start = None if first_block is None else first_block + first // tensors[name].shape[1]
-            out[first:first + n] = quant.read(tensors, fmt, name, blocks, offset + n, start, torch.float32)[offset:]
+            out[first:first + n] = read_positions(tensors, fmt, name, block_table, first, n, first_block)
     if fresh is not None:
         out[past:] = fresh[0 if name == "k" else 1]
     if window is not None and bits < 16:
