@@ -4,9 +4,13 @@ A 24 GB RTX card is emulated on a larger GPU by capping what this process may al
 (``torch.cuda.set_per_process_memory_fraction``) and telling the planner the same total. Auto then
 plans the pool as it would on that card; a 16k and a 32k prompt are prefilled through the engine,
 and the full pool is converted to int8. Printed: out of memory or not, and each phase's peak above
-the weights and the pool, against the planner's activations reserve. Random weights of a named
-shape, as ``bench decode --random-weights``: no download.
+the weights and the pool, against the planner's activations reserve. Between the prompts and the
+downshift, a chat's next turn (``chat_turn``): the TTFT of a short new message after a long cached
+history against after a short one, ``bench prefix`` (d)'s ratio on this device and shape (token ids:
+random weights have no tokenizer). Random weights of a named shape, as ``bench decode
+--random-weights``: no download.
 """
+import statistics
 import sys
 import time
 
@@ -40,12 +44,34 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
         ids = torch.randint(3, vocab, (n - 1,), generator=gen).tolist()
         result["phases"].append(_phase(f"prompt {n}", dev, base, lambda: engine.submit(Request(
             prompt_ids=ids, sampling=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))).result()))
+    result["chat_turn"] = chat_turn(engine, ids, vocab)
     # the pool now holds the prompts' blocks as cached prefixes: converting it touches every one
     result["phases"].append(_phase("downshift to int8", dev, base,
                                    lambda: engine.reconfigure(kv_precision="int8").result()))
     result["precision_after"] = engine.precision.value
     engine.close()
     return result
+
+
+HISTORY, SHORT, NEW = 6016, 96, 20  # bench prefix (d): 200 messages are 6,014 tokens; a new turn 17-20
+
+
+def chat_turn(engine: Engine, prompt: list[int], vocab: int, repeats: int = 5) -> dict:
+    """TTFT of ``NEW`` new tokens after the first ``HISTORY`` tokens of ``prompt`` (cached by its
+    prefill) against after its first ``SHORT``, taken in turn, new tokens each time; medians."""
+    gen = torch.Generator().manual_seed(1)
+    history = min(HISTORY, (len(prompt) - NEW) // 16 * 16)  # within the context: the rehearsal's is short
+    runs = {SHORT: [], history: []}
+    for _ in range(repeats):
+        new = torch.randint(3, vocab, (NEW,), generator=gen).tolist()
+        for n in runs:
+            stats = engine.submit(Request(prompt_ids=prompt[:n] + new, sampling=SamplingParams(
+                max_new_tokens=1, temperature=0, ignore_eos=True))).result().stats
+            runs[n].append((stats.ttft_ms, stats.prompt_tokens - stats.cached_tokens))
+    short, long_ = (statistics.median(t for t, _ in runs[n]) for n in (SHORT, history))
+    return {"history_tokens": history, "short_tokens": SHORT, "computed_long": runs[history][-1][1],
+            "computed_short": runs[SHORT][-1][1], "ttft_short_ms": short, "ttft_long_ms": long_,
+            "ratio": long_ / short}
 
 
 def _phase(name: str, dev: torch.device, base: int, run) -> dict:
@@ -82,4 +108,8 @@ def report(r: dict, as_json: bool) -> None:
         peak = p.get("peak_above_weights_and_pool_gib")
         print(f"  {p['phase']:<18} {'ok' if p['ok'] else 'FAILED: ' + p['error']}  {p['seconds']:.1f} s"
               + (f"  peak {peak:.2f} GiB above weights and pool" if peak is not None else ""))
+    c = r["chat_turn"]
+    print(f"  a chat's next turn (before the downshift): TTFT {c['ttft_long_ms']:.1f} ms after {c['history_tokens']} cached tokens against "
+          f"{c['ttft_short_ms']:.1f} ms after {c['short_tokens']} ({c['computed_long']} and {c['computed_short']} "
+          f"computed)   ratio {c['ratio']:.2f}  (target <= 1.5)")
     print(f"  precision after: {r['precision_after']}")

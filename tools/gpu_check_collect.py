@@ -1,7 +1,7 @@
 """gpu_check.sh's bookkeeping: file a step's stdout, then print one line per bench.
 
     gpu_check_collect.py step NAME OUT   stdout.tmp -> a line of results.jsonl if JSON, else log.txt
-    gpu_check_collect.py summary OUT     one line per decode bench, for the closing note
+    gpu_check_collect.py summary OUT     one line per decode bench and chat turn, for the closing note
 """
 import json
 import sys
@@ -27,6 +27,10 @@ def summary(out: Path) -> None:
     for line in results.read_text().splitlines() if results.exists() else []:
         step = json.loads(line)
         r = step["result"]
+        if "chat_turn" in r:
+            c = r["chat_turn"]
+            print(f"{step['step']}: a chat's next turn {c['ttft_long_ms']:.1f} ms after {c['history_tokens']} cached "
+                  f"tokens, {c['ttft_short_ms']:.1f} ms after {c['short_tokens']}: ratio {c['ratio']:.2f}")
         if "paths" not in r:
             continue
         paths = ", ".join(f"{k} {v['decode_tok_s']:.1f} tok/s ({v['roofline_fraction']:.0%})"
