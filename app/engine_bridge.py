@@ -77,7 +77,15 @@ class EngineBridge(QObject):
 
     def _listen(self) -> None:
         generation = self._generation
-        self.engine.add_listener(lambda event: self._delivered.emit(_BackendEvent(generation, event)), replay=True)
+        self.engine.add_listener(lambda event: self._post(_BackendEvent(generation, event)), replay=True)
+
+    def _post(self, item) -> None:
+        """From the engine's thread. After quit the bridge's Qt side may be gone while the engine
+        still ends its step: its last events have no one to reach."""
+        try:
+            self._delivered.emit(item)
+        except RuntimeError:  # "Signal source has been deleted"
+            pass
 
     @property
     def server(self) -> str | None:
@@ -150,7 +158,7 @@ class EngineBridge(QObject):
         self._request_id += 1
         rid = self._request_id
         self.handle = self.engine.submit(Request(messages=messages, sampling=sampling),
-                                         listener=lambda event: self._delivered.emit(_RequestEvent(rid, event)))
+                                         listener=lambda event: self._post(_RequestEvent(rid, event)))
 
     def stop(self) -> None:
         if self.handle is not None:
@@ -159,7 +167,7 @@ class EngineBridge(QObject):
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)
         future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
-        future.add_done_callback(lambda f: self._delivered.emit(_Reconfigured(f)))
+        future.add_done_callback(lambda f: self._post(_Reconfigured(f)))
 
     # -- the GUI thread: state changes here only --
 

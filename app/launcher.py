@@ -1,5 +1,6 @@
 """The ``kvchat`` command: no arguments start the desktop app, anything else is the engine's CLI."""
 import ctypes.util
+import logging
 import os
 import sys
 
@@ -40,7 +41,14 @@ def main(argv=None) -> int:
         return 1
     from .main import run
 
-    return run()
+    code = run()
+    # The engine's thread may still be inside torch (compiling, reading a GGUF) when the window
+    # closes; interpreter shutdown would stop it mid-C++ and abort the process ("terminate called
+    # without an active exception", exit 134). The database holds everything by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

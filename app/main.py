@@ -82,5 +82,6 @@ def run() -> int:
     window.show()
     FirstFrame(window, engine.start)
     code = app.exec()
+    window.save_reply_so_far()
     window.bridge.engine.close()
     return code

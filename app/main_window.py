@@ -520,6 +520,13 @@ class MainWindow(QMainWindow):
         if self.conversation_id == self.reply_conversation and not self.render_timer.isActive():
             self.render_timer.start()  # only while its chat is in view: another one is not redrawn under the reader
 
+    def save_reply_so_far(self) -> None:
+        """At quit: the streaming reply as the user last saw it, marked interrupted. The engine's
+        cancelled end would arrive through the event loop, which has stopped by then, and the last
+        periodic save is up to ``SAVE_EVERY_S`` behind the screen."""
+        if self.reply_id is not None:
+            self.store.update_message(self.reply_id, self.reply_text, self.reply_ids, interrupted=True)
+
     def show_stream(self) -> None:
         """The streaming reply's row, and only it, shows the text so far."""
         if self.reply_id is not None:

@@ -36,6 +36,27 @@ def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, app_parts):
     assert reply.interrupted and 0 < len(reply.token_ids) < 400
 
 
+def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, monkeypatch):
+    """The periodic save lags the screen; at quit the event loop has stopped, so the engine's
+    cancelled end never reaches the window: main.run saves what was shown before closing it."""
+    from kvchat.app import main_window
+
+    win, store, bridge, _ = app_parts
+    monkeypatch.setattr(main_window, "SAVE_EVERY_S", 3600.0)  # the last periodic save: the empty start
+    win.sampling = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    shown_tokens = []
+    bridge.token.connect(lambda text, tid: shown_tokens.append(text))
+    win.input.setPlainText("Write a very long story.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: len(shown_tokens) >= 5, timeout=60000)
+    qtbot.waitUntil(lambda: win.reply_text in win.chat_view.toPlainText(), timeout=5000)
+    seen = win.reply_text  # no event is delivered from here on, as once the loop has stopped at quit
+    win.close()
+    win.save_reply_so_far()  # what main.run does once app.exec() returns
+    reply = store.messages(win.conversation_id)[-1]
+    assert reply.interrupted and reply.content == seen and len(reply.token_ids) >= 5
+
+
 def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     win, store, _, _ = app_parts
     send(qtbot, win, "Name a color.")
@@ -437,8 +458,9 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
         return 0
 
     monkeypatch.setattr(QApplication, "exec", event_loop)
+    monkeypatch.setattr(MainWindow, "save_reply_so_far", lambda self: order.append("saved"))
     assert main.run() == 0
-    assert order == [True]  # one engine, made once the window was on screen
+    assert order == [True, "saved"]  # one engine, made once the window was on screen; the reply saved at quit
 
 
 def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
