@@ -504,6 +504,7 @@ class Engine:
             return command.future.set_exception(EngineError(f"reconfigure failed: {e}"))
         command.future.set_result(settings)
         self._emit(Reconfigured(settings))
+        self._warmed = False  # another pool is another compiled step: in the next idle second, said, not mid-reply
 
     def _reconfigure(self, max_context, kv_precision, headroom_bytes) -> dict:
         """Apply new settings, or leave config and pool exactly as they were."""

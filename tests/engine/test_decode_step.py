@@ -172,6 +172,26 @@ def test_the_engine_says_it_prepares_fast_decoding_and_when_it_is_ready(starter,
     assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (0 s)"
 
 
+def test_a_new_kv_precision_warms_up_again_before_the_next_reply(starter, monkeypatch):
+    """Another pool is another compiled step: it compiles in the next idle second, said as at
+    load, not silently at the next reply's second token (37 s stalled, a new user saw)."""
+    warmed = []
+    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: warmed.append(kv.format.name) or time.sleep(0.3))
+    lm = copy.copy(starter)
+    lm.model = copy.deepcopy(starter.model)
+    engine = Engine(EngineConfig(decode="compiled", max_context=512, kv_precision="fp16"), loaded=lm,
+                    persona_store=False)
+    notices = []
+    engine.add_listener(lambda e: notices.append(e.message) if isinstance(e, Notice) and e.kind == "warm-up" else None)
+    engine.wait_ready(60)
+    assert wait_for(lambda: len(notices) == 2)
+    engine.reconfigure(kv_precision="int4").result(30)
+    assert wait_for(lambda: len(notices) == 4)
+    engine.close()
+    assert len(warmed) == 2 and warmed[1] != warmed[0]
+    assert "preparing fast decoding" in notices[2] and notices[3].startswith("fast decoding ready")
+
+
 def test_the_step_block_table_holds_exactly_the_ids_it_was_given():
     """Only changed ids are written: growing by a block, a new sequence, a block moved mid-table,
     a shorter table, and growth past the buffer (which then doubles)."""
