@@ -66,6 +66,7 @@ class EngineBridge(QObject):
         self._generation = 0
         self.handle: RequestHandle | None = None
         self._request_id = 0
+        self._streamed = False  # the current request's first token has arrived
         self.switching = True  # until the first load has ended
         self.settings: dict = {}  # the engine's config as last reported (model, max_context, kv_precision...)
         self.precision: str | None = None  # the KV precision in force
@@ -157,12 +158,21 @@ class EngineBridge(QObject):
             return
         self._request_id += 1
         rid = self._request_id
+        self._streamed = False
         self.handle = self.engine.submit(Request(messages=messages, sampling=sampling),
                                          listener=lambda event: self._post(_RequestEvent(rid, event)))
 
     def stop(self) -> None:
-        if self.handle is not None:
-            self.engine.cancel(self.handle)
+        if self.handle is None:
+            return
+        self.engine.cancel(self.handle)
+        if not self._streamed:
+            # Nothing streamed yet: the engine may be compiling its decode step for a minute, and
+            # would only see the cancel after. The reply ends now; the request's late events are
+            # dropped (another request id), and the engine skips it once it gets to it.
+            self._request_id += 1
+            self.handle = None
+            self.finished.emit({"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
 
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)
@@ -205,12 +215,13 @@ class EngineBridge(QObject):
             self.notice.emit(item.kind, item.message)
 
     def _on_request_event(self, request_id: int, event) -> None:
+        if request_id != self._request_id:  # a reply ended early by stop(): its tokens must not join the next
+            return
         if isinstance(event, TokenDelta):
-            if request_id == self._request_id:  # a stopped reply's last tokens must not join the next
-                self.token.emit(event.text, event.token_id)
+            self._streamed = True
+            self.token.emit(event.text, event.token_id)
         elif isinstance(event, (Finished, Error)):
-            if request_id == self._request_id:
-                self.handle = None
+            self.handle = None
             if isinstance(event, Finished):
                 self.finished.emit({"text": event.text, "token_ids": event.token_ids,
                                     "finish_reason": event.finish_reason, "stats": asdict(event.stats)})

@@ -33,6 +33,7 @@ NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
 # the model chip elides its name: the context and KV chips give way before it is narrower than this
 MODEL_CHIP_ROOM = 160
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
+WARMING_NOTE = "Preparing fast decoding for this model (a minute or two the first time): the reply starts after it."
 # a GGUF's first conversion before its tensors count (the starter: ~2.5 s, ~1.3 s, ~1.9 s)
 BUSY_STAGES = {"read": "reading GGUF file…", "tokenizer": "converting GGUF: the tokenizer…",
                "model": "converting GGUF: building the model…"}
@@ -55,6 +56,7 @@ class MainWindow(QMainWindow):
         self.reply_text, self.reply_ids, self.last_save = "", [], 0.0
         self.loop_guard, self.loop_stopped = LoopGuard(), False
         self.waiting: int | None = None  # a chat whose last message waits for the model to load
+        self.warming = False  # the engine compiles its decode step (warm-up notices): a reply waits for it
         self.notices: list[str] = []
         self.editing: int | None = None  # the position of the user message being edited in the box
         self.previous_engine_settings: dict | None = None  # what to go back to if a new model fails
@@ -216,7 +218,7 @@ class MainWindow(QMainWindow):
         b.token.connect(self.on_token)
         b.finished.connect(self.on_finished)
         b.failed.connect(self.on_failed)
-        b.notice.connect(lambda kind, m: self.notify(f"{kind}: {m}"))
+        b.notice.connect(self.on_notice)
         b.snapshot.connect(self.on_snapshot)
         b.server_memory.connect(self.on_server_memory)  # a method: disconnected when the window goes
         self.connection_box.picked.connect(self.use_connection)
@@ -507,6 +509,9 @@ class MainWindow(QMainWindow):
         self.render_chat()
 
     def on_token(self, text: str, token_id: int) -> None:
+        if not self.reply_text and self.warming:
+            self.warming = False  # the first token: the decode step is ready, whatever the notices said
+            self.chat_view.model.set_note("")
         self.reply_text += text
         if token_id >= 0:
             self.reply_ids.append(token_id)
@@ -586,6 +591,7 @@ class MainWindow(QMainWindow):
                                    "Assistant", live, self.reply_text)
         if self.waiting == self.conversation_id:
             self.chat_view.model.set_note(WAITING_NOTE)
+        self.note_warming()
 
     # -- settings --
 
@@ -784,6 +790,17 @@ class MainWindow(QMainWindow):
             self.precision_label.setText("no model loaded")
             self.model_chip.setText("no model")
             self.show_error(f"The model could not be loaded: {message}. Choose another one in Settings.")
+
+    def on_notice(self, kind: str, message: str) -> None:
+        self.notify(f"{kind}: {message}")
+        if kind in ("warm-up", "eager"):  # eager: the compile failed, so it is over too
+            self.warming = kind == "warm-up" and message.startswith("preparing")
+            self.note_warming()
+
+    def note_warming(self) -> None:
+        """Under a reply that waits for the decode step to compile, in its own chat: why."""
+        if self.reply_id is not None and not self.reply_text and self.reply_conversation == self.conversation_id:
+            self.chat_view.model.set_note(WARMING_NOTE if self.warming else "")
 
     def notify(self, message: str) -> None:
         """The notice line shows the latest; its tooltip the ones before."""

@@ -116,7 +116,7 @@ Item {
             color: theme.colours.muted
             font.pixelSize: 12
             font.italic: true
-            anchors.right: parent.right
+            anchors.right: msg.isUser ? parent.right : undefined  // under a user's bubble; a reply's at its left
         }
 
         Row {

@@ -57,6 +57,38 @@ def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, mon
     assert reply.interrupted and reply.content == seen and len(reply.token_ids) >= 5
 
 
+def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot, app_parts, monkeypatch):
+    """The first reply after a start waits while the decode step compiles (90 s cold here): the
+    chat says so under the reply, and Stop does not wait for the compile to end."""
+    import time
+
+    from kvchat.app.main_window import WARMING_NOTE
+    from kvchat.engine.engine import Engine
+
+    def compiling(engine):  # the engine's warm-up as the user sees it (its notices: test_decode_step)
+        if not engine._warmed:
+            engine._warmed = True
+            engine._notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
+            time.sleep(4)
+            engine._notice("warm-up", "fast decoding ready (4 s)")
+
+    win, store, bridge, _ = app_parts
+    monkeypatch.setattr(Engine, "_warm_decode", compiling)
+    bridge.engine._warmed = False  # as after a start: the next idle second or request compiles first
+    win.input.setPlainText("Hello")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: [i.property("text") for i in qml_items(win, "note")] == [WARMING_NOTE], timeout=5000)
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)
+    assert win.send_button.isEnabled() and not bridge.busy  # now, not after the compile
+    reply = store.messages(win.conversation_id)[-1]
+    assert reply.role == "assistant" and reply.interrupted and reply.content == ""
+    assert not qml_items(win, "note")
+    send(qtbot, win, "Name a color.")  # queued behind the compile; the stopped one is skipped
+    messages = store.messages(win.conversation_id)
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[-1].content and not messages[-1].interrupted and not qml_items(win, "note")
+
+
 def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     win, store, _, _ = app_parts
     send(qtbot, win, "Name a color.")
