@@ -33,6 +33,8 @@ NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
 # the model chip elides its name: the context and KV chips give way before it is narrower than this
 MODEL_CHIP_ROOM = 160
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
+EDITING_NOTICE = "editing: Resend replaces the message and the replies after it; Escape cancels"
+STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
 WARMING_NOTE = "Preparing fast decoding for this model (a minute or two the first time): the reply starts after it."
 # a GGUF's first conversion before its tensors count (the starter: ~2.5 s, ~1.3 s, ~1.9 s)
 BUSY_STAGES = {"read": "reading GGUF file…", "tokenizer": "converting GGUF: the tokenizer…",
@@ -338,7 +340,7 @@ class MainWindow(QMainWindow):
         if doomed is None:
             return
         if doomed == self.reply_conversation:
-            self.notify("a reply is streaming into this chat: stop it (Escape) before deleting the chat")
+            self.notify(STREAMING_NOTICE)
             return
         title = self.store.conversation(doomed)["title"]
         if QMessageBox.question(self, "Delete chat", f"Delete “{title}” for good?",
@@ -479,12 +481,13 @@ class MainWindow(QMainWindow):
         self.input.setPlainText(message.content)
         self.input.setFocus()
         self.send_button.setText("Resend")
-        self.notify("editing: Resend replaces the message and the replies after it; Escape cancels")
+        self.notify(EDITING_NOTICE)
 
     def stop_editing(self) -> None:
         if self.editing is not None:
             self.editing = None
             self.send_button.setText("Send")
+            self.clear_notice(EDITING_NOTICE)
 
     def edit_and_resend(self, position: int, text: str) -> None:
         """Replace the user message at ``position`` and everything after it."""
@@ -556,6 +559,7 @@ class MainWindow(QMainWindow):
 
     def end_reply(self) -> None:
         self.reply_id = self.reply_conversation = None
+        self.clear_notice(STREAMING_NOTICE)
         self.render_timer.stop()
         self.send_button.setEnabled(True)
         self.send_button.show()
@@ -801,6 +805,11 @@ class MainWindow(QMainWindow):
         """Under a reply that waits for the decode step to compile, in its own chat: why."""
         if self.reply_id is not None and not self.reply_text and self.reply_conversation == self.conversation_id:
             self.chat_view.model.set_note(WARMING_NOTE if self.warming else "")
+
+    def clear_notice(self, prefix: str) -> None:
+        """A notice about a state (an edit under way, a reply in the way) goes when the state ends."""
+        if self.notice_label.text().startswith(prefix):
+            self.notice_label.setText("")
 
     def notify(self, message: str) -> None:
         """The notice line shows the latest; its tooltip the ones before."""

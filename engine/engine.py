@@ -339,11 +339,11 @@ class Engine:
         if not trained or cfg.max_context <= trained:
             return cfg
         if cfg.allow_long_context:
-            self._notice("context", f"context {cfg.max_context:,} is longer than the {trained:,} tokens "
+            self._notice("context", f"{cfg.max_context:,} tokens is longer than the {trained:,} "
                                     "the model was trained for: expect worse answers past that")
             return cfg
-        self._notice("context", f"context {cfg.max_context:,} capped at the {trained:,} tokens the model was "
-                                "trained for (allow_long_context / --allow-long-context to go past it)")
+        self._notice("context", f"{cfg.max_context:,} tokens capped at {trained:,}, the length the model was "
+                                "trained for")
         return replace(cfg, max_context=trained)
 
     def _layout(self, cfg: EngineConfig) -> tuple[Precision, int]:

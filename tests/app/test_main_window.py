@@ -113,6 +113,7 @@ def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     messages = store.messages(win.conversation_id)
     assert [m.role for m in messages] == ["user", "assistant"] and messages[0].content == "Name a fruit."
     assert messages[1].content and win.send_button.text() == "Send"
+    assert not win.notice_label.text().startswith("editing")  # the edit is over
 
 
 def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, app_parts):
@@ -351,6 +352,7 @@ def test_a_chat_clicked_during_a_reply_opens_and_delete_removes_that_one(qtbot, 
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
     reply = store.messages(streaming)[-1]
     assert reply.role == "assistant" and reply.content and reply.interrupted
+    assert "stop it" not in win.notice_label.text()  # no longer true: the reply has ended
 
 
 def test_a_mistyped_model_is_never_saved_and_the_last_model_comes_back(qtbot, app_parts, monkeypatch):
