@@ -300,7 +300,12 @@ class MainWindow(QMainWindow):
         self.conversation_list.fill(self.store.conversations(self.search.text()), self.conversation_id)
 
     def new_conversation(self) -> int:
+        """A new chat, or the open one if it has no message yet: clicking twice makes one, not two
+        empty chats that outlive a restart."""
         self.stop_editing()
+        if self.conversation_id is not None and not self.store.messages(self.conversation_id):
+            self.input.setFocus()
+            return self.conversation_id
         self.conversation_id = self.store.create_conversation("New chat", self.persona_box.currentData())
         self.refresh_conversations()
         self.render_chat()

@@ -89,6 +89,17 @@ def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot
     assert messages[-1].content and not messages[-1].interrupted and not qml_items(win, "note")
 
 
+def test_new_chat_twice_makes_one_empty_chat(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)
+    first = win.conversation_id
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)
+    assert win.conversation_id == first and chat_ids(store) == {first}
+    send(qtbot, win, "Name a color.")
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)  # the first has a message now: a second chat
+    assert win.conversation_id != first and len(chat_ids(store)) == 2
+
+
 def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     win, store, _, _ = app_parts
     send(qtbot, win, "Name a color.")
