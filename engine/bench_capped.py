@@ -60,7 +60,8 @@ def chat_turn(engine: Engine, prompt: list[int], vocab: int, repeats: int = 5) -
     """TTFT of ``NEW`` new tokens after the first ``HISTORY`` tokens of ``prompt`` (cached by its
     prefill) against after its first ``SHORT``, taken in turn, new tokens each time; medians."""
     gen = torch.Generator().manual_seed(1)
-    history = min(HISTORY, (len(prompt) - NEW) // 16 * 16)  # within the context: the rehearsal's is short
+    block = engine.config.block_size  # whole blocks: the prefix cache matches no less
+    history = min(HISTORY, (len(prompt) - NEW) // block * block)  # within the context: the rehearsal's is short
     runs = {SHORT: [], history: []}
     for _ in range(repeats):
         new = torch.randint(3, vocab, (NEW,), generator=gen).tolist()
