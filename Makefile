@@ -36,7 +36,7 @@ test: install
 # new user would (CI); make package-tar wraps it in one .tar.gz.
 APP_DIR := dist/kvchat
 APP := $(APP_DIR)/kvchat
-APP_SOURCES := pyproject.toml $(wildcard app/*.py app/qml/*.qml engine/*.py kernels/*.py assets/* assets/icons/*) \
+APP_SOURCES := pyproject.toml $(shell find src/kvchat -type f -not -name '*.pyc') \
 	packaging/kvchat.spec packaging/kvchat_entry.py packaging/install.sh
 PACKAGE_VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 PACKAGE_TAR = dist/kvchat-$(PACKAGE_VERSION)-linux-$(shell uname -m).tar.gz
@@ -51,7 +51,7 @@ $(APP): $(APP_SOURCES) | $(VENV)/.installed
 	$(PIP) "pyinstaller>=6.11"
 	rm -rf $(APP_DIR)
 	$(BIN)/pyinstaller --noconfirm --log-level WARN --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
-	install -m644 assets/kvchat.svg $(APP_DIR)/kvchat.svg
+	install -m644 src/kvchat/app/assets/kvchat.svg $(APP_DIR)/kvchat.svg
 	install -m755 packaging/install.sh $(APP_DIR)/install.sh
 	@du -sh $(APP_DIR)
 	touch $@

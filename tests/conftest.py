@@ -23,7 +23,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def starter():
     """The starter model, loaded once (converted once per test session into KVCHAT_HOME)."""
-    from kvchat.engine.models import load
+    from kvchat.engine.model.loading import load
 
     return load("starter")
 

@@ -29,7 +29,7 @@ fi
 touch "$SITE/kvchat/__init__.py"
 for p in app engine kernels; do ln -sfn "$PWD/$p" "$SITE/kvchat/$p"; done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-KV="$PY -m kvchat.engine.cli"
+KV="$PY -m kvchat.cli.main"
 
 step() {  # step NAME SECONDS COMMAND...; STEPS="a b" runs only the steps named
     local name=$1 limit=$2 t0=$SECONDS
@@ -48,9 +48,9 @@ step() {  # step NAME SECONDS COMMAND...; STEPS="a b" runs only the steps named
 
 if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$OUT/log.txt"
-    SHAPE=engine/shapes/llama-3.1-8b.json DTYPE=bfloat16 TRITON_INTERPRET=0
+    SHAPE=src/kvchat/bench/shapes/llama-3.1-8b.json DTYPE=bfloat16 TRITON_INTERPRET=0
 else
-    SHAPE=engine/shapes/tiny-llama.json DTYPE=float32 TRITON_INTERPRET=1
+    SHAPE=src/kvchat/bench/shapes/tiny-llama.json DTYPE=float32 TRITON_INTERPRET=1
 fi
 export TRITON_INTERPRET
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/log.txt"

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.engine_bridge import EngineBridge
-from kvchat.app.main_window import MainWindow
+from kvchat.app.controllers.engine_bridge import EngineBridge
+from kvchat.app.views.main_window import MainWindow
 from kvchat.app.store import Store
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.models import LoadedModel
+from kvchat.engine.model.loading import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
 from tiny_models import as_loaded  # noqa: E402

@@ -1,12 +1,12 @@
 """The warm/cold badge asks the engine (issue 10, deliverable 7): warm when the persona's prefix is in
 the pool, "on disk" when its saved KV would be restored, cold otherwise; never blank once loaded."""
-from kvchat.app.engine_bridge import EngineBridge
-from kvchat.app.main_window import MainWindow
+from kvchat.app.controllers.engine_bridge import EngineBridge
+from kvchat.app.views.main_window import MainWindow
 from kvchat.app.store import Store
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.models import LoadedModel
-from kvchat.engine.persona_store import PersonaStore
+from kvchat.engine.model.loading import LoadedModel
+from kvchat.engine.kv.persona_store import PersonaStore
 
 from qt_helpers import send, shown
 

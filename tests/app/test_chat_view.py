@@ -7,10 +7,10 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication
 
-from kvchat.app.chat_model import ROLE_IDS
-from kvchat.app.settings_dialog import SettingsDialog
-from kvchat.app.theme import COLOURS
-from kvchat.engine.config import SamplingParams
+from kvchat.app.models.chat_model import ROLE_IDS
+from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.theme import COLOURS
+from kvchat.core.config import SamplingParams
 
 from qt_helpers import answering, hover, qml_click, qml_items, send, shown
 
@@ -144,7 +144,7 @@ def test_replies_carry_the_persona_name_in_a_centred_column(qtbot, app_parts):
 
 
 def test_theme_follows_the_system_and_the_choice_is_kept(qtbot, app_parts, monkeypatch):
-    from kvchat.app import theme
+    from kvchat.app.views import theme
 
     win, store, _, _ = app_parts
     shown(qtbot, win)

@@ -10,10 +10,10 @@ from keyring.backends.fail import Keyring as NoKeyring
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
 
-from kvchat.app.connection_box import LOCAL, MANAGE
-from kvchat.engine.config import SamplingParams
-from kvchat.engine.connections import Connection, Connections, get_key
-from kvchat.engine.remote_metrics import parse
+from kvchat.app.views.connection_box import LOCAL, MANAGE
+from kvchat.core.config import SamplingParams
+from kvchat.core.connections import Connection, Connections, get_key
+from kvchat.remote.metrics import parse
 
 from fake_keyring import MemoryKeyring
 from qt_helpers import answering, hover, last_stats, press, qml_click, qml_items, send, shown
@@ -209,11 +209,11 @@ def test_a_server_without_cached_counts_says_not_reported(qtbot, app_parts):
 def test_the_app_reopens_on_the_connection_it_was_using(qtbot, ring, server, tmp_path):
     """As after a restart: the saved choice is used, and the local engine that was to start is closed
     before it loads anything."""
-    from kvchat.app.engine_bridge import EngineBridge
-    from kvchat.app.engine_starter import EngineStarter
-    from kvchat.app.main_window import MainWindow
+    from kvchat.app.controllers.engine_bridge import EngineBridge
+    from kvchat.app.controllers.engine_starter import EngineStarter
+    from kvchat.app.views.main_window import MainWindow
     from kvchat.app.store import Store
-    from kvchat.engine.config import EngineConfig
+    from kvchat.core.config import EngineConfig
 
     Connections().save(Connection("lab", server), api_key=KEY)
     store = Store(tmp_path / "chat.db")

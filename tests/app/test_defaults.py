@@ -3,16 +3,16 @@ fallbacks, a reply stopped when it loops, the settings estimate capped at the tr
 from PySide6.QtCore import Qt
 from transformers import GenerationConfig
 
-from kvchat.app.engine_bridge import EngineBridge
-from kvchat.app.loop_guard import LoopGuard
-from kvchat.app.main_window import MainWindow
-from kvchat.app.sampling_defaults import model_defaults
+from kvchat.app.controllers.engine_bridge import EngineBridge
+from kvchat.app.controllers.loop_guard import LoopGuard
+from kvchat.app.views.main_window import MainWindow
+from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.store import Store
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.models import LoadedModel
+from kvchat.engine.model.loading import LoadedModel
 
-from qt_helpers import last_stats, send
+from qt_helpers import last_stats
 
 
 def test_sampling_defaults_come_from_the_models_generation_config():

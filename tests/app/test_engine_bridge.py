@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.engine_bridge import EngineBridge
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.app.controllers.engine_bridge import EngineBridge
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.models import LoadedModel
+from kvchat.engine.model.loading import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
 from tiny_models import as_loaded  # noqa: E402

@@ -4,10 +4,10 @@ import json
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
-from kvchat.app.main_window import WAITING_NOTE, MainWindow
-from kvchat.app.settings_dialog import SettingsDialog
+from kvchat.app.views.main_window import WAITING_NOTE, MainWindow
+from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.app.store import Store
-from kvchat.engine.config import SamplingParams
+from kvchat.core.config import SamplingParams
 
 from qt_helpers import (answering, back_on_the_starter, chat_ids, click_chat, hover, last_stats, press, qml_click,
                         qml_items, send, shown)
@@ -39,7 +39,7 @@ def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, app_parts):
 def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, monkeypatch):
     """The periodic save lags the screen; at quit the event loop has stopped, so the engine's
     cancelled end never reaches the window: main.run saves what was shown before closing it."""
-    from kvchat.app import main_window
+    from kvchat.app.views import main_window
 
     win, store, bridge, _ = app_parts
     monkeypatch.setattr(main_window, "SAVE_EVERY_S", 3600.0)  # the last periodic save: the empty start
@@ -62,7 +62,7 @@ def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot
     chat says so under the reply, and Stop does not wait for the compile to end."""
     import time
 
-    from kvchat.app.main_window import WARMING_NOTE
+    from kvchat.app.views.main_window import WARMING_NOTE
     from kvchat.engine.engine import Engine
 
     def compiling(engine):  # the engine's warm-up as the user sees it (its notices: test_decode_step)
@@ -131,7 +131,7 @@ def test_gauge_receives_snapshots_and_precision_changes_without_reload(qtbot, ap
     win, _, bridge, _ = app_parts
     qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=10000)
     assert win.gauge.snapshot["on_cpu"] and "on the CPU" in win.precision_label.text()
-    from kvchat.app.gauge import segments
+    from kvchat.app.views.gauge import segments
 
     parts = dict((label, size) for label, size, _ in segments(win.gauge.snapshot))
     assert sum(parts.values()) == win.gauge.snapshot["total"]  # the bar accounts for every byte
@@ -418,7 +418,7 @@ def test_the_app_imports_no_torch_before_its_window_shows():
     import sys
 
     code = ("import sys\n"
-            "import kvchat.app.launcher, kvchat.app.main, kvchat.app.main_window, kvchat.app.engine_bridge\n"
+            "import kvchat.app.launcher, kvchat.app.main, kvchat.app.views.main_window, kvchat.app.controllers.engine_bridge\n"
             "print(sorted(m for m in ('torch', 'transformers', 'kvchat.engine.engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -430,11 +430,11 @@ def test_the_window_works_before_the_engine_exists_and_takes_it_over(qtbot, tmp_
     is loading, a message waits for the model, and a context change is kept for the engine."""
     import threading
 
-    from kvchat.app.engine_bridge import EngineBridge
-    from kvchat.app.engine_starter import EngineStarter
-    from kvchat.engine.config import EngineConfig
+    from kvchat.app.controllers.engine_bridge import EngineBridge
+    from kvchat.app.controllers.engine_starter import EngineStarter
+    from kvchat.core.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.models import LoadedModel
+    from kvchat.engine.model.loading import LoadedModel
 
     imported = threading.Event()  # stands for the seconds torch and transformers take to import
     made = []
@@ -470,9 +470,9 @@ def test_the_window_works_before_the_engine_exists_and_takes_it_over(qtbot, tmp_
 
 
 def test_an_engine_that_cannot_be_made_is_reported_like_a_failed_load(qtbot, tmp_path):
-    from kvchat.app.engine_bridge import EngineBridge
-    from kvchat.app.engine_starter import EngineStarter
-    from kvchat.engine.config import EngineConfig
+    from kvchat.app.controllers.engine_bridge import EngineBridge
+    from kvchat.app.controllers.engine_starter import EngineStarter
+    from kvchat.core.config import EngineConfig
 
     def broken(config):
         raise ImportError("libtorch_cpu.so: cannot open shared object file")
@@ -489,7 +489,7 @@ def test_an_engine_that_cannot_be_made_is_reported_like_a_failed_load(qtbot, tmp
 
 def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monkeypatch):
     from kvchat.app import main
-    from kvchat.app.engine_starter import EngineStarter
+    from kvchat.app.controllers.engine_starter import EngineStarter
 
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     order = []
@@ -514,7 +514,7 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     all; then the weights loaded."""
     import gguf
 
-    from kvchat.engine.models import starter_path
+    from kvchat.engine.model.loading import starter_path
 
     win, store, bridge, _ = app_parts
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
@@ -569,10 +569,10 @@ def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
 def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_path):
     """int8 weights (the CPU's 'auto') give the tied head its own copy and untie the config, which
     then counted the embedding twice: the chip read 163M, the library 135M for the same starter."""
-    from kvchat.app.engine_bridge import EngineBridge
-    from kvchat.engine.config import EngineConfig
+    from kvchat.app.controllers.engine_bridge import EngineBridge
+    from kvchat.core.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.models import starter_path
+    from kvchat.engine.model.loading import starter_path
 
     engine = Engine(EngineConfig(max_context=512, weights="int8"), persona_store=None)
     bridge = EngineBridge(engine, lambda settings: None)

@@ -4,7 +4,7 @@ import json
 
 from PySide6.QtCore import Qt
 
-from kvchat.engine.models import starter_path
+from kvchat.engine.model.loading import starter_path
 
 from qt_helpers import shown
 
@@ -97,7 +97,7 @@ def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, app_pa
 def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path, tokenizer, monkeypatch):
     import huggingface_hub
 
-    from kvchat.app.model_library import ModelLibrary
+    from kvchat.app.views.model_library import ModelLibrary
 
     calls = []
     slow = hub_snapshot(tmp_path, tokenizer, chunks=300, pause=0.05)
@@ -121,7 +121,7 @@ def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path
 
 
 def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
-    from kvchat.app.model_library import ModelLibrary
+    from kvchat.app.views.model_library import ModelLibrary
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     library = ModelLibrary(None, [], None, False, roots=[])

@@ -35,7 +35,7 @@ def kvchat_serve(log_dir, key: str, context: int = 2048):
     """Yields the server's base URL; the server's log is in the failure when it does not come up."""
     port = free_port()
     log = open(log_dir / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvchat.engine.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat.cli.main", "serve", "--port", str(port),
                              "--api-key", key, "--context", str(context), "--decode", "eager"],
                             stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from kvchat.engine import models
-from kvchat.engine.config import ConfigError, EngineConfig, SamplingParams
-from kvchat.engine.persona_store import PersonaStore
+from kvchat.engine.model import loading as models
+from kvchat.core.config import ConfigError, EngineConfig, SamplingParams
+from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.sampler import Sampler
 
 from test_cli import kvchat

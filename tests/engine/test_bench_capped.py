@@ -3,15 +3,15 @@ from pathlib import Path
 
 import torch
 
-from kvchat.engine.bench_capped import NEW, SHORT, chat_turn
-from kvchat.engine.bench_decode import random_model
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.bench.capped import NEW, SHORT, chat_turn
+from kvchat.bench.decode import random_model
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import Request
+from kvchat.core.events import Request
 
 
 def test_a_chat_turn_computes_only_the_new_tokens_after_a_cached_history():
-    lm = random_model(str(Path(__file__).parents[2] / "engine/shapes/tiny-llama.json"), torch.device("cpu"), torch.float32)
+    lm = random_model(str(Path(__file__).parents[2] / "src/kvchat/bench/shapes/tiny-llama.json"), torch.device("cpu"), torch.float32)
     engine = Engine(EngineConfig(max_context=1024, kv_precision="fp16"), loaded=lm, persona_store=None)
     engine.wait_ready()
     try:

@@ -3,8 +3,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvchat.engine.block_pool import BlockPool, PoolExhausted
-from kvchat.engine.kv_manager import KVCacheManager, Sequence
+from kvchat.engine.kv.block_pool import BlockPool, PoolExhausted
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
 
 BS = 4
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvchat.engine.block_pool import BlockPool
-from kvchat.engine.kv_cache import KVCache, KVShape
-from kvchat.engine.kv_manager import KVCacheManager, Sequence
-from kvchat.engine.runner import ModelRunner
+from kvchat.engine.kv.block_pool import BlockPool
+from kvchat.engine.kv.cache import KVCache, KVShape
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
+from kvchat.engine.model.runner import ModelRunner
 from kvchat.kernels import dispatch, triton_kv
 
 from tiny_models import tiny_model

@@ -6,15 +6,15 @@ import time
 import pytest
 import torch
 
-from kvchat.engine.attention import StepMeta, running
-from kvchat.engine.bench_decode import IdTokenizer
-from kvchat.engine.config import EngineConfig, Precision
-from kvchat.engine.decode_step import DecodeStep
+from kvchat.engine.model.attention import StepMeta, running
+from kvchat.bench.decode import IdTokenizer
+from kvchat.core.config import EngineConfig, Precision
+from kvchat.engine.model.decode_step import DecodeStep
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import Notice
-from kvchat.engine.kv_manager import Sequence
-from kvchat.engine.kv_pool import KVPool
-from kvchat.engine.runner import ModelRunner
+from kvchat.core.events import Notice
+from kvchat.engine.kv.manager import Sequence
+from kvchat.engine.kv.pool import KVPool
+from kvchat.engine.model.runner import ModelRunner
 
 from polling import wait_for
 from tiny_models import ARCHS, as_loaded, tiny_model

@@ -1,9 +1,9 @@
 """The engine thread on the starter model: events, cancel, stop, errors, and no leaked blocks."""
 import pytest
 
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import EngineError, Error, Finished, Request, TokenDelta
+from kvchat.core.events import EngineError, Error, Finished, Request, TokenDelta
 
 from tiny_models import as_loaded
 
@@ -138,7 +138,7 @@ def test_a_sliding_window_layer_that_would_cut_the_context_is_refused_clearly():
 
     import torch
 
-    from kvchat.engine.attention import StepMeta, paged_attention_forward, running
+    from kvchat.engine.model.attention import StepMeta, paged_attention_forward, running
 
     meta = StepMeta(kv=None, slots=torch.arange(8), block_table=torch.tensor([0]), context_len=8)
     q = torch.zeros(1, 2, 8, 4)

@@ -8,11 +8,11 @@ import weakref
 import pytest
 
 from kvchat.engine import engine as engine_module
-from kvchat.engine.commands import Refused
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.commands import Refused
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import EngineError, Finished, LoadFailed, ModelReady, Notice, Request, TokenDelta
-from kvchat.engine.models import load
+from kvchat.core.events import EngineError, LoadFailed, ModelReady, Notice, Request, TokenDelta
+from kvchat.engine.model.loading import load
 
 from polling import wait_for
 from tiny_models import as_loaded
@@ -168,7 +168,7 @@ def test_cancel_resolves_and_stops_the_request(engine):
 
 
 def test_a_context_past_the_trained_length_is_capped_and_said(starter):
-    from kvchat.engine.memory import ScriptedProbe
+    from kvchat.core.memory import ScriptedProbe
 
     e = Engine(EngineConfig(max_context=100_000), loaded=as_loaded(starter.model, starter.tokenizer, "starter"),
                persona_store=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
@@ -203,7 +203,7 @@ def fail_on_call(n: int, real):
 
 @pytest.mark.parametrize("stage", ["calibration", "allocation", "conversion"])
 def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engine, monkeypatch, stage):
-    from kvchat.engine import kv_pool
+    from kvchat.engine.kv import pool as kv_pool
     from kvchat.kernels import quant
 
     first = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
@@ -225,7 +225,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
 
 
 def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(starter):
-    from kvchat.engine.memory import ScriptedProbe
+    from kvchat.core.memory import ScriptedProbe
 
     gib = 1 << 30
     probe = ScriptedProbe(total=8 * gib)

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvchat.app.store import Store
-from kvchat.engine.commands import Refused
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.commands import Refused
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import EngineError, Error, Finished, Request, TokenDelta
-from kvchat.engine.models import LoadedModel
+from kvchat.core.events import EngineError, Error, Finished, Request, TokenDelta
+from kvchat.engine.model.loading import LoadedModel
 
 from tiny_models import as_loaded
 

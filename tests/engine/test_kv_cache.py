@@ -4,8 +4,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvchat.engine.kv_cache import SLICE_BLOCKS, KVCache, KVShape
-from kvchat.engine.memory import slice_bytes
+from kvchat.engine.kv.cache import SLICE_BLOCKS, KVCache, KVShape
+from kvchat.core.memory import slice_bytes
 from kvchat.engine.tensor_peak import TensorPeak
 from kvchat.kernels import quant
 

@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from kvchat.engine.memory import GiB, parse_bytes, plan, weights_bytes
+from kvchat.core.memory import GiB, parse_bytes, plan, weights_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -80,8 +80,8 @@ def test_the_activations_reserve_covers_attention_over_a_long_context(precision)
     measured here: the planner's figure covers it without being a blanket (measured 0.57-0.66x)."""
     import torch
 
-    from kvchat.engine.kv_cache import KVCache, KVShape
-    from kvchat.engine.memory import attention_bytes
+    from kvchat.engine.kv.cache import KVCache, KVShape
+    from kvchat.core.memory import attention_bytes
     from kvchat.engine.tensor_peak import TensorPeak
     from kvchat.kernels import reference
 
@@ -107,7 +107,7 @@ def test_the_activations_reserve_covers_attention_over_a_long_context(precision)
 
 def test_the_reserve_for_an_8b_model_at_32k_counts_its_attention():
     """The old reserve (0.33 GiB whatever the context) was below one 32k chunk's attention."""
-    from kvchat.engine.memory import activations_bytes, attention_bytes
+    from kvchat.core.memory import activations_bytes, attention_bytes
 
     cfg = config("llama-3.1-8b")
     per_token = 2 * 8 * 128 * 2 + 4 * 512 * 3  # K and V in bf16, the folded mask and its bf16 copy
@@ -122,7 +122,7 @@ def test_nvml_opens_the_gpu_torch_uses_by_its_uuid_not_index_0(monkeypatch):
 
     import torch
 
-    from kvchat.engine import memory
+    from kvchat.core import memory
 
     class FakeNVML(types.ModuleType):
         NVMLError = RuntimeError

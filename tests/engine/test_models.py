@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvchat.engine import models
-from kvchat.engine.models import ModelError, load, resolve
+from kvchat.engine.model import loading as models
+from kvchat.engine.model.loading import ModelError, load, resolve
 
 from tiny_models import tiny_model
 

@@ -4,13 +4,13 @@ import copy
 import pytest
 import torch
 
-from kvchat.engine.block_pool import BlockPool
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.engine.kv.block_pool import BlockPool
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import Request
-from kvchat.engine.kv_cache import KVCache, KVShape
-from kvchat.engine.kv_manager import KVCacheManager, Sequence
-from kvchat.engine.runner import ModelRunner
+from kvchat.core.events import Request
+from kvchat.engine.kv.cache import KVCache, KVShape
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
+from kvchat.engine.model.runner import ModelRunner
 
 from tiny_models import ARCHS, as_loaded, tiny_model
 

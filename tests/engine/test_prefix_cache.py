@@ -5,11 +5,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import Request
-from kvchat.engine.models import LoadedModel
-from kvchat.engine.persona_store import PersonaStore
+from kvchat.core.events import Request
+from kvchat.engine.model.loading import LoadedModel
+from kvchat.engine.kv.persona_store import PersonaStore
 
 from tiny_models import as_loaded, tiny_model
 
@@ -303,8 +303,8 @@ def test_quantized_prefill_split_equals_the_masked_path(monkeypatch, precision, 
 def test_a_new_turn_grows_into_the_block_after_its_cached_prefix():
     """Turn 2 takes turn 1's released partial block, not the free queue's front: its K/V stay
     one run. A block that holds a cached prefix is never taken out of LRU order for that."""
-    from kvchat.engine.block_pool import BlockPool
-    from kvchat.engine.kv_manager import KVCacheManager, Sequence
+    from kvchat.engine.kv.block_pool import BlockPool
+    from kvchat.engine.kv.manager import KVCacheManager, Sequence
 
     manager = KVCacheManager(BlockPool(8), 4, "m")
     first = Sequence(list(range(10)))
@@ -329,8 +329,8 @@ def test_a_new_turn_takes_the_rows_it_shares_with_the_last_turns_partly_filled_b
     """Turn 1 computed 10 tokens (blocks of 4): its third block holds tokens 8, 9. Turn 2, the same
     up to token 8, takes that block and computes from token 9 on; a turn that differs right after
     the full blocks finds it empty and grows into it; a tail evicted meanwhile is not served."""
-    from kvchat.engine.block_pool import BlockPool
-    from kvchat.engine.kv_manager import KVCacheManager, Sequence
+    from kvchat.engine.kv.block_pool import BlockPool
+    from kvchat.engine.kv.manager import KVCacheManager, Sequence
 
     manager = KVCacheManager(BlockPool(8), 4, "m")
 
@@ -385,8 +385,8 @@ def test_a_new_turn_takes_the_rows_it_shares_with_the_last_turns_partly_filled_b
 def test_the_next_turn_keeps_the_last_turns_full_precision_rows():
     """Quantized modes: a turn that shares the last one's computed tokens goes on with its window
     (rewound to where they part), so the newest shared rows stay exact; another turn gets none."""
-    from kvchat.engine.block_pool import BlockPool
-    from kvchat.engine.kv_manager import KVCacheManager, Sequence
+    from kvchat.engine.kv.block_pool import BlockPool
+    from kvchat.engine.kv.manager import KVCacheManager, Sequence
     from kvchat.kernels import quant
 
     window = quant.RecentWindow(1, 1, 2, torch.float32, "cpu", size=8, sinks=2)

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvchat.engine.config import EngineConfig, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import Finished, Notice, Request
-from kvchat.engine.kv_pool import KVPool
-from kvchat.engine.kv_manager import Sequence
-from kvchat.engine.memory import MemorySnapshot, ScriptedProbe
-from kvchat.engine.models import LoadedModel
+from kvchat.core.events import Finished, Notice, Request
+from kvchat.engine.kv.pool import KVPool
+from kvchat.engine.kv.manager import Sequence
+from kvchat.core.memory import MemorySnapshot, ScriptedProbe
+from kvchat.engine.model.loading import LoadedModel
 
 from polling import wait_for
 from tiny_models import as_loaded

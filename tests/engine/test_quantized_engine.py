@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from kvchat.engine.config import EngineConfig
+from kvchat.core.config import EngineConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.evaluate import kl_divergence, perplexity, window_logprobs
-from kvchat.engine.models import LoadedModel
-from kvchat.engine.persona_store import PersonaStore
+from kvchat.bench.evaluate import kl_divergence, perplexity, window_logprobs
+from kvchat.engine.model.loading import LoadedModel
+from kvchat.engine.kv.persona_store import PersonaStore
 
 from tiny_models import as_loaded
 
@@ -91,8 +91,8 @@ def test_precisions_never_share_cached_blocks(starter, tmp_path):
 def test_a_sequence_inside_the_window_attends_to_exact_kv(starter):
     """Tokens the full-precision window holds are not read quantized: a short int4 sequence, prefilled
     in two chunks and decoded one token, gives the fp16 logits."""
-    from kvchat.engine.kv_manager import Sequence
-    from kvchat.engine.kv_pool import KVPool
+    from kvchat.engine.kv.manager import Sequence
+    from kvchat.engine.kv.pool import KVPool
 
     ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
                             add_special_tokens=False)["input_ids"]
@@ -109,8 +109,8 @@ def test_a_sequence_inside_the_window_attends_to_exact_kv(starter):
 
 
 def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(starter):
-    from kvchat.engine.kv_manager import Sequence
-    from kvchat.engine.kv_pool import KVPool
+    from kvchat.engine.kv.manager import Sequence
+    from kvchat.engine.kv.pool import KVPool
 
     ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute, study, "
                             "change and improve the software. " * 3, add_special_tokens=False)["input_ids"]
@@ -133,8 +133,8 @@ def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(starter):
 def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(starter):
     """fp16 -> int4 with a sequence in flight: its window (sinks and newest tokens) is filled from the
     fp16 pool, so a short sequence goes on exactly as if nothing had changed; int4 -> int8 keeps it."""
-    from kvchat.engine.kv_manager import Sequence
-    from kvchat.engine.kv_pool import KVPool
+    from kvchat.engine.kv.manager import Sequence
+    from kvchat.engine.kv.pool import KVPool
 
     ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
                             add_special_tokens=False)["input_ids"]

@@ -11,11 +11,11 @@ import httpx
 import keyring
 import pytest
 
-from kvchat.engine.backend import Backend
-from kvchat.engine.config import SamplingParams
-from kvchat.engine.events import EngineError, Finished, Request, TokenDelta
-from kvchat.engine.remote import RemoteBackend, api_root
-from kvchat.engine.remote_metrics import server_memory
+from kvchat.core.backend import Backend
+from kvchat.core.config import SamplingParams
+from kvchat.core.events import EngineError, Finished, Request, TokenDelta
+from kvchat.remote.client import RemoteBackend, api_root
+from kvchat.remote.metrics import server_memory
 
 from fake_keyring import MemoryKeyring
 from serve_process import free_port, kvchat_serve, wait_for
@@ -40,7 +40,7 @@ def backend(server):
 
 
 def metrics(server) -> dict:
-    from kvchat.engine.remote_metrics import parse
+    from kvchat.remote.metrics import parse
 
     return parse(httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
 
@@ -68,7 +68,7 @@ def test_it_is_a_backend_and_lists_the_servers_models(backend):
 def test_it_announces_itself_and_stops_like_the_engine(backend):
     """What the app's bridge relies on: ModelReady replayed to a late listener, a request's listener,
     and stop through ``cancel(handle)``."""
-    from kvchat.engine.events import ModelReady
+    from kvchat.core.events import ModelReady
 
     seen, streamed = [], []
     backend.add_listener(seen.append, replay=True)
@@ -146,7 +146,7 @@ def test_a_second_conversation_with_the_same_persona_is_cached_on_the_server(bac
 
 
 def test_the_terminal_chat_runs_on_the_remote(backend):
-    from kvchat.engine.chat_session import ChatSession
+    from kvchat.cli.chat_session import ChatSession
 
     session, said = ChatSession(backend, system="You are terse."), []
     sampling = SamplingParams(max_new_tokens=4, **GREEDY)
@@ -172,7 +172,7 @@ def test_a_wrong_key_is_a_clear_error(server):
 
 
 def test_generate_json_on_the_remote_is_the_local_document(server):
-    out = subprocess.run([sys.executable, "-m", "kvchat.engine.cli", "generate", "--remote", server, "--prompt", "Hi",
+    out = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "generate", "--remote", server, "--prompt", "Hi",
                           "--max-new-tokens", "3", "--temperature", "0", "--json"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "KVCHAT_REMOTE_API_KEY": KEY})
     assert out.returncode == 0, out.stderr
@@ -206,7 +206,7 @@ def test_server_metrics_of_each_kind(text, server, usage, rate):
 
 
 def test_connections_keep_the_key_in_the_keyring_only(tmp_path):
-    from kvchat.engine.connections import Connection, Connections, get_key
+    from kvchat.core.connections import Connection, Connections, get_key
 
     before = keyring.get_keyring()
     ring = MemoryKeyring()
@@ -227,7 +227,7 @@ def test_connections_keep_the_key_in_the_keyring_only(tmp_path):
 def test_without_a_keyring_saving_a_key_says_so_and_writes_nothing(tmp_path):
     from keyring.backends.fail import Keyring as NoKeyring
 
-    from kvchat.engine.connections import Connection, Connections, KeyringUnavailable, get_key
+    from kvchat.core.connections import Connection, Connections, KeyringUnavailable, get_key
 
     before = keyring.get_keyring()
     keyring.set_keyring(NoKeyring())
@@ -244,7 +244,7 @@ def test_without_a_keyring_saving_a_key_says_so_and_writes_nothing(tmp_path):
 
 @pytest.mark.skipif(shutil.which("llama-server") is None, reason="llama-server is not on PATH")
 def test_llama_server_as_the_remote(tmp_path):
-    from kvchat.engine.models import starter_path
+    from kvchat.engine.model.loading import starter_path
 
     port = free_port()
     proc = subprocess.Popen(["llama-server", "-m", str(starter_path()), "--port", str(port), "--metrics", "-c", "2048"],

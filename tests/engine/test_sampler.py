@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.core.config import ConfigError, SamplingParams
 from kvchat.engine.sampler import Sampler, apply_repetition_penalty, filtered_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))

@@ -12,9 +12,9 @@ import uvicorn
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from kvchat.engine.config import EngineConfig
+from kvchat.core.config import EngineConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.server import create_app
+from kvchat.serve.server import create_app
 
 from tiny_models import as_loaded
 
@@ -278,7 +278,7 @@ def test_too_long_prompt_streamed_is_a_400_and_the_server_goes_on(client):
 
 
 def test_metrics_report_the_cache_in_prometheus_text(served):
-    from kvchat.engine.remote_metrics import server_memory
+    from kvchat.remote.metrics import server_memory
 
     memory = server_memory(httpx.get(served[0] + "/metrics", headers=AUTH).text)
     assert memory.server == "kvchat" and 0 <= memory.kv_usage <= 1 and 0 < memory.prefix_hit_rate < 1

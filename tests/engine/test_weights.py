@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.engine import weights
-from kvchat.engine.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, _codes, quantize_linears, weight_bytes
+from kvchat.engine.model import weights
+from kvchat.engine.model.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, _codes, quantize_linears, weight_bytes
 
 from tiny_models import tiny_model
 

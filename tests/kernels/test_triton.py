@@ -173,7 +173,7 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, windo
 def test_the_gpu_bench_check_runs_and_agrees():
     """``kvchat bench kernels``' correctness part, here in the interpreter on a short context, so that
     its first run on a GPU is not its first run."""
-    from kvchat.kernels import bench_kernels
+    from kvchat.bench import kernels as bench_kernels
 
     rows = bench_kernels.check(torch.device(DEVICE), dtype=torch.float32, length=40)
     assert [r["precision"] for r in rows] == ["fp16", "int8", "k8v4", "int4"]

@@ -1,1 +1,0 @@
-"""kvchat's inference engine: paged KV cache, prefix cache, background thread, CLI and local API."""

@@ -1,1 +1,0 @@
-"""Compute kernels: a torch reference for every op, and (later) Triton kernels behind one dispatch."""

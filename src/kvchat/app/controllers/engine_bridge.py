@@ -1,0 +1,241 @@
+"""The backend as Qt signals: one QObject adapter over the backend in use, the local engine or a
+connection to a server (engine/backend.py); the window never asks which one it has.
+
+Every engine event, and the end of every command, reaches the GUI thread as one queued signal;
+there, and only there, the bridge updates its state (busy, loading, the settings in force) and
+emits the public signals. The GUI never waits on the engine and never reads its attributes: it
+reads the bridge's state, which is what the last delivered event said."""
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+from PySide6.QtCore import QObject, Qt, Signal
+
+from kvchat.core.backend import open_backend
+from kvchat.core.config import EngineConfig, SamplingParams
+from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Request,
+                                  RequestHandle, TokenDelta)
+from kvchat.core.memory import GiB, MemorySnapshot
+from kvchat.remote.metrics import ServerMemory
+
+
+def settings_config(settings: dict) -> EngineConfig:
+    """The engine config for the settings panel's values."""
+    return EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
+                        max_context=settings.get("max_context", 8192), weights=settings.get("weights", "auto"),
+                        headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB))
+
+
+@dataclass
+class _RequestEvent:
+    request_id: int  # which send() it belongs to: only the latest one's end clears busy
+    event: object
+
+
+@dataclass
+class _Reconfigured:
+    future: Future
+
+
+@dataclass
+class _BackendEvent:
+    generation: int  # which backend sent it: a replaced one's last words are dropped
+    event: object
+
+
+class EngineBridge(QObject):
+    ready = Signal()
+    load_failed = Signal(str)
+    token = Signal(str, int)  # text, token id
+    finished = Signal(dict)  # text, token_ids, finish_reason, stats
+    failed = Signal(str)
+    notice = Signal(str, str)  # kind, message
+    snapshot = Signal(dict)
+    reconfigured = Signal(dict)
+    # done, total (0: unknown), stage: download in bytes (object: sizes pass 2 GiB), convert in tensors
+    load_progress = Signal(object, object, str)
+    server_memory = Signal(dict)  # a server's own KV-cache figures (ServerMemory), on a connection
+    _delivered = Signal(object)  # anything from the engine thread; queued to the GUI thread
+
+    def __init__(self, engine, make_engine=None):
+        """``engine``: the backend to start on. ``make_engine(settings)`` makes the local engine when
+        the app comes back to it from a connection (switching models is the engine's own LoadModel)."""
+        super().__init__()
+        self.engine = engine  # the backend in use; the GUI calls its methods, never reads it
+        self.make_engine = make_engine or (lambda settings: open_backend(settings_config(settings)))
+        self._generation = 0
+        self.handle: RequestHandle | None = None
+        self._request_id = 0
+        self._streamed = False  # the current request's first token has arrived
+        self.switching = True  # until the first load has ended
+        self.settings: dict = {}  # the engine's config as last reported (model, max_context, kv_precision...)
+        self.precision: str | None = None  # the KV precision in force
+        self.model_config = None  # the loaded model's own config (the settings dialog's planner)
+        self.load_error: str | None = None  # why no model is loaded, when none is
+        self.label = ""  # the model's name as the backend gives it
+        self._delivered.connect(self._on_delivered, Qt.QueuedConnection)
+        self._listen()
+
+    def _listen(self) -> None:
+        generation = self._generation
+        self.engine.add_listener(lambda event: self._post(_BackendEvent(generation, event)), replay=True)
+
+    def _post(self, item) -> None:
+        """From the engine's thread. After quit the bridge's Qt side may be gone while the engine
+        still ends its step: its last events have no one to reach."""
+        try:
+            self._delivered.emit(item)
+        except RuntimeError:  # "Signal source has been deleted"
+            pass
+
+    @property
+    def server(self) -> str | None:
+        """The server's base URL on a connection (the model, context and KV precision are the
+        server's there); None on the local engine. From the backend's ModelReady settings."""
+        return self.settings.get("server")
+
+    def start(self) -> None:
+        """Kept for the window: the first load's outcome arrives as a queued signal, so slots
+        connected before the event loop runs see it however fast the model loads or fails."""
+
+    @property
+    def loading(self) -> bool:
+        return self.switching
+
+    @property
+    def busy(self) -> bool:
+        return self.handle is not None
+
+    # -- commands, from the GUI thread --
+
+    def switch_model(self, settings: dict) -> None:
+        """Load ``settings`` in the engine (the old model goes first; a failure brings it back). A
+        second switch while one loads replaces it. On a connection, the local engine comes back."""
+        try:
+            config = settings_config(settings)
+        except ValueError as e:  # settings the engine refuses outright
+            self.load_failed.emit(str(e))
+            return
+        if self.server is not None or not hasattr(self.engine, "load_model"):
+            self.use_local(settings)
+            return
+        self.switching = True
+        self.engine.load_model(config)
+
+    def use_connection(self, name: str) -> None:
+        """Run on the saved connection ``name`` (its key from the keyring); ready or load_failed
+        says how it went."""
+        try:
+            backend = open_backend(connection=name)
+        except Exception as e:  # no such connection any more
+            self.load_failed.emit(str(e))
+            return
+        self.use_backend(backend)
+
+    def use_local(self, settings: dict) -> None:
+        """Back on this computer's engine, loading ``settings``' model."""
+        self.use_backend(self.make_engine(settings))
+
+    def use_backend(self, backend) -> None:
+        """Replace the backend: a reply streaming on the old one is stopped (its cancelled end still
+        arrives and is saved), and the old one is closed off the GUI thread, freeing its memory."""
+        old, self.engine = self.engine, backend
+        if self.handle is not None:
+            old.cancel(self.handle)
+        self._generation += 1
+        self.switching, self.load_error, self.settings = True, None, {}
+        self.precision = self.model_config = None
+        self.label = ""
+        self._listen()
+        threading.Thread(target=old.close, name="kvchat-close-backend", daemon=True).start()
+
+    def cancel_load(self) -> None:
+        self.engine.cancel_load()
+
+    def send(self, messages: list[dict], sampling: SamplingParams) -> None:
+        if self.switching:
+            self.failed.emit("another model is loading; send again once it is ready")
+            return
+        self._request_id += 1
+        rid = self._request_id
+        self._streamed = False
+        self.handle = self.engine.submit(Request(messages=messages, sampling=sampling),
+                                         listener=lambda event: self._post(_RequestEvent(rid, event)))
+
+    def stop(self) -> None:
+        if self.handle is None:
+            return
+        self.engine.cancel(self.handle)
+        if not self._streamed:
+            # Nothing streamed yet: the engine may be compiling its decode step for a minute, and
+            # would only see the cancel after. The reply ends now; the request's late events are
+            # dropped (another request id), and the engine skips it once it gets to it.
+            self._request_id += 1
+            self.handle = None
+            self.finished.emit({"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
+
+    def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
+        headroom = None if headroom_gib is None else int(headroom_gib * GiB)
+        future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
+        future.add_done_callback(lambda f: self._post(_Reconfigured(f)))
+
+    # -- the GUI thread: state changes here only --
+
+    def _on_delivered(self, item) -> None:
+        if isinstance(item, _BackendEvent):
+            if item.generation == self._generation:
+                self._on_backend_event(item.event)
+        elif isinstance(item, _RequestEvent):
+            self._on_request_event(item.request_id, item.event)
+        elif isinstance(item, _Reconfigured):
+            self._on_reconfigured(item.future)
+
+    def _on_backend_event(self, item) -> None:
+        if isinstance(item, ModelReady):
+            self.switching, self.load_error = False, None
+            self.settings, self.model_config, self.label = item.settings, item.model_config, item.label
+            self.precision = item.settings.get("precision")
+            self.ready.emit()
+        elif isinstance(item, LoadFailed):
+            self.switching = False
+            if item.restored:
+                self.settings = item.settings
+                self.precision = item.settings.get("precision")
+            else:
+                self.load_error, self.model_config, self.precision = item.message, None, None
+            self.load_failed.emit(item.message)
+        elif isinstance(item, LoadProgress):
+            self.load_progress.emit(item.done, item.total, item.stage)
+        elif isinstance(item, MemorySnapshot):
+            self.precision = item.precision
+            self.snapshot.emit(asdict(item))
+        elif isinstance(item, ServerMemory):
+            self.server_memory.emit(asdict(item))
+        elif isinstance(item, Notice):
+            self.notice.emit(item.kind, item.message)
+
+    def _on_request_event(self, request_id: int, event) -> None:
+        if request_id != self._request_id:  # a reply ended early by stop(): its tokens must not join the next
+            return
+        if isinstance(event, TokenDelta):
+            self._streamed = True
+            self.token.emit(event.text, event.token_id)
+        elif isinstance(event, (Finished, Error)):
+            self.handle = None
+            if isinstance(event, Finished):
+                self.finished.emit({"text": event.text, "token_ids": event.token_ids,
+                                    "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
+            else:
+                self.failed.emit(event.message)
+        # a request's Notice events are also engine-wide ones, which the listener already delivers
+
+    def _on_reconfigured(self, future: Future) -> None:
+        try:
+            result = future.result()
+        except Exception as e:
+            self.failed.emit(str(e))
+            return
+        self.settings = {**self.settings, "kv_precision": result["kv_precision"],
+                         "max_context": result["max_context"]}
+        self.precision = result["kv_precision"]
+        self.reconfigured.emit(result)

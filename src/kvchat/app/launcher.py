@@ -1,0 +1,55 @@
+"""The ``kvchat`` command: no arguments start the desktop app, anything else is the engine's CLI."""
+import ctypes.util
+import logging
+import os
+import sys
+
+XCB_PACKAGES = {"xcb-cursor": "libxcb-cursor0", "xcb-icccm": "libxcb-icccm4", "xcb-keysyms": "libxcb-keysyms1",
+                "xkbcommon-x11": "libxkbcommon-x11-0"}
+
+
+def missing_xcb_packages() -> list[str]:
+    return [pkg for lib, pkg in XCB_PACKAGES.items() if ctypes.util.find_library(lib) is None]
+
+
+def display_problem() -> str | None:
+    """One line saying why no window can open here, or None."""
+    platform = os.environ.get("QT_QPA_PLATFORM", "")
+    if sys.platform.startswith("linux") and not platform:
+        if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+            return "kvchat: no display found (DISPLAY is not set); for the terminal chat run: kvchat chat"
+        missing = missing_xcb_packages()
+        if missing and not os.environ.get("WAYLAND_DISPLAY"):
+            return ("kvchat: Qt's xcb platform needs system libraries that are missing; install them with: "
+                    f"sudo apt-get install {' '.join(missing)}")
+    return None
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "ui"]:  # the GUI's own benchmark: the engine's CLI knows nothing of Qt
+        from kvchat.bench.ui import main as bench_ui
+
+        return bench_ui(argv[2:])
+    if argv:
+        from kvchat.cli.main import main as cli_main
+
+        return cli_main(argv)
+    problem = display_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    from kvchat.app.main import run
+
+    code = run()
+    # The engine's thread may still be inside torch (compiling, reading a GGUF) when the window
+    # closes; interpreter shutdown would stop it mid-C++ and abort the process ("terminate called
+    # without an active exception", exit 134). The database holds everything by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

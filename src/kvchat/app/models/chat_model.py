@@ -1,0 +1,78 @@
+"""The open conversation as a list model for the QML chat view. A streaming reply changes one row,
+and only that row's blocks are rebuilt; the other messages keep what they rendered."""
+from PySide6.QtCore import QAbstractListModel, QByteArray, QModelIndex, Qt
+
+from kvchat.app.models.blocks import blocks, stats_line
+
+ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note"]
+ROLE_IDS = {name: Qt.UserRole + 1 + i for i, name in enumerate(ROLES)}
+
+
+class ChatModel(QAbstractListModel):
+    def __init__(self, dark: bool = False):
+        super().__init__()
+        self.rows: list[dict] = []
+        self.dark = dark
+        self.author = "Assistant"
+
+    def roleNames(self) -> dict:
+        return {rid: QByteArray(name.encode()) for name, rid in ROLE_IDS.items()}
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def data(self, index, role=Qt.DisplayRole):
+        if not index.isValid():
+            return None
+        row = self.rows[index.row()]
+        if role == ROLE_IDS["blocks"]:
+            if row["blocks"] is None:  # rendered when first shown: a long chat opens at the cost of a screenful
+                row["blocks"] = blocks(row["content"], self.dark) if row["role"] == "assistant" else []
+            return row["blocks"]
+        if role == ROLE_IDS["lastReply"]:
+            return index.row() == len(self.rows) - 1 and row["role"] == "assistant"
+        if role == Qt.DisplayRole:
+            return row["content"]
+        name = next((n for n, rid in ROLE_IDS.items() if rid == role), None)
+        return row.get(name) if name else None
+
+    def reset(self, messages, author: str, streaming_id: int | None = None, streaming_text: str = "") -> None:
+        """``messages``: the store's rows. The streaming reply shows ``streaming_text``, not its last save."""
+        self.beginResetModel()
+        self.author = author
+        self.rows = [self._row(m, author, m.id == streaming_id, streaming_text) for m in messages]
+        self.endResetModel()
+
+    def _row(self, m, author: str, live: bool, live_text: str) -> dict:
+        return {"id": m.id, "role": m.role, "author": author if m.role == "assistant" else "You",
+                "content": live_text if live else m.content, "blocks": None, "position": m.position,
+                "interrupted": m.interrupted and not live, "streaming": live,
+                "stats": "" if live or not m.stats else stats_line(m.stats), "note": ""}
+
+    def row_of(self, message_id: int) -> int:
+        return next((i for i, r in enumerate(self.rows) if r["id"] == message_id), -1)
+
+    def set_text(self, message_id: int, text: str) -> None:
+        """The streaming reply's text so far: one row changes."""
+        i = self.row_of(message_id)
+        if i < 0 or self.rows[i]["content"] == text:
+            return
+        self.rows[i]["content"], self.rows[i]["blocks"] = text, None
+        index = self.index(i)
+        self.dataChanged.emit(index, index, [ROLE_IDS["content"], ROLE_IDS["blocks"]])
+
+    def set_dark(self, dark: bool) -> None:
+        """Code colours differ per theme: every row renders again, when next shown."""
+        if dark != self.dark:
+            self.dark = dark
+            for r in self.rows:
+                r["blocks"] = None
+            if self.rows:
+                self.dataChanged.emit(self.index(0), self.index(len(self.rows) - 1), [ROLE_IDS["blocks"]])
+
+    def set_note(self, note: str) -> None:
+        """A line under the last message (it waits for the model to load)."""
+        if self.rows:
+            self.rows[-1]["note"] = note
+            index = self.index(len(self.rows) - 1)
+            self.dataChanged.emit(index, index, [ROLE_IDS["note"]])

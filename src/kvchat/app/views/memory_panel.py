@@ -1,0 +1,106 @@
+"""The memory panel: where memory goes, in numbers (weights, KV in use, prefix cache, free), the KV
+precision, and the largest context each precision would hold here, capped at what the model was
+trained on. On a connection: the server's own KV-cache usage and prefix-cache hit rate, from its
+/metrics, or "not reported"."""
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout, QWidget
+
+from kvchat.core.memory import GiB
+
+from kvchat.app.views.gauge import SEGMENTS, MemoryGauge, segments
+
+ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "other programs", "free"]
+
+
+def percent(value: float | None) -> str:
+    return "not reported" if value is None else f"{100 * value:.1f}%"
+
+
+def server_text(memory: dict | None, url: str) -> str:
+    """The server's figures, named as the server's: kvchat knows nothing of its memory but these."""
+    if memory is None:
+        return f"<b>The server's KV cache</b><br>{url}<br><br>asking the server's /metrics…"
+    who = memory.get("server")
+    if who is None:
+        return (f"<b>The server's KV cache</b><br>{url}<br><br>The server exposes no /metrics: its KV-cache "
+                "usage and prefix-cache hit rate are not reported.")
+    rows = [("server's KV-cache usage", percent(memory.get("kv_usage"))),
+            ("server's prefix-cache hit rate", percent(memory.get("prefix_hit_rate")))]
+    if memory.get("requests_running") is not None:
+        rows.append(("requests running there", f"{memory['requests_running']:.0f}"))
+    table = "".join(f"<tr><td>{k}</td><td align='right'><b>{v}</b></td></tr>" for k, v in rows)
+    return f"<b>The server's KV cache</b> ({who})<br>{url}<table cellspacing='4'>{table}</table>"
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.0f} MiB"
+
+
+class MemoryPanel(QFrame):
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("memoryPanel")
+        self.setFixedWidth(280)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(16, 14, 16, 14)
+        title = QLabel("<b>Memory</b>")
+        self.where = QLabel("waiting for the engine…")
+        self.where.setProperty("muted", True)
+        self.where.setWordWrap(True)
+        self.gauge = MemoryGauge()
+        self.gauge.setMinimumHeight(14)
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(8)
+        self.values: dict[str, QLabel] = {}
+        colours = {label: colour for _, label, colour in SEGMENTS}
+        for row, label in enumerate(ROWS):
+            key = QLabel(f'<span style="color:{colours[label]}">&#9632;</span> {label}')
+            value = QLabel("–")
+            value.setAlignment(Qt.AlignRight)
+            grid.addWidget(key, row, 0)
+            grid.addWidget(value, row, 1)
+            self.values[label] = value
+        self.precision = QLabel("KV precision: –")
+        self.contexts = QLabel()
+        self.contexts.setWordWrap(True)
+        self.contexts.setTextFormat(Qt.RichText)
+        self.local = QWidget()  # this computer's memory; hidden on a connection
+        local = QVBoxLayout(self.local)
+        local.setContentsMargins(0, 0, 0, 0)
+        for w in (self.where, self.gauge):
+            local.addWidget(w)
+        local.addLayout(grid)
+        local.addSpacing(8)
+        local.addWidget(self.precision)
+        local.addWidget(self.contexts)
+        self.server = QLabel(objectName="serverMemory", wordWrap=True, textFormat=Qt.RichText)
+        self.server.hide()
+        layout.addWidget(title)
+        layout.addWidget(self.local)
+        layout.addWidget(self.server)
+        layout.addStretch(1)
+
+    def show_server(self, memory: dict | None, url: str) -> None:
+        self.local.hide()
+        self.server.setText(server_text(memory, url))
+        self.server.show()
+
+    def show_snapshot(self, snapshot: dict) -> None:
+        self.server.hide()
+        self.local.show()
+        self.gauge.update_snapshot(snapshot)
+        where = "System RAM (running on the CPU)" if snapshot["on_cpu"] else snapshot["device"]
+        self.where.setText(f"{where}: {gib(snapshot['total'])}")
+        for label, size, _ in segments(snapshot):
+            self.values[label].setText(gib(size))
+        self.precision.setText(f"KV precision: <b>{snapshot['precision']}</b>")
+
+    def show_contexts(self, max_context: dict[str, int], trained: int | None) -> None:
+        """``max_context``: the planner's largest context per precision on this machine."""
+        rows = []
+        for name, tokens in max_context.items():
+            capped = trained is not None and tokens > trained
+            shown = f"{min(tokens, trained) if capped else tokens:,}"
+            rows.append(f"<tr><td>{name}</td><td align='right'>{shown}</td>"
+                        f"<td>{' (trained limit)' if capped else ''}</td></tr>")
+        self.contexts.setText("Largest context here:<table cellspacing='4'>" + "".join(rows) + "</table>")

@@ -1,0 +1,113 @@
+"""The settings panel: model, context, KV precision, weights, headroom and sampling, with the
+planner's estimate updated as the values change, capped at the context the model was trained on.
+Context and precision apply without a reload. On a connection, only sampling is ours to set: the
+model, context and KV precision are the server's."""
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
+                               QLineEdit, QSpinBox)
+
+from kvchat.core.memory import GiB, plan
+
+from kvchat.app.models.sampling_defaults import FALLBACK
+
+PRECISIONS = ["auto", "fp16", "int8", "k8v4", "int4"]
+
+
+def trained_context(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None) if config is not None else None
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
+                 on_cuda: bool = False, server: str | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.model_config, self.memory = model_config, memory
+        form = QFormLayout(self)
+        self.model = QLineEdit(engine_settings.get("model", "starter"))
+        self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
+        self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
+                                value=engine_settings.get("max_context", 8192))
+        self.precision = QComboBox()
+        self.precision.addItems(PRECISIONS)
+        self.precision.setCurrentText(engine_settings.get("kv_precision", "auto"))
+        self.on_cuda = on_cuda
+        self.weights = QComboBox()
+        # auto: int8 on the CPU (lossless on the starter, 2-3x faster decode), the checkpoint's own on CUDA
+        self.weights.addItems(["auto", "none", "int8", "nf4"] if on_cuda else ["auto", "none", "bf16", "int8", "int4"])
+        self.weights.setCurrentText(engine_settings.get("weights", "auto"))
+        self.weights.setToolTip("Weights in memory: fewer bytes read per token is faster decode. "
+                                "none keeps the checkpoint's own" + ("" if on_cuda else " (fp32 on the CPU)"))
+        self.headroom = QDoubleSpinBox(minimum=0, maximum=64, singleStep=0.25, suffix=" GiB",
+                                       value=engine_settings.get("headroom_gib", 1.0))
+        self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", FALLBACK["temperature"]))
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", FALLBACK["top_p"]))
+        self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.get("top_k", 0))
+        self.min_p = QDoubleSpinBox(minimum=0, maximum=0.99, singleStep=0.01, value=sampling.get("min_p", 0.0))
+        self.repetition = QDoubleSpinBox(minimum=0.5, maximum=2, singleStep=0.05,
+                                         value=sampling.get("repetition_penalty", FALLBACK["repetition_penalty"]))
+        self.max_new = QSpinBox(minimum=1, maximum=32768, value=sampling.get("max_new_tokens", FALLBACK["max_new_tokens"]))
+        self.seed = QSpinBox(minimum=-1, maximum=2 ** 31 - 1, value=sampling.get("seed") or -1, specialValueText="random")
+        self.estimate = QLabel()
+        self.estimate.setWordWrap(True)
+        self.warning = QLabel()
+        self.warning.setWordWrap(True)
+        self.warning.setStyleSheet("color: #c2410c;")
+        rows = [("Model", self.model), ("Context length", self.context), ("KV precision", self.precision),
+                ("Weights", self.weights), ("Memory headroom", self.headroom),
+                ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
+                ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
+                ("Seed", self.seed), ("Estimate", self.estimate), ("", self.warning)]
+        for label, widget in rows:
+            form.addRow(label, widget)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+        for w in (self.context, self.headroom):
+            w.valueChanged.connect(self.update_estimate)
+        self.weights.currentTextChanged.connect(self.update_estimate)
+        self.update_estimate()
+        if server:
+            self.on_server(server)
+
+    def on_server(self, server: str) -> None:
+        for w in (self.model, self.context, self.precision, self.weights, self.headroom):
+            w.setEnabled(False)
+            w.setToolTip(f"set by the server at {server}")
+        self.warning.hide()
+        self.estimate.setText(f"Running on {server}: its model, context and KV cache are its own. "
+                              "Sampling below applies to its replies.")
+
+    def focus_on(self, setting: str) -> None:
+        """A top-bar chip opens the dialog at its own setting."""
+        widget = {"model": self.model, "context": self.context, "precision": self.precision}.get(setting)
+        if widget is not None:
+            widget.setFocus()
+
+    def update_estimate(self) -> None:
+        trained = trained_context(self.model_config)
+        over = trained is not None and self.context.value() > trained
+        self.warning.setText(f"{self.context.value():,} tokens is more than the {trained:,} this model was trained "
+                             "on: replies past that length are likely to go wrong." if over else "")
+        self.warning.setVisible(over)
+        if self.model_config is None or not self.memory:
+            self.estimate.setText("(the estimate appears once the model is loaded)")
+            return
+        full = "bf16" if self.on_cuda else "fp32"
+        weights = {"auto": full if self.on_cuda else "int8", "none": full, "bf16": "bf16", "int8": "int8",
+                   "int4": "nf4", "nf4": "nf4"}[self.weights.currentText()]
+        p = plan(self.model_config, self.memory, self.context.value(), weights, int(self.headroom.value() * GiB))
+        holds = ", ".join(f"{name} {min(tokens, trained or tokens):,}" for name, tokens in p.max_context.items())
+        if trained is not None and any(tokens > trained for tokens in p.max_context.values()):
+            holds += f" (capped at the trained {trained:,})"
+        self.estimate.setText(f"largest context: {holds} tokens. Auto would pick: {p.auto or 'nothing fits'}")
+
+    def engine_settings(self) -> dict:
+        return {"model": self.model.text().strip() or "starter", "max_context": self.context.value(),
+                "kv_precision": self.precision.currentText(), "weights": self.weights.currentText(),
+                "headroom_gib": self.headroom.value()}
+
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature.value(), "top_p": self.top_p.value(), "top_k": self.top_k.value(),
+                "min_p": self.min_p.value(), "repetition_penalty": self.repetition.value(),
+                "max_new_tokens": self.max_new.value(), "seed": None if self.seed.value() < 0 else self.seed.value()}

@@ -1,0 +1,142 @@
+"""``kvchat eval``: perplexity and KL divergence of the quantized KV cache against the fp16 one.
+
+Scored as llama.cpp's ``llama-perplexity`` does: the text is cut into non-overlapping windows of
+``context`` tokens, and in each only the second half is scored, so every scored token sees at least
+half a window. Each window goes through the paged cache in prefill chunks, so the later chunks read
+quantized K/V, as a chat does. Token ids come from the model's Hugging Face tokenizer, no BOS.
+"""
+import math
+
+import torch
+
+from kvchat.core.config import EngineConfig, Precision
+from kvchat.engine.kv.cache import KVShape, bytes_per_token
+from kvchat.engine.kv.manager import Sequence
+from kvchat.engine.kv.pool import KVPool
+from kvchat.engine.model.loading import LoadedModel
+
+
+def window_logprobs(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int):
+    """Yield, per window, the log-probabilities ``[context/2 - 1, vocab]`` at the scored positions
+    and the ids they predict."""
+    pool = KVPool.for_tokens(lm, context, precision)
+    manager, runner = pool.manager, pool.runner
+    first = context // 2
+    for w in range(len(tokens) // context):
+        seq = Sequence(tokens[w * context:(w + 1) * context])
+        manager.reserve(seq, context)
+        rows = []
+        while seq.num_computed < context:
+            start = seq.num_computed
+            logits = runner.forward(seq, min(start + chunk, context), want_logits="all")
+            rows.append(logits[max(0, first - start):] if start + len(logits) > first else logits[:0])
+        manager.free(seq)
+        scored = torch.cat(rows)[:-1]
+        yield torch.log_softmax(scored, dim=-1), torch.tensor(seq.token_ids[first + 1:], device=scored.device)
+
+
+def perplexity(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int = 64) -> dict:
+    nll, count = 0.0, 0
+    for logp, target in window_logprobs(lm, tokens, context, precision, chunk):
+        nll -= logp.gather(1, target[:, None]).sum().item()
+        count += len(target)
+    shape = KVShape.from_config(lm.model.config)
+    return {"precision": Precision(precision).value, "ppl": math.exp(nll / count), "scored_tokens": count,
+            "bytes_per_token": bytes_per_token(shape, precision),
+            "bytes_fraction_of_fp16": bytes_per_token(shape, precision) / bytes_per_token(shape, Precision.FP16)}
+
+
+def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int = 64) -> dict:
+    """Mean and 99th-percentile KL(fp16 || precision) over the scored positions."""
+    kls = []
+    pairs = zip(window_logprobs(lm, tokens, context, Precision.FP16, chunk),
+                window_logprobs(lm, tokens, context, precision, chunk))
+    for (ref, _), (q, _) in pairs:
+        kls.append((ref.exp() * (ref - q)).sum(-1))
+    kl = torch.cat(kls)
+    return {"precision": Precision(precision).value, "kl_mean": kl.mean().item(),
+            "kl_p99": torch.quantile(kl, 0.99).item(), "positions": len(kl)}
+
+
+LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c 512, same GGUF, GPL-3 (q8_0/q4_0)
+
+
+def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool,
+         weights: str = "none", chunk: int | None = None) -> None:
+    """``weights`` other than none: the baseline is the checkpoint's own weights with an fp16 KV
+    cache, against those weights with the ``precision`` cache. ``chunk``: the prefill chunk, by
+    default the engine's own, which is how a pasted document reaches the cache."""
+    import json
+    from pathlib import Path
+
+    from kvchat.core.config import ConfigError
+    from kvchat.engine.model.loading import load
+
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {text_file}: {e}") from None
+    if context < 4 or context % 2:
+        raise ConfigError("--context must be an even number >= 4")
+    chunk = chunk or EngineConfig().prefill_chunk
+    if chunk < 1:
+        raise ConfigError("--chunk must be at least 1")
+    lm = load(model)
+    tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(tokens) < context:
+        raise ConfigError(f"{text_file} has {len(tokens)} tokens, fewer than one window of {context}")
+    if which == "kld":
+        result = kl_divergence(lm, tokens, context, Precision(precision), chunk)
+        print(json.dumps(result, indent=2) if as_json else
+              f"KL(fp16 || {precision}) over {result['positions']} positions: mean {result['kl_mean']:.5f}, "
+              f"p99 {result['kl_p99']:.5f}")
+        return
+    base = perplexity(lm, tokens, context, Precision.FP16, chunk)
+    base["weights"] = "none"
+    if weights != "none":
+        other = perplexity(load(model, weights=weights), tokens, context, Precision(precision), chunk)
+        rows = [base, {**other, "weights": weights}]
+    else:
+        rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision), chunk)]
+        rows[-1]["weights"] = "none"
+    for r in rows:
+        r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
+    if as_json:
+        print(json.dumps({"text": text_file, "context": context, "chunk": chunk, "tokens": len(tokens),
+                          "results": rows}, indent=2))
+        return
+    print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
+          f"prefill chunks of {chunk}, {rows[0]['scored_tokens']} scored")
+    for r in rows:
+        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" and r["weights"] == "none" \
+            and context == 512 else None
+        print(f"  weights {r['weights']:<4} KV {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
+              f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
+
+
+@torch.inference_mode()
+def reply_logprobs(pool: KVPool, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[len(reply), vocab]`` of each reply token's position, decoded one token
+    at a time through ``pool`` as a chat decodes it. On a live engine's pool the conversation's
+    cached blocks are used as they are: after its conversions, what the reply really read."""
+    seq = Sequence(list(prompt))
+    manager, runner = pool.manager, pool.runner
+    manager.match_prefix(seq)  # the prompt's blocks only: the reply is decoded again, as it was
+    seq.token_ids += reply
+    manager.reserve(seq, len(seq))
+    try:
+        while seq.num_computed < len(prompt) - 1:
+            runner.forward(seq, min(seq.num_computed + 512, len(prompt) - 1), want_logits=False)
+        rows = [runner.forward(seq, p + 1, want_logits=True) for p in range(len(prompt) - 1, len(seq) - 1)]
+    finally:
+        manager.free(seq)
+    return torch.log_softmax(torch.stack(rows), dim=-1)
+
+
+def reply_kl(lm: LoadedModel, pool: KVPool, prompt: list[int], reply: list[int]) -> dict:
+    """KL(fp16 || ``pool``) over a reply: ``pool`` (an engine's own, converted as the chat went)
+    against an unconstrained fp16 pool holding the whole conversation."""
+    ref = reply_logprobs(KVPool.for_tokens(lm, len(prompt) + len(reply), Precision.FP16), prompt, reply)
+    got = reply_logprobs(pool, prompt, reply)
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "positions": len(kl)}

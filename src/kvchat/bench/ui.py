@@ -1,0 +1,177 @@
+"""``kvchat bench ui``: the GUI thread's CPU time per streamed token, offscreen, in a conversation of
+10 and of 200 messages with code blocks. The window is the real one; the engine is replaced by a
+thread that emits a canned reply's tokens at a steady rate through the same queued signals, so the
+figure is the window's cost alone (model updates, layout, rendering), not the model's."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPLY = ("Here is a small function that does it, followed by a short explanation of each step.\n\n"
+         "```python\ndef word_counts(text: str) -> dict[str, int]:\n    counts = {}\n"
+         "    for word in text.lower().split():\n        word = word.strip('.,;:!?')\n"
+         "        if word:\n            counts[word] = counts.get(word, 0) + 1\n    return counts\n```\n\n"
+         "1. **Lower-case** the text so that *The* and *the* count as one word.\n"
+         "2. Strip punctuation from the ends of each word.\n"
+         "3. Count with a plain dictionary; `collections.Counter` would do the same in one line.\n\n"
+         "For large files, read line by line instead of loading the whole text at once:\n\n"
+         "```python\nwith open(path) as f:\n    for line in f:\n        update(counts, line)\n```\n\n"
+         "That keeps memory flat whatever the size of the file. ") * 3
+
+
+def tokens_of(text: str, n: int) -> list[str]:
+    """About four characters a token, as a small model's tokenizer gives for English and code."""
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    return (pieces * (n // len(pieces) + 1))[:n]
+
+
+def fake_bridge_class():
+    from PySide6.QtCore import QObject, Signal
+
+    class FakeBridge(QObject):
+        """The window's side of EngineBridge; ``send`` streams REPLY from a thread."""
+        ready, load_failed, failed = Signal(), Signal(str), Signal(str)
+        token, finished, notice = Signal(str, int), Signal(dict), Signal(str, str)
+        snapshot, reconfigured, load_progress = Signal(dict), Signal(dict), Signal(object, object)
+
+        def __init__(self, tokens: int, interval_s: float):
+            super().__init__()
+            self.tokens, self.interval_s = tokens, interval_s
+            self.handle, self.switching, self.loading = None, False, False
+            self.done = threading.Event()
+            config = SimpleNamespace(max_position_embeddings=8192)
+            self.engine = SimpleNamespace(
+                loaded=SimpleNamespace(model=SimpleNamespace(config=config, generation_config=None),
+                                       source=SimpleNamespace(label="bench")),
+                config=SimpleNamespace(max_context=8192, kv_precision=SimpleNamespace(value="auto"),
+                                       headroom_bytes=1 << 30),
+                precision=SimpleNamespace(value="fp16"), load_error=None)
+
+        busy = property(lambda self: self.handle is not None)
+
+        def start(self):
+            self.ready.emit()
+
+        def stop(self):
+            pass
+
+        def cancel_load(self):
+            pass
+
+        def send(self, messages, sampling):
+            self.handle = object()
+            threading.Thread(target=self._stream, daemon=True).start()
+
+        def _stream(self):
+            start = time.perf_counter()
+            pieces = tokens_of(REPLY, self.tokens)
+            for i, piece in enumerate(pieces):
+                time.sleep(max(0.0, start + (i + 1) * self.interval_s - time.perf_counter()))
+                self.token.emit(piece, i)
+            self.handle = None
+            stats = {"prompt_tokens": 10, "cached_tokens": 0, "generated_tokens": len(pieces), "ttft_ms": 1.0,
+                     "decode_tok_s": 1 / self.interval_s, "kv_precision": "fp16", "trimmed_messages": 0}
+            self.finished.emit({"text": "".join(pieces), "token_ids": list(range(len(pieces))),
+                                "finish_reason": "length", "stats": stats})
+            self.done.set()
+
+    return FakeBridge
+
+
+def conversation(store, messages: int) -> int:
+    cid = store.create_conversation("bench")
+    for i in range(messages):
+        if i % 2 == 0:
+            store.add_message(cid, "user", f"Question {i}: how do I count words in a file?\nWith Python, please.")
+        else:
+            store.add_message(cid, "assistant", REPLY[:900], token_ids=[1], stats={
+                "prompt_tokens": 100, "cached_tokens": 90, "generated_tokens": 200, "ttft_ms": 50.0,
+                "decode_tok_s": 30.0, "kv_precision": "fp16"})
+    return cid
+
+
+def measure(messages: int, tokens: int, interval_s: float, size=(1100, 720)) -> dict:
+    """CPU seconds of this (the GUI) thread while the reply streams, per token."""
+    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from kvchat.core.config import SamplingParams
+
+    from kvchat.app.views.main_window import MainWindow
+    from kvchat.app.store import Store
+
+    app = QApplication.instance()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "chat.db")
+        cid = conversation(store, messages)
+        bridge = fake_bridge_class()(tokens, interval_s)
+        win = MainWindow(store, bridge, SamplingParams(max_new_tokens=tokens))
+        win.resize(*size)
+        win.show()
+        win.open_conversation(cid)
+        settle(app, 0.5)
+        win.input.setPlainText("One more question, please.")
+        cpu, wall = time.thread_time(), time.perf_counter()
+        win.send()
+        loop = QEventLoop()
+        poll = QTimer(interval=5)
+        poll.timeout.connect(lambda: bridge.done.is_set() and not bridge.busy and loop.quit())
+        poll.start()
+        loop.exec()
+        poll.stop()
+        settle(app, 2 * win.render_timer.interval() / 1000)  # the last render
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        rows = win.chat_view.model.rowCount()
+        streamed = win.chat_view.model.rows[-1]["content"]
+        win.close()
+        win.deleteLater()
+        settle(app, 0.1)
+        store.close()
+    if rows != messages + 2 or not streamed:
+        raise RuntimeError(f"the bench reply did not reach the view ({rows} rows)")
+    return {"messages": messages, "tokens": tokens, "gui_cpu_s": round(cpu, 4), "wall_s": round(wall, 3),
+            "ms_per_token": round(1000 * cpu / tokens, 3)}
+
+
+def settle(app, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        app.processEvents()
+        time.sleep(0.002)
+
+
+def bench(tokens: int = 200, interval_ms: float = 25.0, sizes=(10, 200)) -> dict:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setStyle("Fusion")
+    measure(4, 20, interval_ms / 1000)  # warm-up: QML compiled, fonts and lexers loaded
+    runs = {str(n): measure(n, tokens, interval_ms / 1000) for n in sizes}
+    first, last = (runs[str(n)]["ms_per_token"] for n in (sizes[0], sizes[-1]))
+    return {"interval_ms": interval_ms, "tokens": tokens, "runs": runs,
+            "ms_per_token": {k: v["ms_per_token"] for k, v in runs.items()},
+            "ratio": round(last / first, 3) if first else None}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvchat bench ui", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--interval-ms", type=float, default=25.0, help="time between tokens (25: 40 tok/s)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = bench(args.tokens, args.interval_ms)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"GUI-thread CPU per streamed token ({args.tokens} tokens, one every {args.interval_ms:g} ms, offscreen):")
+    for n, run in result["runs"].items():
+        print(f"  {n:>4} messages: {run['ms_per_token']:.3f} ms/token ({run['gui_cpu_s']:.3f} s CPU in "
+              f"{run['wall_s']:.2f} s)")
+    print(f"  ratio {list(result['runs'])[-1]}/{list(result['runs'])[0]}: {result['ratio']:.2f}")
+    return 0

@@ -1,0 +1,405 @@
+"""The ``kvchat`` command: chat, generate, serve, bench."""
+import argparse
+import json
+import logging
+import os
+import sys
+
+from kvchat.core.config import DECODE_MODES, WEIGHTS, ConfigError, EngineConfig, SamplingParams
+
+USAGE_ERROR = 2
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a model folder, a .gguf file, a hub id, or 'starter' (the "
+                   "default); with --remote, one of the server's models (default: its first)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
+                   help="auto: int8 on the CPU; CPU: bf16, int8, int4 (torch's kernels); CUDA: int8, nf4 (bitsandbytes)")
+    p.add_argument("--decode", default=None, choices=list(DECODE_MODES),
+                   help="compiled: inductor on the CPU, CUDA graphs on CUDA (default: auto; eager for "
+                        "generate, where a compile costs more than one reply saves)")
+    p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
+    p.add_argument("--context", type=int, default=8192,
+                   help="context length in tokens (capped at the model's trained length)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let --context pass the model's trained length (answers get worse past it)")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def remote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="an OpenAI-compatible server (vLLM, SGLang, llama-server, kvchat serve) or a saved "
+                        "connection's name, instead of the local engine")
+    p.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"),
+                   help="the server's key (default: $KVCHAT_REMOTE_API_KEY, then the saved connection's)")
+
+
+def sampling_args(p: argparse.ArgumentParser, max_new: int = 512) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="kvchat", description="Offline chat with local Llama and Qwen models.")
+    sub = root.add_subparsers(dest="command")
+    chat = sub.add_parser("chat", help="interactive terminal chat (/system, /reset, /stats, /quit)")
+    engine_args(chat)
+    sampling_args(chat)
+    remote_args(chat)
+    chat.add_argument("--system", default=None)
+    gen = sub.add_parser("generate", help="one reply to one prompt")
+    engine_args(gen)
+    sampling_args(gen, max_new=256)
+    remote_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=None)
+    gen.add_argument("--json", action="store_true")
+    serve = sub.add_parser("serve", help="OpenAI-compatible API on loopback")
+    engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("KVCHAT_API_KEY"),
+                       help="require Authorization: Bearer KEY on every route (default: $KVCHAT_API_KEY)")
+    serve.add_argument("--allow-host", action="append", default=[],
+                       help="a further Host-header name to accept (repeatable); loopback names always are")
+    serve.add_argument("--cors-origin", action="append", default=[],
+                       help="a browser origin allowed to call the API (repeatable); none by default")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests waiting at once before 429")
+    bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped"],
+                       help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
+                            "capped: long prompts and a downshift on a card of --memory; "
+                            "kernels: Triton vs reference on CUDA; switch: memory during a model switch")
+    bench.add_argument("--model", default="starter")
+    bench.add_argument("--json", action="store_true")
+    api = bench.add_argument_group("api")
+    api.add_argument("--remote", default=None, metavar="URL", help="measure this server instead of kvchat serve")
+    api.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"))
+    api.add_argument("--clients", type=int, default=8)
+    api.add_argument("--requests", type=int, default=32)
+    api.add_argument("--max-tokens", type=int, default=16)
+    decode = bench.add_argument_group("decode")
+    decode.add_argument("--random-weights", metavar="CONFIG", default=None,
+                        help="a config.json (or folder) of the shape to measure, with random weights")
+    decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    decode.add_argument("--weights", default="none", choices=list(WEIGHTS))
+    decode.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
+    decode.add_argument("--prompt-len", type=int, default=512)
+    decode.add_argument("--new-tokens", type=int, default=128)
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--paths", default="eager,compiled,transformers",
+                        help="comma-separated: eager, compiled, transformers")
+    decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
+    decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
+    connections_args(sub)
+    pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
+    pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
+    pl.add_argument("--context", type=int, required=True)
+    pl.add_argument("--memory", default=None, help="device memory to plan for, e.g. 24GiB (default: free now)")
+    pl.add_argument("--weights", default="bf16", choices=["bf16", "fp16", "fp32", "int8", "nf4"])
+    pl.add_argument("--headroom", default="1GiB")
+    pl.add_argument("--json", action="store_true")
+    ev = sub.add_parser("eval", help="quality of a quantized KV cache against fp16")
+    ev.add_argument("which", choices=["ppl", "kld"])
+    ev.add_argument("--model", default="starter")
+    ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
+    ev.add_argument("--context", type=int, default=512)
+    ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
+    ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
+    ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
+    ev.add_argument("--json", action="store_true")
+    return root
+
+
+def connections_args(sub) -> None:
+    con = sub.add_parser("connections", help="saved connections to OpenAI-compatible servers (the app's and "
+                         "--remote NAME's); API keys go to the OS keyring")
+    action = con.add_subparsers(dest="action", metavar="add|list|remove")
+    add = action.add_parser("add", help="save a connection (an existing name is replaced)")
+    add.add_argument("name")
+    add.add_argument("url", help="the server's base URL, e.g. http://gpu-box:8000")
+    add.add_argument("--model", default=None, help="one of the server's models (default: its first)")
+    add.add_argument("--api-key-stdin", action="store_true",
+                     help="read the API key from standard input (never from the command line, where "
+                          "other users and the shell history would see it)")
+    action.add_parser("list", help="the saved connections, without their keys")
+    rm = action.add_parser("remove", help="forget a connection and its key")
+    rm.add_argument("name")
+
+
+def cmd_connections(args) -> int:
+    from kvchat.core.connections import Connection, Connections, KeyringUnavailable, connection_problem, get_key
+
+    saved = Connections()
+    if args.action == "list":
+        rows = saved.all()
+        for c in rows:
+            key = "key in keyring" if get_key(c.name) else "no key"
+            print(f"{c.name}\t{c.base_url}\t{c.model or '(first model)'}\t{key}")
+        if not rows:
+            print("no saved connections (add one: kvchat connections add NAME URL)", file=sys.stderr)
+        return 0
+    if args.action == "remove":
+        if saved.get(args.name) is None:
+            raise ConfigError(f"no saved connection named {args.name!r} (see: kvchat connections list)")
+        saved.remove(args.name)
+        print(f"removed {args.name}")
+        return 0
+    if args.action != "add":
+        raise ConfigError("say what to do: kvchat connections add NAME URL | list | remove NAME")
+    name, url = args.name.strip(), args.url.strip()
+    problem = connection_problem(name, url)
+    if problem:
+        raise ConfigError(problem)
+    key = sys.stdin.readline().strip() if args.api_key_stdin else None
+    if args.api_key_stdin and not key:
+        raise ConfigError("--api-key-stdin read no key from standard input")
+    replaced = saved.get(name) is not None
+    try:
+        saved.save(Connection(name, url, args.model), api_key=key)
+    except KeyringUnavailable as e:
+        raise ConfigError(str(e)) from None
+    print(f"{'updated' if replaced else 'saved'} {name}: {url}" + (" (key in the OS keyring)" if key else ""))
+    return 0
+
+
+def make_config(args) -> EngineConfig:
+    decode = args.decode or os.environ.get("KVCHAT_DECODE") or ("eager" if args.command == "generate" else "auto")
+    return EngineConfig(model=args.model or "starter", device=args.device, weights=args.weights, decode=decode,
+                        kv_precision=args.kv_precision, max_context=args.context, threads=args.threads,
+                        allow_long_context=args.allow_long_context)
+
+
+def make_sampling(args) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def start_engine(config: EngineConfig):
+    from kvchat.engine.engine import Engine
+
+    engine = Engine(config)
+    engine.wait_ready()
+    return engine
+
+
+def start_backend(args):
+    """The local engine, or the server of --remote (a URL or a saved connection's name)."""
+    if not args.remote:
+        return start_engine(make_config(args))
+    from kvchat.core.connections import Connections, get_key
+    from kvchat.remote.client import RemoteBackend
+
+    saved = Connections().get(args.remote)
+    url = saved.base_url if saved else args.remote
+    key = args.api_key or (get_key(saved.name) if saved else None)
+    backend = RemoteBackend(url, api_key=key, model=args.model or (saved.model if saved else None))
+    backend.wait_ready(timeout=60)
+    return backend
+
+
+def cmd_generate(args) -> int:
+    from kvchat.core.events import Request
+
+    sampling = make_sampling(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}]
+    engine = start_backend(args)
+    handle = engine.submit(Request(messages=messages, sampling=sampling))
+    if args.json:
+        done = handle.result()
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "finish_reason": done.finish_reason,
+                          "stats": vars(done.stats)}, indent=2))
+    else:
+        done = stream_to_stdout(handle)
+    engine.close()
+    return 0
+
+
+def stream_to_stdout(handle):
+    from kvchat.core.events import EngineError, Error, Finished, TokenDelta
+
+    from kvchat.core.events import Notice
+
+    for event in handle:
+        if isinstance(event, Notice):
+            print(f"\n[{event.kind}: {event.message}]", file=sys.stderr)
+        elif isinstance(event, TokenDelta):
+            print(event.text, end="", flush=True)
+        elif isinstance(event, Error):
+            print()
+            raise EngineError(event.message)
+        elif isinstance(event, Finished):
+            print()
+            return event
+
+
+def cmd_chat(args) -> int:
+    from kvchat.cli.chat_session import ChatSession
+
+    sampling = make_sampling(args)
+    print(f"kvchat: {'connecting to ' + args.remote if args.remote else 'loading ' + (args.model or 'starter')} ...",
+          file=sys.stderr)
+    engine = start_backend(args)
+    session = ChatSession(engine, system=args.system)
+    print("Type a message; /system TEXT sets the persona, /reset starts over, /stats shows the last turn, "
+          "/quit leaves.")
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        if not session.command(line, sampling, stream_to_stdout, print):
+            break
+    engine.close()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from kvchat.serve.server import create_app
+
+    engine = start_engine(make_config(args))
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
+    if args.max_queue < 1:
+        raise ConfigError("--max-queue must be positive")
+    app = create_app(engine, engine.loaded.source.label, api_key=args.api_key or None, host=args.host,
+                     allow_hosts=tuple(args.allow_host), cors_origins=tuple(args.cors_origin),
+                     max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    engine.close()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from kvchat.bench import engine as bench
+
+    if args.which == "decode":
+        from kvchat.bench import decode as bench_decode
+
+        paths = [p for p in args.paths.split(",") if p]
+        if not paths or set(paths) - set(bench_decode.PATHS):
+            raise ConfigError(f"--paths takes a comma-separated subset of {', '.join(bench_decode.PATHS)}")
+        if args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
+            raise ConfigError("--prompt-len, --new-tokens and --repeats must be positive")
+        bench_decode.report(bench_decode.bench_decode(
+            args.model, args.random_weights, args.device, args.dtype, args.weights, args.kv_precision,
+            args.prompt_len, args.new_tokens, args.repeats, paths), args.json)
+    elif args.which == "api":
+        from kvchat.bench import api as bench_api
+
+        if min(args.clients, args.requests, args.max_tokens) < 1:
+            raise ConfigError("--clients, --requests and --max-tokens must be positive")
+        bench_api.report(bench_api.bench_api(args.model, args.remote, args.api_key, None, args.clients,
+                                             args.requests, args.max_tokens), args.json)
+    elif args.which == "capped":
+        from kvchat.bench import capped as bench_capped
+        from kvchat.core.memory import parse_bytes
+
+        if not args.random_weights:
+            raise ConfigError("bench capped needs --random-weights CONFIG, e.g. src/kvchat/bench/shapes/llama-3.1-8b.json")
+        try:
+            prompts = tuple(int(n) for n in args.prompts.split(","))
+        except ValueError:
+            raise ConfigError(f"--prompts takes comma-separated token counts, not {args.prompts!r}") from None
+        result = bench_capped.bench_capped(args.random_weights, args.device, args.dtype, parse_bytes(args.memory),
+                                           prompts)
+        bench_capped.report(result, args.json)
+        return 0 if all(p["ok"] for p in result["phases"]) else 1  # out of memory: the check failed
+    elif args.which == "prefix":
+        bench.report_prefix(bench.bench_prefix(args.model), args.json)
+    elif args.which == "memory":
+        bench.report_memory(bench.bench_memory(args.model), args.json)
+    elif args.which == "switch":
+        bench.report_switch(bench.bench_switch(args.model), args.json)
+    elif args.which == "kv":
+        bench.report_kv(bench.bench_kv(args.model), args.json)
+    else:
+        from kvchat.bench import kernels as bench_kernels
+
+        bench_kernels.main(args.json)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from kvchat.core import memory
+    from kvchat.core.config import check_model_config
+    from kvchat.engine.model.loading import SUPPORTED, load_config, pick_device
+
+    try:
+        headroom = memory.parse_bytes(args.headroom)
+        if args.memory:
+            total = memory.parse_bytes(args.memory)
+        else:
+            probe = memory.MemoryProbe(pick_device("auto"))
+            size, used = probe.totals()
+            total = size - used
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.context <= 0:
+        raise ConfigError("--context must be positive")
+    try:
+        config = load_config(args.model)
+    except ValueError as e:  # JSON that does not parse, a file that is not UTF-8
+        raise ConfigError(f"{args.model}: not a readable config.json ({_first_line(e)})") from None
+    check_model_config(config, args.model, SUPPORTED)
+    result = memory.plan(config, total, args.context, args.weights, headroom,
+                         kv_full_bytes=4 if args.weights == "fp32" else 2)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else memory.format_plan(result))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from kvchat.bench import evaluate
+
+    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
+                  args.chunk)
+    return 0
+
+
+def main(argv=None) -> int:
+    from kvchat.core.events import EngineError
+    from kvchat.engine.model.loading import ModelError
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="kvchat: %(message)s")
+    _quiet_transformers()
+    command = args.command or "chat"
+    if args.command is None:
+        args = parser().parse_args(["chat"])
+    try:
+        return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+                "eval": cmd_eval, "plan": cmd_plan, "connections": cmd_connections}[command](args)
+    except (ModelError, EngineError, ConfigError) as e:
+        print(f"kvchat: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _quiet_transformers() -> None:
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What callers ask of the engine thread: typed commands, each with a future that always resolves
+(done, refused with a reason, or failed with a reason). The engine thread is the only reader."""
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvchat.core.config import EngineConfig
+from kvchat.core.events import Refused, RequestHandle
+
+__all__ = ["Cancel", "Command", "LoadModel", "Reconfigure", "Refused", "Shutdown", "Submit", "refuse"]
+
+
+@dataclass
+class Submit:
+    handle: RequestHandle
+
+    @property
+    def future(self) -> Future:
+        return self.handle.future
+
+
+@dataclass
+class Cancel:
+    handle: RequestHandle
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class Reconfigure:
+    max_context: int | None = None
+    kv_precision: str | None = None
+    headroom_bytes: int | None = None
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class LoadModel:
+    config: EngineConfig
+    loaded: object = None  # an already loaded model (tests, benchmarks): no load from disk
+    seq: int = 0  # order among LoadModel commands: a newer one replaces this one
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class Shutdown:
+    future: Future = field(default_factory=Future)
+
+
+Command = Submit | Cancel | Reconfigure | LoadModel | Shutdown
+
+
+def refuse(command: Command, reason: str) -> None:
+    """Resolve a command the engine will not run. A request gets its Error event as well, so a
+    caller that iterates the handle stops."""
+    if isinstance(command, Submit):
+        command.handle.refuse(reason)
+    elif not command.future.done():
+        command.future.set_exception(Refused(reason))

@@ -1,0 +1,252 @@
+"""Where memory goes, and what fits: the probe (NVML / torch / psutil) and the precision planner.
+
+The planner works from a model config alone, before any weights load. KV bytes per token follow
+2 x layers x kv_heads x head_dim x bytes per element, with the quantized modes' fp16 group scales
+(one per 32 values) counted in.
+
+Importing this module imports no torch: the app imports it for its units and snapshots while its
+window opens, before the engine (and torch) loads on a worker thread. The planner's functions
+import the KV layout (torch) when first called.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from kvchat.core.config import Precision
+
+if TYPE_CHECKING:
+    from kvchat.engine.kv.cache import KVShape
+
+GiB = 1 << 30
+PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
+PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as cached prefixes
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.I)
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (try 24GiB or 8000MB)")
+    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def parameter_counts(config) -> tuple[int, int]:
+    """(parameters of the linear layers that 8-bit/nf4 quantize, all other parameters)."""
+    from kvchat.engine.kv.cache import KVShape, config_value
+
+    hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
+    shape = KVShape.from_config(config)
+    heads = config_value(config, "num_attention_heads")
+    q_out, kv_out = heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    linear = shape.num_layers * (hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * inter)
+    other = vocab * hidden * (1 if config_value(config, "tie_word_embeddings", False) else 2)
+    other += shape.num_layers * 2 * hidden + hidden
+    if config_value(config, "model_type") == "qwen2":
+        other += shape.num_layers * (q_out + 2 * kv_out)  # q/k/v biases
+    if config_value(config, "model_type") == "qwen3":
+        other += shape.num_layers * 2 * shape.head_dim  # q/k norms
+    return linear, other
+
+
+def weights_bytes(config, weights: str = "bf16") -> int:
+    """bitsandbytes leaves embeddings, the LM head and norms in 16-bit."""
+    linear, other = parameter_counts(config)
+    return int(linear * WEIGHT_BYTES[weights] + other * (4 if weights == "fp32" else 2))
+
+
+def activations_bytes(config, chunk: int = 512, act_bytes: int = 2, context: int = 0) -> int:
+    """Peak working memory of one prefill chunk at the end of a ``context``-token sequence: hidden
+    states, MLP intermediates, one row of fp32 logits, attention's working set, the sequence's
+    full-precision window of sink and newest K/V and the cache of sinks (quantized modes), and a
+    fixed allowance for the framework's workspaces. A rebuild's conversion slice runs between
+    steps, so the larger of the two is reserved."""
+    from kvchat.kernels.quant import RecentWindow
+
+    from kvchat.engine.kv.cache import SINK_CACHE_ENTRIES, KVShape, config_value
+
+    hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
+    shape = KVShape.from_config(config)
+    window = RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
+    sinks = SINK_CACHE_ENTRIES * RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                                     act_bytes, size=0)
+    model = chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab
+    working = max(attention_bytes(config, chunk, context, act_bytes), slice_bytes(shape))
+    return model + working + window + sinks + 256 * (1 << 20)
+
+
+def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int:
+    """One layer's attention over ``context`` tokens for a ``chunk`` of queries, as
+    ``reference.paged_attention`` runs it on CUDA: the context's K and V in the model's dtype, the
+    boolean mask (grouped query heads folded into its rows) and its conversion to the dtype, an fp32
+    slice of dequantized rows, and the queries and output in fp32. Measured in test_memory."""
+    from kvchat.kernels.reference import READ_SLICE
+
+    from kvchat.engine.kv.cache import KVShape, config_value
+
+    shape = KVShape.from_config(config)
+    heads = config_value(config, "num_attention_heads")
+    groups = heads // shape.num_kv_heads
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * act_bytes + groups * chunk * (1 + act_bytes)
+    fp32_slice = 3 * READ_SLICE * shape.num_kv_heads * shape.head_dim * 4
+    return context * per_token + fp32_slice + 3 * chunk * heads * shape.head_dim * 4
+
+
+def slice_bytes(shape: KVShape, block_size: int = 16) -> int:
+    """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
+    their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
+    rounding). Measured in test_kv_cache: 0.9x of this."""
+    from kvchat.engine.kv.cache import SLICE_BLOCKS
+
+    return 7 * SLICE_BLOCKS * block_size * shape.num_kv_heads * shape.head_dim * 4
+
+
+@dataclass
+class Plan:
+    memory: int
+    weights: int
+    activations: int
+    headroom: int
+    kv_budget: int
+    requested_context: int
+    bytes_per_token: dict = field(default_factory=dict)
+    max_context: dict = field(default_factory=dict)
+    auto: str | None = None  # None: not even int4 holds the requested context
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int = GiB,
+         kv_full_bytes: int = 2, block_size: int = 16, chunk: int = 512,
+         weights_size: int | None = None) -> Plan:
+    """For each precision the largest context the memory holds, and Auto's pick: the highest
+    precision that holds ``context`` plus the prefix-cache reserve."""
+    from kvchat.engine.kv.cache import KVShape, bytes_per_token
+
+    w = weights_size if weights_size is not None else weights_bytes(config, weights)
+    act = activations_bytes(config, chunk, kv_full_bytes, context)
+    budget = max(0, memory - w - act - headroom)
+    shape = KVShape.from_config(config)
+    p = Plan(memory, w, act, headroom, budget, context)
+    need = context * (1 + PREFIX_RESERVE)
+    for precision in PRECISIONS:
+        per_token = bytes_per_token(shape, precision, kv_full_bytes)
+        p.bytes_per_token[precision.value] = per_token
+        p.max_context[precision.value] = int(budget // (per_token * block_size)) * block_size
+        if p.auto is None and budget >= need * per_token:
+            p.auto = precision.value
+    return p
+
+
+def format_plan(p: Plan) -> str:
+    g = lambda n: f"{n / GiB:.2f} GiB"
+    lines = [f"memory {g(p.memory)}: weights {g(p.weights)}, activations {g(p.activations)}, "
+             f"headroom {g(p.headroom)}, KV cache {g(p.kv_budget)}"]
+    for name, per_token in p.bytes_per_token.items():
+        lines.append(f"  {name:<5} {per_token / 1024:8.1f} KiB/token   holds {p.max_context[name]:>9,} tokens")
+    want = f"{p.requested_context:,} tokens (+{PREFIX_RESERVE:.0%} prefix cache)"
+    lines.append(f"Auto for {want}: {p.auto or 'nothing fits; lower the context or free memory'}")
+    return "\n".join(lines)
+
+
+@dataclass
+class MemorySnapshot:
+    device: str  # "cuda:0 (name)" or "cpu"
+    total: int
+    other_processes: int
+    weights: int
+    kv_total: int
+    kv_in_use: int
+    kv_reclaimable: int
+    activations_reserve: int
+    free: int
+    precision: str
+    max_context: dict
+    on_cpu: bool
+
+
+class MemoryProbe:
+    """Device totals: NVML on CUDA (other processes included), system RAM (psutil) on the CPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self._nvml = nvml_handle(device) if device.type == "cuda" else None
+
+    def totals(self) -> tuple[int, int]:
+        """(total bytes, bytes in use by everything, this process included)."""
+        if self.device.type == "cuda":
+            if self._nvml is not None:
+                import pynvml
+
+                info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+                return info.total, info.used
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            return total, total - free
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.total, vm.total - vm.available
+
+    def own(self) -> int:
+        """Bytes this process holds on the device. On CUDA, NVML's count for this process when it
+        lists it: torch's reserved bytes miss the CUDA context and the loaded kernels (hundreds of
+        MiB), which would otherwise pass for another program's."""
+        if self.device.type == "cuda":
+            import torch
+
+            listed = self._nvml_own()
+            return listed if listed is not None else torch.cuda.memory_reserved(self.device)
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def _nvml_own(self) -> int | None:
+        if self._nvml is None:
+            return None
+        import os
+
+        import pynvml
+
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
+        except pynvml.NVMLError:
+            return None
+        mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid() and p.usedGpuMemory]
+        return mine[0] if mine else None  # in a container NVML may list host pids
+
+
+def nvml_handle(device):
+    """NVML's handle for a torch CUDA device, found by UUID: NVML's indices ignore
+    CUDA_VISIBLE_DEVICES and MIG, so index 0 may be another GPU. None: torch's view is used."""
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # no driver library, no pynvml
+        return None
+    for name in (uuid, "GPU-" + uuid, "MIG-" + uuid):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except Exception:
+            continue
+    return None
+
+
+class ScriptedProbe:
+    """A probe that reports what a test tells it: total, and what other processes use."""
+
+    def __init__(self, total: int, other: int = 0, own: int = 0):
+        self.total, self.other, self._own = total, other, own
+
+    def totals(self) -> tuple[int, int]:
+        return self.total, self.other + self._own
+
+    def own(self) -> int:
+        return self._own

@@ -1,0 +1,170 @@
+"""Models already on this machine, and whether each fits here, from its config alone (nothing loads):
+the Hugging Face hub cache, LM Studio's models folder, kvchat's own models folder and folders the
+user adds. A model is a folder with a config.json and safetensors, or a .gguf file. A hub id is
+fetched into the hub cache with progress and cancel."""
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvchat.core.memory import GiB, plan
+from kvchat.core.paths import data_dir
+
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+GGUF_KEYS = {  # config.json name: the GGUF metadata key after "<architecture>."
+    "num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length"}
+
+
+@dataclass
+class LocalModel:
+    path: str
+    source: str  # hub cache | LM Studio | kvchat | added | picked
+    name: str
+    architecture: str
+    parameters: int | None
+    file_bytes: int
+    trained_context: int | None
+    config: dict = field(repr=False, default_factory=dict)
+
+
+def default_roots() -> list[tuple[Path, str]]:
+    hub = os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    return [(Path(hub), "hub cache"), (Path.home() / ".lmstudio" / "models", "LM Studio"),
+            (Path.home() / ".cache" / "lm-studio" / "models", "LM Studio"), (data_dir() / "models", "kvchat")]
+
+
+def scan(extra: list[str] = (), roots: list[tuple[Path, str]] | None = None) -> list[LocalModel]:
+    found, seen = [], set()
+    for root, source in (roots if roots is not None else default_roots()) + [(Path(p), "added") for p in extra]:
+        for path in candidates(root):
+            key = path.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            model = describe(path, source)
+            if model is not None:
+                found.append(model)
+    return found
+
+
+def candidates(root: Path, depth: int = 5):
+    """Model folders (a config.json beside weights) and .gguf files, a few levels deep."""
+    if not root.is_dir():
+        return
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        here = Path(folder)
+        if len(here.relative_to(root).parts) >= depth:
+            dirs.clear()
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "blobs"]
+        if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+            yield here
+        for f in files:
+            if f.endswith(".gguf") and "mmproj" not in f:
+                yield here / f
+
+
+def describe(path: Path, source: str = "picked") -> LocalModel | None:
+    try:
+        return describe_gguf(path, source) if path.suffix == ".gguf" else describe_folder(path, source)
+    except (OSError, ValueError, KeyError) as e:  # unreadable or not a model: left out of the list
+        return LocalModel(str(path), source, path.name, f"unreadable: {e}", None, 0, None) if path.suffix == ".gguf" else None
+
+
+def describe_folder(folder: Path, source: str) -> LocalModel:
+    config = json.loads((folder / "config.json").read_text())
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    name = folder.name
+    if folder.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<revision>
+        name = folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    from kvchat.core.memory import parameter_counts
+
+    try:
+        parameters = sum(parameter_counts(config))
+    except (TypeError, KeyError):
+        parameters = None
+    return LocalModel(str(folder), source, name, config.get("model_type", "?"), parameters, size,
+                      config.get("max_position_embeddings"), config)
+
+
+def describe_gguf(path: Path, source: str) -> LocalModel:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    meta = {name: field_value(f) for name, f in reader.fields.items()}
+    arch = meta.get("general.architecture", "?")
+    config = {key: meta.get(f"{arch}.{gguf_key}") for key, gguf_key in GGUF_KEYS.items()}
+    config["model_type"] = arch
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    config["vocab_size"] = len(tokens.data) if tokens is not None else None
+    names = {t.name for t in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in names
+    parameters = sum(int(t.n_elements) for t in reader.tensors)
+    return LocalModel(str(path), source, meta.get("general.name") or path.stem, arch, parameters,
+                      path.stat().st_size, config.get("max_position_embeddings"), config)
+
+
+def field_value(f):
+    """A GGUF metadata field as a Python value (strings and scalars; arrays are left as they are)."""
+    if not f.types:
+        return None
+    from gguf import GGUFValueType
+
+    if f.types[0] == GGUFValueType.STRING and len(f.types) == 1:
+        return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
+    if f.types[0] == GGUFValueType.ARRAY:
+        return None
+    return f.parts[f.data[0]].tolist()[0]
+
+
+def verdict(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want: int = 32768) -> str:
+    """The planner's answer for this machine: "fits 32k tokens at int8", "needs nf4 weights", "too large"."""
+    if model.parameters is None or not model.config.get("num_hidden_layers"):
+        return "unknown (no config to plan from)"
+    trained = model.trained_context or want
+    goal = min(trained, want)
+    weights = ["bf16", "nf4"] if on_cuda else ["int8"]
+    for w in weights:
+        try:
+            p = plan(model.config, memory, goal, w, headroom, kv_full_bytes=2 if on_cuda else 4)
+        except (TypeError, KeyError, ZeroDivisionError):
+            return "unknown (incomplete config)"
+        best = next(((name, tokens) for name, tokens in p.max_context.items() if tokens >= goal), None)
+        if best is None and p.max_context["int4"] >= 2048:
+            best = ("int4", p.max_context["int4"])
+        if best is not None:
+            tokens = min(best[1], trained)
+            prefix = "needs nf4 weights; " if w == "nf4" else ""
+            return f"{prefix}fits {tokens // 1024}k tokens at {best[0]}"
+    return "too large"
+
+
+def hub_id_problem(text: str) -> str | None:
+    """Why ``text`` is not a Hugging Face model id (org/name), or None."""
+    text = text.strip()
+    if HUB_ID.fullmatch(text):
+        return None
+    example = "org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct"
+    return f"{text} is not a Hugging Face model id: type {example}" if text else f"Type a Hugging Face model id: {example}"
+
+
+def fetch(repo_id: str, progress, cancelled: threading.Event) -> LocalModel:
+    """Download ``repo_id`` into the hub cache, the files the engine's load would fetch, and describe
+    it. ``progress(done, total)`` in bytes; setting ``cancelled`` stops it at the next chunk. Raises
+    the models module's ModelError with one line (offline, not found, cancelled)."""
+    from kvchat.engine.model.loading import ModelError, download  # torch: on the caller's worker thread
+
+    def report(done: int, total: int) -> None:
+        if cancelled.is_set():
+            raise ModelError(f"download of {repo_id} cancelled")
+        progress(done, total)
+
+    folder = download(repo_id.strip(), report)
+    try:
+        return describe_folder(folder, "hub cache")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{repo_id} downloaded, but it is not a model kvchat can read: {e}") from None

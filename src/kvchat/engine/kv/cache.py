@@ -1,0 +1,231 @@
+"""The physical KV pool: per-layer tensors allocated once for a precision, and their size in bytes."""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvchat.kernels import dispatch, quant
+
+from kvchat.core.config import Precision
+
+SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
+SLICE_BLOCKS = 256  # blocks converted at a time in a rebuild
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "KVShape":
+        """From a transformers config or a config.json dict."""
+        get = lambda name: config_value(config, name)
+        heads = get("num_attention_heads")
+        return cls(get("num_hidden_layers"), get("num_key_value_heads") or heads,
+                   get("head_dim") or get("hidden_size") // heads)
+
+
+def config_value(config, name: str, default=None):
+    config = getattr(config, "text_config", None) or config
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def bytes_per_token(shape: KVShape, precision: Precision, full_bytes: int = 2) -> float:
+    """K and V of one token over all layers, scales included; ``full_bytes`` is the size of the
+    model dtype that fp16 mode stores (4 on the CPU, where it is fp32)."""
+    fmt = quant.FORMATS[Precision(precision).value]
+    return shape.num_layers * quant.token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes)
+
+
+def blocks_for_budget(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int,
+                      full_bytes: int = 2) -> int:
+    return int(budget_bytes // (bytes_per_token(shape, precision, full_bytes) * block_size))
+
+
+class KVCache:
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device, precision: Precision = Precision.FP16):
+        self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
+        self.precision, self.dtype = Precision(precision), dtype
+        self.format = quant.FORMATS[self.precision.value]
+        self.layers = [quant.layer_tensors(self.format, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
+                                           dtype, device) for _ in range(shape.num_layers)]
+        self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
+        self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
+        self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
+        self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+
+    @property
+    def layout_key(self) -> str:
+        """What the prefix-cache hash must cover besides the model: the bytes in a block."""
+        rot = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}" if self.format.quantized else ""
+        return f"{self.precision.value}|{self.dtype}{rot}"
+
+    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,
+                  windows=(), release: bool = False) -> "KVCache":
+        """This pool's contents in another layout and size; block ids are kept (a shrink drops
+        ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
+        only read, so an allocation failure at any point leaves it as it was; the caller swaps
+        and drops the old. Converted ``SLICE_BLOCKS`` at a time, so the working memory above the two
+        pools is bounded (``memory.slice_bytes``), not a whole layer in fp32. ``windows``,
+        ``(RecentWindow, block ids, length)`` of live sequences, get their sinks and newest tokens
+        as this pool holds them (exact when it is the fp16 pool). With ``release``, for when the
+        two pools cannot fit side by side, the new pool grows and this one is freed layer by layer:
+        the peak is one layer above the larger pool, but a failure midway leaves this pool unusable."""
+        new = KVCache.__new__(KVCache)
+        new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
+        new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
+        device = self.device
+        new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
+        new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
+        allocate = lambda: quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
+                                               self.shape.head_dim, self.dtype, device)
+        new.layers = [None if release else allocate() for _ in self.layers]
+        # every quantized mode transforms keys alike, so sinks carry over between them
+        new.sink_cache = self.sink_cache.copy() if self.format.quantized and new.format.quantized else OrderedDict()
+        keep_slots = min(num_blocks, self.num_blocks) * self.block_size
+        for i in range(len(new.layers)):
+            layer = new.layers[i] = new.layers[i] or allocate()
+            center = new.k_centers[i] if new.k_centers is not None else None
+            scale = new.k_scales[i] if new.k_scales is not None else None
+            for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
+                slots = torch.arange(first, min(first + SLICE_BLOCKS * self.block_size, keep_slots), device=device)
+                k, v = self._plain(i, slots)
+                quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
+            for window, block_ids, length in windows:
+                sinks = min(window.sinks, length)
+                for first, end in ((0, sinks), (max(sinks, length - window.size), length)):
+                    pos = torch.arange(first, end, device=device)
+                    slots = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
+                        + pos % self.block_size
+                    k, v = self._plain(i, slots)
+                    window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
+                                 quant.rotate(v, new.rotation))
+            if release:
+                self.layers[i] = None
+        return new
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0]["k"].device
+
+    def _plain(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` back in the model's own domain, fp32: ``[len(slots), kv_heads, D]``."""
+        t, fmt = self.layers[layer], self.format
+
+        def rows(name: str, bits: int) -> torch.Tensor:
+            data = t[name].flatten(0, 1).index_select(0, slots)
+            if bits == 16:
+                return data.float()
+            return quant.dequantize(data, t[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
+
+        k, v = rows("k", fmt.k_bits), rows("v", fmt.v_bits)
+        if fmt.k_bits < 16:
+            k = quant.rotate(k, self.rotation)  # H is its own inverse
+            if self.k_scales is not None:
+                k = k / self.k_scales[layer]
+            if self.k_centers is not None:
+                k = k + self.k_centers[layer]
+        if fmt.v_bits < 16:
+            v = quant.rotate(v, self.rotation)
+        return k, v
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
+        index = torch.tensor(block_ids, device=self.rotation.device if self.rotation is not None else None)
+        names = self.layers[0].keys()
+        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device)) for layer in self.layers]).cpu()
+                for n in names}
+
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        if set(tensors) != set(self.layers[0]):
+            raise ValueError(f"stored tensors {sorted(tensors)} are not this pool's {sorted(self.layers[0])}")
+        for name, data in tensors.items():
+            want = (len(self.layers), len(block_ids), *self.layers[0][name].shape[1:])
+            if tuple(data.shape) != want or data.dtype != self.layers[0][name].dtype:
+                raise ValueError(f"stored {name} is {tuple(data.shape)} {data.dtype}, the pool wants {want}")
+        for layer_idx, layer in enumerate(self.layers):
+            for name, t in layer.items():
+                index = torch.tensor(block_ids, device=t.device)
+                t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
+
+    def new_window(self, precision: Precision | None = None) -> quant.RecentWindow | None:
+        """A sequence's full-precision window of newest tokens; the fp16 mode needs none."""
+        if not quant.FORMATS[Precision(precision or self.precision).value].quantized:
+            return None
+        device = next(iter(self.layers[0].values())).device
+        return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
+                                  device)
+
+    def move_blocks(self, moves: dict[int, int]) -> None:
+        """Copy blocks to new ids (a compaction before a shrink): ``{old id: new id}``."""
+        if not moves:
+            return
+        device = next(iter(self.layers[0].values())).device
+        old, new = (torch.tensor(ids, device=device) for ids in zip(*moves.items()))
+        for layer in self.layers:
+            for t in layer.values():
+                t.index_copy_(0, new, t.index_select(0, old))
+
+    def window_for(self, token_ids: list[int], computed: int) -> quant.RecentWindow | None:
+        """A new window for a sequence of which ``computed`` tokens are already in the pool (a prefix
+        hit): its sinks come from the sink cache when an earlier sequence began the same way."""
+        window = self.new_window()
+        if window is not None and computed:
+            sinks = self.sink_cache.get(tuple(token_ids[:window.sinks]))
+            if sinks is not None:
+                window.set_sinks(*sinks)
+        return window
+
+    def keep_sinks(self, token_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sink rows ``[layers, sinks, kv_heads, D]`` read back from disk with a persona."""
+        device = self.layers[0]["k"].device
+        self.sink_cache[tuple(token_ids[:k.shape[1]])] = (k.to(device, self.dtype), v.to(device, self.dtype))
+        while len(self.sink_cache) > SINK_CACHE_ENTRIES:
+            self.sink_cache.popitem(last=False)
+
+    def remember_sinks(self, token_ids: list[int], window: quant.RecentWindow) -> None:
+        key = tuple(token_ids[:window.sinks])
+        if key in self.sink_cache:
+            self.sink_cache.move_to_end(key)
+            return
+        rows = window.complete_sinks()
+        if rows is not None:
+            self.sink_cache[key] = rows
+            if len(self.sink_cache) > SINK_CACHE_ENTRIES:
+                self.sink_cache.popitem(last=False)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              window: quant.RecentWindow | None = None, first_pos: int = 0,
+              window_meta: torch.Tensor | None = None) -> tuple | None:
+        """Store the new tokens' K/V; in the quantized modes, return them as transformed before
+        rounding (``attend``'s ``fresh``) when there are several (a prefill chunk)."""
+        center = self.k_centers[layer] if self.k_centers is not None else None
+        s = self.k_scales[layer] if self.k_scales is not None else None
+        rows = []
+
+        def keep_rows(k, v):
+            if window is not None:
+                window.store(layer, first_pos, k, v)
+            rows.append((k, v))
+
+        wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
+        ring = (window, layer, first_pos, window_meta) if window is not None else None
+        dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
+                          keep_rows if wanted else None, ring)
+        return rows[0] if rows and key.shape[0] > 1 else None
+
+    def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
+               scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
+               context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
+               window_meta: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.k_scales[layer] if self.k_scales is not None else None
+        return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
+                                         first_block, self.rotation, s, None if window is None else (window, layer),
+                                         context_lens, fresh, window_meta)

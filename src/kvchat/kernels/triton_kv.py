@@ -1,0 +1,387 @@
+"""Triton kernels for the quantized paged KV pool (layout: quant.py). Twins of reference.py:
+``quantize_write`` of ``quant.write``, ``paged_decode`` of ``reference.paged_attention`` at T=1, and
+``dequantize_rows`` of the slices ``reference.sequence_rows`` reads for a prefill chunk.
+
+Each head_dim vector is handled as two halves of D/2, the split-half int4 layout's natural unit:
+byte j of a packed row holds dim j and dim j + D/2, so one load serves both halves.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kvchat.kernels import quant
+from kvchat.kernels.quant import KVFormat
+
+
+def unsupported(fmt: KVFormat, block_size: int, head_dim: int) -> str | None:
+    """Why these kernels cannot serve a pool of this shape, or None. ``tl.arange`` spans powers of
+    two only: a block, a head_dim, its halves and (quantized) the halves' groups of 32."""
+    if block_size & (block_size - 1):
+        return f"block size {block_size} is not a power of two"
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        return f"head_dim {head_dim} is not a power of two"
+    if fmt.quantized and head_dim < 2 * quant.GROUP:
+        return f"head_dim {head_dim} is below {2 * quant.GROUP}, two groups of {quant.GROUP}, in {fmt.name}"
+    return None
+
+
+def _check(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
+    problem = unsupported(fmt, tensors["k"].shape[1], head_dim)
+    if problem:
+        raise ValueError(f"the Triton KV kernels cannot take this pool: {problem} (the torch reference can)")
+
+
+# One tile of WRITE_TILE tokens per program: the rotation (64 KiB at D=128) is read once per tile
+# instead of once per token, and rotated with tl.dot, whose dimensions must all be >= 16 on a GPU
+# (HALF >= 32 holds: quantized formats need head_dim >= 64). The sum runs over D in steps of
+# WRITE_K: an fp32 dot is lowered to FMAs that hold a thread's whole K slice of both operands in
+# registers (triton-lang/triton#5572). Compiled for sm_86 and sm_90 here (Triton 3.9's ptxas, no
+# GPU), one D=128 slice spilled 5-8 KB a thread; slices of 32 took 72-92 registers, none spilled.
+WRITE_TILE = 16
+WRITE_K = 32
+
+
+@triton.jit(do_not_specialize=["n"])
+def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, wmeta_ptr,
+                           n, x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                           HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (BLOCK_T tokens, KV head); rows past ``n`` and padding slots (-1) are
+    masked out of every store. With RING (one token, row 0), its transformed row, before rounding,
+    also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]`` names (-1:
+    none). Read from a tensor, so that a captured step can replay it."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    live = t < n
+    slot = tl.load(slot_ptr + t, mask=live, other=-1).to(tl.int64)  # offsets past 2**31 in a large pool's layer
+    keep = slot >= 0
+    row = slot * KV_HEADS + h
+    rows_ptr = x_ptr + t[:, None] * x_stride_t + h * x_stride_h
+    if BITS == 16:  # the fp16 mode: stored as it is
+        d = tl.arange(0, D)
+        x = tl.load(rows_ptr + d[None, :], mask=keep[:, None])
+        tl.store(data_ptr + row[:, None] * D + d[None, :], x.to(data_ptr.dtype.element_ty), mask=keep[:, None])
+    else:
+        HALF: tl.constexpr = D // 2
+        j = tl.arange(0, HALF)
+        lo, hi = _rotate_tile(rows_ptr, keep, center_ptr + h * D, cscale_ptr + h * D, rot_ptr, j, D, HALF,
+                              HAS_CENTER, BLOCK_T, BLOCK_K)
+        if RING:
+            ring_row = tl.load(wmeta_ptr + 2)
+            if ring_row >= 0:
+                # one pointer per element of the tile, every row on the ring's row: only row 0 is stored
+                ring = (ring_row * KV_HEADS + h) * D + 0 * t[:, None] + j[None, :]
+                to_ring = (keep & (t == 0))[:, None]
+                tl.store(ring_ptr + ring, lo.to(ring_ptr.dtype.element_ty), mask=to_ring)
+                tl.store(ring_ptr + ring + HALF, hi.to(ring_ptr.dtype.element_ty), mask=to_ring)
+        q_lo, s_lo = _quantize_half(lo, BLOCK_T, HALF, BITS, GROUP, CLIP)
+        q_hi, s_hi = _quantize_half(hi, BLOCK_T, HALF, BITS, GROUP, CLIP)
+        G: tl.constexpr = HALF // GROUP
+        g = tl.arange(0, G)
+        scale_row = scale_ptr + row[:, None] * (D // GROUP) + g[None, :]
+        tl.store(scale_row, s_lo, mask=keep[:, None])
+        tl.store(scale_row + G, s_hi, mask=keep[:, None])
+        if BITS == 8:
+            dst = data_ptr + row[:, None] * D + j[None, :]
+            tl.store(dst, q_lo.to(tl.int8), mask=keep[:, None])
+            tl.store(dst + HALF, q_hi.to(tl.int8), mask=keep[:, None])
+        else:
+            packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
+            tl.store(data_ptr + row[:, None] * HALF + j[None, :], packed.to(tl.uint8), mask=keep[:, None])
+
+
+@triton.jit
+def _rotate_tile(rows_ptr, keep, center_ptr, cscale_ptr, rot_ptr, j, D: tl.constexpr, HALF: tl.constexpr,
+                 HAS_CENTER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rotated halves of the tile's rows, ``[BLOCK_T, HALF]`` each: ``x @ H[:, :D/2]`` and
+    ``x @ H[:, D/2:]``, summed over D a BLOCK_K slice at a time. "ieee": on a GPU an fp32 dot would
+    otherwise round its inputs to TF32 (10-bit mantissa), moving many values across a rounding edge."""
+    lo = tl.zeros([BLOCK_T, HALF], dtype=tl.float32)
+    hi = tl.zeros([BLOCK_T, HALF], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(rows_ptr + k[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+        if HAS_CENTER:
+            x = (x - tl.load(center_ptr + k)[None, :]) * tl.load(cscale_ptr + k)[None, :]
+        h_rows = rot_ptr + k[:, None] * D + j[None, :]
+        lo = tl.dot(x, tl.load(h_rows), lo, input_precision="ieee")
+        hi = tl.dot(x, tl.load(h_rows + HALF), hi, input_precision="ieee")
+    return lo, hi
+
+
+@triton.jit
+def _quantize_half(y, BLOCK_T: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   CLIP: tl.constexpr):
+    """``[BLOCK_T, HALF]`` rotated values -> (codes ``[BLOCK_T, HALF]``, fp16 scales ``[BLOCK_T, G]``):
+    the groups of every token as the rows of one 2-D tile, then back."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    G: tl.constexpr = HALF // GROUP
+    groups = tl.reshape(y, (BLOCK_T * G, GROUP))
+    s = _group_scale(groups, QMAX, CLIP)
+    q = tl.clamp(_round(groups / s.to(tl.float32)[:, None]), -QMAX, QMAX)
+    return tl.reshape(q, (BLOCK_T, HALF)), tl.reshape(s, (BLOCK_T, G))
+
+
+@triton.jit
+def _scale_error(groups, amax, ratio, QMAX: tl.constexpr):
+    scale = tl.maximum(amax * ratio / QMAX, 2.0 ** -14).to(tl.float16)
+    c = scale.to(tl.float32)[:, None]
+    err = tl.clamp(_round(groups / c), -QMAX, QMAX) * c - groups
+    return scale, tl.sum(err * err, axis=1)
+
+
+@triton.jit
+def _pick(scale, best, candidate, err):
+    better = err < best
+    return tl.where(better, candidate, scale), tl.where(better, err, best)
+
+
+@triton.jit
+def _group_scale(groups, QMAX: tl.constexpr, CLIP: tl.constexpr):
+    """fp16 scale per group; with CLIP, the least-squares choice among quant.CLIP_RATIOS (spelled
+    out here, in the same order; a test checks the writes against the reference's)."""
+    amax = tl.max(tl.abs(groups), axis=1)
+    scale, best = _scale_error(groups, amax, 1.0, QMAX)
+    if CLIP:
+        s, e = _scale_error(groups, amax, 0.95, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.9, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.85, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.8, QMAX)
+        scale, best = _pick(scale, best, s, e)
+        s, e = _scale_error(groups, amax, 0.75, QMAX)
+        scale, best = _pick(scale, best, s, e)
+    return scale
+
+
+@triton.jit
+def _round(x):
+    """Round half to even, as torch.round does."""
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r / 2.0)) == 1.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                   rotation: torch.Tensor, k_center: torch.Tensor | None = None,
+                   k_channel_scale: torch.Tensor | None = None, ring: tuple | None = None) -> None:
+    """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
+    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, wmeta)`` of a
+    window (one token, quantized modes): its row there (``wmeta[2]``) is written in the same pass."""
+    t, kv_heads, d = key.shape
+    _check(tensors, fmt, d)
+    for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
+        center = name == "k" and k_center is not None and bits < 16
+        dummy = tensors[name]
+        to_ring = ring is not None and bits < 16
+        _quantize_write_kernel[(triton.cdiv(t, WRITE_TILE), kv_heads)](
+            x, slots, k_center.float().contiguous() if center else dummy,
+            (k_channel_scale if k_channel_scale is not None else torch.ones_like(k_center)).float().contiguous()
+            if center else dummy,
+            rotation.float().contiguous() if bits < 16 else dummy, tensors[name], tensors.get(name + "_scale", dummy),
+            ring[0 if name == "k" else 1] if to_ring else dummy, ring[2] if to_ring else slots,
+            t, x.stride(0), x.stride(1),
+            KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
+            CLIP=name == "k" and bits == 4, RING=to_ring, BLOCK_T=WRITE_TILE,
+            BLOCK_K=WRITE_K)
+
+
+@triton.jit
+def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               UPPER: tl.constexpr, GROUP: tl.constexpr):
+    """One half of the rows ``row`` ``[N]`` as fp32 ``[N, D/2]``, dequantized."""
+    col = j + HALF * UPPER
+    if BITS == 16:
+        return tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
+    s = tl.load(scale_ptr + row[:, None] * (D // GROUP) + (col // GROUP)[None, :]).to(tl.float32)
+    if BITS == 8:
+        q = tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
+    else:
+        packed = tl.load(data_ptr + row[:, None] * HALF + j[None, :]).to(tl.int32)
+        q = (((packed >> 4) if UPPER else (packed & 15)) - 8).to(tl.float32)
+    return q * s
+
+
+# What changes with the context length is a runtime argument, never specialized on: a new value
+# would compile the kernel again mid-reply.
+@triton.jit(do_not_specialize=["table_stride", "splits"])
+def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+                         wk_ptr, wv_ptr, wmeta_ptr, sm_scale, table_stride, splits,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                         GROUP: tl.constexpr, QG: tl.constexpr, QG_P2: tl.constexpr, WINDOW: tl.constexpr,
+                         W_SINKS: tl.constexpr, W_SIZE: tl.constexpr, W_ROWS_P2: tl.constexpr):
+    """One program per (sequence, KV head, split): the QG query heads that share a KV head (GQA)
+    are one tile, so each K/V row is read once, not once per query head. QG_P2 pads the group to a
+    power of two (the starter has 3 query heads per KV head). With WINDOW (one sequence), the
+    pool serves positions ``s .. first`` and one more program per KV head (split ``splits``)
+    serves the full-precision window: sink rows ``0 .. s``, then the ring of the newest; ``s`` and
+    ``first`` are read from ``wmeta``, a tensor, so that a captured step can replay it."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    HALF: tl.constexpr = D // 2
+    length = tl.load(len_ptr + b)
+    j = tl.arange(0, HALF)
+    g = tl.arange(0, QG_P2)
+    real = g < QG
+    heads = kvh * QG + g
+    qrow = (b * HEADS + heads) * D
+    q_lo = tl.load(q_ptr + qrow[:, None] + j[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + qrow[:, None] + HALF + j[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    m = tl.full([QG_P2], -float("inf"), dtype=tl.float32)
+    l = tl.zeros([QG_P2], dtype=tl.float32)
+    acc_lo = tl.zeros([QG_P2, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([QG_P2, HALF], dtype=tl.float32)
+    w_s = 0
+    w_first = 0
+    if WINDOW:
+        w_s = tl.load(wmeta_ptr)
+        w_first = tl.load(wmeta_ptr + 1)
+    if WINDOW and split == splits:
+        r = tl.arange(0, W_ROWS_P2)
+        pos = (length - 1) - ((length - 1 - (r - W_SINKS)) % W_SIZE)  # the newest position a ring row holds
+        valid = tl.where(r < W_SINKS, r < w_s, (r < W_SINKS + W_SIZE) & (pos >= w_first) & (pos < length))
+        row = r * KV_HEADS + kvh
+        k_lo = tl.load(wk_ptr + row[:, None] * D + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(wk_ptr + row[:, None] * D + HALF + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v_lo = tl.load(wv_ptr + row[:, None] * D + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v_hi = tl.load(wv_ptr + row[:, None] * D + HALF + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc_lo, acc_hi, m, l = _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale, acc_lo, acc_hi, m, l)
+    else:
+        kv_start = 0
+        end = length
+        if WINDOW:
+            kv_start = w_s
+            end = tl.minimum(length, w_first)
+        offs = tl.arange(0, BS)
+        for i in range(BLOCKS_PER_SPLIT):
+            blk = split * BLOCKS_PER_SPLIT + i
+            if (blk * BS < end) & ((blk + 1) * BS > kv_start) & (kv_start < end):
+                # in int64: an element's offset passes 2**31 in a layer of 2M tokens (8 KV heads, D=128)
+                block_id = tl.load(table_ptr + b * table_stride + blk).to(tl.int64)
+                row = (block_id * BS + offs) * KV_HEADS + kvh
+                valid = (blk * BS + offs < end) & (blk * BS + offs >= kv_start)
+                k_lo = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 0, GROUP)
+                k_hi = _load_half(k_ptr, ks_ptr, row, j, HALF, D, K_BITS, 1, GROUP)
+                v_lo = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 0, GROUP)
+                v_hi = _load_half(v_ptr, vs_ptr, row, j, HALF, D, V_BITS, 1, GROUP)
+                acc_lo, acc_hi, m, l = _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale,
+                                                    acc_lo, acc_hi, m, l)
+    out = (b * HEADS + heads) * (splits + WINDOW) + split
+    tl.store(acc_ptr + out[:, None] * D + j[None, :], acc_lo, mask=real[:, None])
+    tl.store(acc_ptr + out[:, None] * D + HALF + j[None, :], acc_hi, mask=real[:, None])
+    tl.store(m_ptr + out, m, mask=real)
+    tl.store(l_ptr + out, l, mask=real)
+
+
+@triton.jit
+def _attend_rows(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, sm_scale, acc_lo, acc_hi, m, l):
+    """Online softmax over some rows: the running (acc, m, l) of a tile of query heads, updated."""
+    s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)
+    s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no valid row yet: nothing to scale
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], axis=1)
+    acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
+    return acc_lo, acc_hi, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
+                 k_channel_scale: torch.Tensor | None = None, blocks_per_split: int = 8,
+                 window: tuple | None = None) -> torch.Tensor:
+    """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
+    Long contexts are split over the KV length; the splits are merged by their log-sum-exp.
+    ``window`` (B = 1): ``(K, V, sinks, wmeta)``, a layer's full-precision rows
+    (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``)
+    holding positions ``0 .. s`` and ``first ..``, with ``wmeta`` int32 ``[s, first, ring row]``; the
+    kernel reads the pool only between them."""
+    batch, heads, d = query.shape
+    _check(tensors, fmt, d)
+    _, bs, kv_heads, _ = tensors["k"].shape
+    q = query.float()
+    if k_channel_scale is not None:
+        q = q / k_channel_scale.float().repeat_interleave(heads // kv_heads, 0)
+    if fmt.k_bits < 16:
+        q = q @ rotation.float()
+    q = q.contiguous()
+    splits = max(1, -(-block_tables.shape[1] // blocks_per_split))
+    extra = window is not None
+    acc = torch.empty(batch, heads, splits + extra, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(batch, heads, splits + extra, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    wk, wv, sinks, wmeta = window if extra else (tensors["k"], tensors["k"], 0, context_lens)
+    group = heads // kv_heads
+    _paged_decode_kernel[(batch, kv_heads, splits + extra)](
+        q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["v"], tensors.get("v_scale", tensors["k"]),
+        block_tables, context_lens, acc, m, l, wk, wv, wmeta, scale, block_tables.stride(0), splits,
+        HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+        BLOCKS_PER_SPLIT=blocks_per_split, GROUP=quant.GROUP, QG=group, QG_P2=triton.next_power_of_2(group),
+        WINDOW=extra, W_SINKS=sinks, W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1,
+        W_ROWS_P2=triton.next_power_of_2(wk.shape[0]) if extra else 1)
+    top = m.amax(-1, keepdim=True)
+    w = torch.exp(m - top)
+    out = (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
+    if fmt.v_bits < 16:
+        out = out @ rotation.float()
+    return out.to(query.dtype)
+
+
+# ``first`` and ``n`` move with every prefill chunk: specializing on them would compile again mid-prompt.
+@triton.jit(do_not_specialize=["first", "n"])
+def _dequantize_rows_kernel(data_ptr, scale_ptr, table_ptr, out_ptr, first, n, out_stride_t, out_stride_h,
+                            KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+                            GROUP: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr):
+    """One program per (ROWS positions, KV head): codes and scales read where the block table puts
+    them, multiplied in fp32 and rounded once to out's dtype, as ``quant.read`` in fp32 then a cast."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(1)
+    live = i < n
+    p = first + i
+    # past n the table may end: block 0 stands in, so every load stays in the pool; the store is masked
+    block_id = tl.load(table_ptr + p // BS, mask=live, other=0).to(tl.int64)
+    row = (block_id * BS + p % BS) * KV_HEADS + h
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)
+    dst = out_ptr + i.to(tl.int64)[:, None] * out_stride_t + h * out_stride_h + j[None, :]
+    lo = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 0, GROUP)
+    hi = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 1, GROUP)
+    if BF16:
+        lo = _to_bf16(lo)
+        hi = _to_bf16(hi)
+    tl.store(dst, lo.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(dst + HALF, hi.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 rounded to nearest, ties to even, as torch casts (finite values only). The
+    interpreter's own cast rounds otherwise, so the tests could not hold it to torch's bits; spelled
+    out in integers, the kernel under test is the kernel a GPU runs."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.Tensor, first: int, n: int,
+                    out: torch.Tensor, rows: int = 64) -> None:
+    """K or V (``name``) of positions ``first .. first + n`` of one sequence into ``out``
+    ``[n, kv_heads, D]`` in one pass: the prefill's past context without a gathered copy or an
+    fp32 one. Still rotated, as the pool holds it; the window and fresh rows are the caller's."""
+    _, bs, kv_heads, _ = tensors[name].shape
+    d = out.shape[-1]
+    _check(tensors, fmt, d)
+    if n == 0:
+        return
+    assert out.shape[0] == n and out.stride(-1) == 1, "out: [n, kv_heads, D], each row contiguous"
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    _dequantize_rows_kernel[(triton.cdiv(n, rows), kv_heads)](
+        tensors[name], tensors.get(name + "_scale", tensors[name]), block_table, out, first, n,
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, D=d, BS=bs, BITS=bits, GROUP=quant.GROUP, ROWS=rows,
+        BF16=out.dtype == torch.bfloat16)

@@ -1,0 +1,237 @@
+"""The local API's request bodies: what is accepted, what is refused with a clear 400, and how an
+accepted body becomes the engine's Request. Every refusal raises ApiError, never a bare exception,
+so that no input can turn into a 500."""
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvchat.core.config import ConfigError, SamplingParams
+
+MAX_BODY_BYTES = 8 << 20
+MAX_STOPS, MAX_STOP_CHARS = 16, 128  # every stop string is matched against every token's text
+GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy, and would overflow the logits
+PENALTY_RANGE = (0.01, 100.0)  # outside it a seen token's logit overflows or vanishes
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+
+def _utf8(value: str, where: str) -> str:
+    """A lone surrogate (JSON allows "\\ud800") cannot be tokenized; say so before the engine tries."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None
+
+    @field_validator("content")
+    @classmethod
+    def unicode(cls, v):
+        for text in [v] if isinstance(v, str) else [p.text for p in v or [] if p.text]:
+            _utf8(text, "content")
+        return v
+
+    def plain(self) -> dict:
+        """The engine's message: developer is system (OpenAI's newer name for it); text parts joined
+        with newlines, as vLLM joins them, so a persona sent either way is the same bytes."""
+        if self.content is None:
+            raise ApiError("content: null content (tool calls) is not supported", param="messages")
+        if isinstance(self.content, list):
+            other = [p.type for p in self.content if p.type != "text" or p.text is None]
+            if other:
+                raise ApiError(f"content: only text parts are supported, not {other[0]!r}", param="messages")
+            text = "\n".join(p.text for p in self.content)
+        else:
+            text = self.content
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class Sampling(BaseModel):
+    """The fields both endpoints share. Fields kvchat cannot honour are declared so that a request
+    using them is refused, not silently served without them."""
+    model_config = ConfigDict(extra="ignore")
+    model: Any = None
+    stream: bool = False
+    stream_options: dict | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    best_of: int | None = None
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty")
+    @classmethod
+    def finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def bounded_stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters")
+            _utf8(s, "stop")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError("n: only n = 1 is supported", param="n")
+        if self.best_of not in (None, 1):
+            raise ApiError("best_of: only best_of = 1 is supported", param="best_of")
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            raise ApiError("logprobs: log probabilities are not supported", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(f"{name}: not supported; use repetition_penalty", param=name)
+        if self.logit_bias:
+            raise ApiError("logit_bias: not supported", param="logit_bias")
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        temperature = 0.7 if self.temperature is None else self.temperature
+        if 0 <= temperature < GREEDY_BELOW:
+            temperature = 0.0
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
+            raise ApiError(f"repetition_penalty must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]:.0f}]",
+                           param="repetition_penalty")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ApiError("seed must be in [-2**63, 2**64)", param="seed")
+        top_k = 0 if self.top_k in (None, -1) else self.top_k  # -1: off, as in vLLM
+        try:
+            return SamplingParams(
+                max_new_tokens=default_max if self.max_tokens is None else self.max_tokens,
+                temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
+                min_p=0.0 if self.min_p is None else self.min_p, repetition_penalty=penalty, seed=self.seed,
+                stop=list(self.stop or []))
+        except ConfigError as e:
+            raise ApiError(str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call:
+            raise ApiError("tools: tool and function calls are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
+
+    def sampling(self, default_max: int = 512) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling(default_max)
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def unicode(cls, v):
+        for text in [v] if isinstance(v, str) else [p for p in v if isinstance(p, str)]:
+            _utf8(text, "prompt")
+        return v
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ApiError("echo: not supported", param="echo")
+        if self.suffix:
+            raise ApiError("suffix: not supported", param="suffix")
+
+    def one_prompt(self) -> str | list[int]:
+        """One text or one list of token ids; a batch of prompts is refused (n = 1 only)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError("prompt: one prompt per request", param="prompt")
+            p = p[0]
+        if not p:
+            raise ApiError("prompt: empty", param="prompt")
+        return p
+
+
+def parse(raw: bytes, kind: type[Sampling]) -> Sampling:
+    """Bytes to a validated body. json.loads is asked to refuse NaN and Infinity (not JSON), and
+    deep nesting, which would otherwise end in a RecursionError."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ApiError(f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ApiError("the body must be a JSON object")
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(*_first_error(e)) from None
+    except RecursionError:
+        raise ApiError("the body is nested too deeply") from None
+    body.refuse_unsupported()
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _first_error(e: ValidationError) -> tuple[str, int, str | None]:
+    first = e.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    message = str(first.get("msg", "invalid request"))
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    return f"{where or 'body'}: {message}", 400, where or None
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

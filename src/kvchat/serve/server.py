@@ -1,0 +1,267 @@
+"""The local OpenAI-compatible API: /v1/chat/completions and /v1/completions (streamed or not),
+/v1/models, /health and Prometheus /metrics.
+
+Requests run one at a time on the engine thread; this side only waits for their events, on the
+event loop, and watches the connection while it waits, so a client that hangs up cancels its
+request at once, streamed or not, instead of holding the engine for everyone queued behind it."""
+import asyncio
+import queue
+import time
+import uuid
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kvchat.serve.guard import Guard
+from kvchat.serve.schema import ApiError, ChatBody, CompletionBody, error_body, parse
+from kvchat.engine.engine import Engine
+from kvchat.core.events import Error, Finished, Request, TokenDelta
+from kvchat.serve.stream import chat_chunks, completion_chunks, finish_reason
+
+WATCH_S = 0.1  # how often a waiting request looks at its connection
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
+                   code=None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, kind, param, code))
+
+
+def engine_error_response(event: Error) -> JSONResponse:
+    """A bad request is the caller's 400; an internal failure is our 500."""
+    if event.internal:
+        return error_response(500, event.message, "server_error")
+    return error_response(400, event.message)
+
+
+def usage(stats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision,
+                   "ttft_ms": round(stats.ttft_ms, 2), "decode_tok_s": round(stats.decode_tok_s, 2)},
+    }
+
+
+class Counters:
+    """What /metrics reports and the queue bound reads; touched only on the event loop."""
+
+    def __init__(self):
+        self.active = self.finished = self.prompt_tokens = self.cached_tokens = self.refused = 0
+        self.cancelled = 0  # ended before their last event because the client left
+
+    def count(self, event: Finished) -> None:
+        self.finished += 1
+        self.prompt_tokens += event.stats.prompt_tokens
+        self.cached_tokens += event.stats.cached_tokens
+
+
+class EventStream(StreamingResponse):
+    """A streamed reply whose request is cancelled however the response ends: finished, the
+    client gone mid-stream, or never started because the client left first."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Waiter:
+    """Wakes the event loop when the engine thread hands the request an event (the handle's
+    listener runs there, after the event is queued), and looks at the connection every WATCH_S:
+    polling the queue instead cost 8 concurrent clients most of their throughput to the GIL."""
+
+    def __init__(self, http: HttpRequest):
+        self.http, self.loop = http, asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        self.watched = time.monotonic()
+
+    def listener(self, _event) -> None:
+        self.loop.call_soon_threadsafe(self.wake.set)
+
+    async def next_event(self, handle):
+        """The request's next event, or None once the client has hung up (the request is then
+        cancelled by whoever owns it)."""
+        while True:
+            if time.monotonic() - self.watched >= WATCH_S:
+                self.watched = time.monotonic()
+                if await self.http.is_disconnected():
+                    return None
+            self.wake.clear()
+            try:
+                return handle.events.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                await asyncio.wait_for(self.wake.wait(), WATCH_S)
+            except asyncio.TimeoutError:
+                pass
+
+
+def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | None = None,
+               host: str = "127.0.0.1", allow_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+               max_queue: int = 32) -> FastAPI:
+    app = FastAPI(title="kvchat", docs_url=None, redoc_url=None, openapi_url=None)
+    counters = app.state.counters = Counters()
+
+    @app.exception_handler(ApiError)
+    async def refused(_request, exc: ApiError):
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError):
+        return error_response(400, f"invalid request: {exc.errors()[:1]}")
+
+    @app.exception_handler(Exception)
+    async def bug(_request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.get("/health")
+    def health():
+        if not engine.ready.is_set():
+            return error_response(503, "the model is loading", "server_error")
+        if engine.load_error or not engine.alive:
+            return error_response(503, engine.load_error or "the engine has stopped", "server_error")
+        return {"status": "ok", "model": model_name, "requests": counters.active}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}]}
+
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(prometheus(engine, counters), media_type="text/plain; version=0.0.4")
+
+    async def run(http: HttpRequest, request: Request, stream: bool, reply, chunks):
+        """Submit, then answer: a JSON body built by ``reply(finished)``, or an SSE stream of
+        ``chunks(first_event, next_event)``. Errors before the first token keep their status code."""
+        if counters.active >= max_queue:
+            counters.refused += 1
+            raise ApiError(f"{counters.active} requests are already waiting; try again shortly", status=429,
+                           code="rate_limit_exceeded")
+        counters.active += 1
+        waiter = Waiter(http)
+        handle = engine.submit(request, listener=waiter.listener)
+        closed = handed_over = ended = False
+
+        def close():
+            nonlocal closed
+            if not closed:
+                closed = True
+                if not ended:
+                    counters.cancelled += 1
+                handle.cancel()  # after the end a no-op; before it, the engine stops at its next step
+                counters.active -= 1
+
+        try:
+            event = await waiter.next_event(handle)
+            while event is not None and not isinstance(event, (TokenDelta, Finished, Error)):
+                event = await waiter.next_event(handle)  # notices are not part of the reply
+            if event is None:
+                return Response(status_code=499)  # nobody is listening
+            if isinstance(event, Error):
+                ended = True
+                return engine_error_response(event)
+            if stream:
+                async def events():
+                    nonlocal event, ended
+                    while event is not None:
+                        yield event
+                        if isinstance(event, (Finished, Error)):
+                            ended = True
+                            if isinstance(event, Finished):
+                                counters.count(event)
+                            return
+                        event = await waiter.next_event(handle)
+
+                handed_over = True  # the response closes it, however it ends
+                return EventStream(chunks(events()), close)
+            while not isinstance(event, (Finished, Error)):
+                event = await waiter.next_event(handle)
+                if event is None:
+                    return Response(status_code=499)
+            ended = True
+            if isinstance(event, Error):
+                return engine_error_response(event)
+            counters.count(event)
+            return reply(event)
+        finally:
+            if not handed_over:
+                close()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        body = parse(await http.body(), ChatBody)
+        request = Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def reply(done: Finished) -> dict:
+            return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                                 "logprobs": None, "finish_reason": finish_reason(done)}],
+                    "usage": usage(done.stats)}
+
+        return await run(http, request, body.stream, reply,
+                         lambda events: chat_chunks(events, cid, created, model_name, body.include_usage, usage))
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = parse(await http.body(), CompletionBody)
+        prompt = body.one_prompt()
+        if isinstance(prompt, str):
+            prompt = await run_in_threadpool(lambda: engine.loaded.tokenizer(prompt)["input_ids"])
+        request = Request(prompt_ids=list(prompt), sampling=body.sampling(16))
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def reply(done: Finished) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": done.text, "logprobs": None,
+                                 "finish_reason": finish_reason(done)}],
+                    "usage": usage(done.stats)}
+
+        return await run(http, request, body.stream, reply,
+                         lambda events: completion_chunks(events, cid, created, model_name, body.include_usage, usage))
+
+    app.add_middleware(Guard, api_key=api_key, bound_host=host, allow_hosts=tuple(allow_hosts))
+    if cors_origins:  # outermost, so that a browser's preflight (which carries no key) is answered
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    return app
+
+
+def prometheus(engine: Engine, counters: Counters) -> str:
+    """kvchat's own names, in the shape of vLLM's: the remote client reads either."""
+    lines = []
+
+    def metric(name: str, kind: str, value, help_: str) -> None:
+        lines.extend([f"# HELP kvchat:{name} {help_}", f"# TYPE kvchat:{name} {kind}", f"kvchat:{name} {value}"])
+
+    try:
+        pool = engine.pool
+        total, free = pool.num_blocks, pool.num_free
+    except AttributeError:  # not loaded (yet)
+        total = free = 0
+    metric("kv_cache_usage_perc", "gauge", (total - free) / total if total else 0.0,
+           "KV-cache blocks in use, 1 means full")
+    metric("kv_blocks_in_use", "gauge", total - free, "KV-cache blocks referenced by a running request")
+    metric("prefix_cache_queries_total", "counter", counters.prompt_tokens, "prompt tokens of finished requests")
+    metric("prefix_cache_hits_total", "counter", counters.cached_tokens, "of those, tokens served from the cache")
+    metric("requests_running", "gauge", counters.active, "requests submitted and not yet answered")
+    metric("requests_refused_total", "counter", counters.refused, "requests refused with 429")
+    metric("requests_cancelled_total", "counter", counters.cancelled, "requests cancelled by a client that left")
+    return "\n".join(lines) + "\n"
