@@ -1,6 +1,6 @@
 """Entry point of the packaged app (PyInstaller needs a script)."""
 import sys
 
-from kvchat.app.launcher import main
+from kvchat.cli.launcher import main
 
 sys.exit(main())

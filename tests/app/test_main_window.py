@@ -9,6 +9,7 @@ from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.app.store import Store
 from kvchat.core.config import SamplingParams
 
+from kvchat.cli.launcher import local_engine
 from qt_helpers import (answering, back_on_the_starter, chat_ids, click_chat, hover, last_stats, press, qml_click,
                         qml_items, send, shown)
 
@@ -309,7 +310,7 @@ def test_a_corrupt_database_at_start_is_reported_and_kept(qtbot, tmp_path, monke
     (tmp_path / "data" / "chat.db").write_bytes(b"this is not a database " * 200)
     shown = []
     monkeypatch.setattr(main.QMessageBox, "critical", lambda parent, title, text: shown.append(text))
-    assert main.run() == 1
+    assert main.run(local_engine) == 1
     assert len(shown) == 1 and "damaged" in shown[0]
     backups = [p for p in (tmp_path / "data").iterdir() if p.name != "chat.db"]
     assert backups and backups[0].read_bytes() == b"this is not a database " * 200
@@ -406,7 +407,7 @@ def test_a_saved_model_that_fails_at_launch_is_reported_not_loading_for_ever(qtb
         return 0
 
     monkeypatch.setattr(QApplication, "exec", event_loop)
-    assert main.run() == 0
+    assert main.run(local_engine) == 0
     assert "loading" not in seen["label"] and not seen["bar"]
     assert any("no such model file" in text and "Settings" in text for text in seen["boxes"])
 
@@ -418,7 +419,7 @@ def test_the_app_imports_no_torch_before_its_window_shows():
     import sys
 
     code = ("import sys\n"
-            "import kvchat.app.launcher, kvchat.app.main, kvchat.app.views.main_window, kvchat.app.controllers.engine_bridge\n"
+            "import kvchat.cli.launcher, kvchat.app.main, kvchat.app.views.main_window, kvchat.app.controllers.engine_bridge\n"
             "print(sorted(m for m in ('torch', 'transformers', 'kvchat.engine.engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -504,7 +505,7 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
 
     monkeypatch.setattr(QApplication, "exec", event_loop)
     monkeypatch.setattr(MainWindow, "save_reply_so_far", lambda self: order.append("saved"))
-    assert main.run() == 0
+    assert main.run(local_engine) == 0
     assert order == [True, "saved"]  # one engine, made once the window was on screen; the reply saved at quit
 
 

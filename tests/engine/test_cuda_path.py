@@ -9,7 +9,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvchat.engine.kv.block_pool import BlockPool
-from kvchat.engine.kv.cache import KVCache, KVShape
+from kvchat.engine.kv.cache import KVCache
+from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.model.runner import ModelRunner
 from kvchat.kernels import dispatch, triton_kv

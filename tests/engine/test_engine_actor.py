@@ -168,7 +168,7 @@ def test_cancel_resolves_and_stops_the_request(engine):
 
 
 def test_a_context_past_the_trained_length_is_capped_and_said(starter):
-    from kvchat.core.memory import ScriptedProbe
+    from kvchat.engine.memory_probe import ScriptedProbe
 
     e = Engine(EngineConfig(max_context=100_000), loaded=as_loaded(starter.model, starter.tokenizer, "starter"),
                persona_store=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
@@ -225,7 +225,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
 
 
 def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(starter):
-    from kvchat.core.memory import ScriptedProbe
+    from kvchat.engine.memory_probe import ScriptedProbe
 
     gib = 1 << 30
     probe = ScriptedProbe(total=8 * gib)

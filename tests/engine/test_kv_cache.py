@@ -4,7 +4,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvchat.engine.kv.cache import SLICE_BLOCKS, KVCache, KVShape
+from kvchat.engine.kv.cache import KVCache
+from kvchat.core.kv_sizes import SLICE_BLOCKS, KVShape
 from kvchat.core.memory import slice_bytes
 from kvchat.engine.tensor_peak import TensorPeak
 from kvchat.kernels import quant

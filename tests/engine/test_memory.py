@@ -80,7 +80,8 @@ def test_the_activations_reserve_covers_attention_over_a_long_context(precision)
     measured here: the planner's figure covers it without being a blanket (measured 0.57-0.66x)."""
     import torch
 
-    from kvchat.engine.kv.cache import KVCache, KVShape
+    from kvchat.engine.kv.cache import KVCache
+    from kvchat.core.kv_sizes import KVShape
     from kvchat.core.memory import attention_bytes
     from kvchat.engine.tensor_peak import TensorPeak
     from kvchat.kernels import reference
@@ -122,7 +123,7 @@ def test_nvml_opens_the_gpu_torch_uses_by_its_uuid_not_index_0(monkeypatch):
 
     import torch
 
-    from kvchat.core import memory
+    from kvchat.engine import memory_probe
 
     class FakeNVML(types.ModuleType):
         NVMLError = RuntimeError
@@ -140,4 +141,4 @@ def test_nvml_opens_the_gpu_torch_uses_by_its_uuid_not_index_0(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML("pynvml"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="5f3c-second-card"))
-    assert memory.nvml_handle(torch.device("cuda", 0)) == "second card"
+    assert memory_probe.nvml_handle(torch.device("cuda", 0)) == "second card"

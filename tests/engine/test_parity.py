@@ -8,7 +8,8 @@ from kvchat.engine.kv.block_pool import BlockPool
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
-from kvchat.engine.kv.cache import KVCache, KVShape
+from kvchat.engine.kv.cache import KVCache
+from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.model.runner import ModelRunner
 

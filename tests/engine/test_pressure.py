@@ -8,7 +8,8 @@ from kvchat.engine.engine import Engine
 from kvchat.core.events import Finished, Notice, Request
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.kv.manager import Sequence
-from kvchat.core.memory import MemorySnapshot, ScriptedProbe
+from kvchat.core.memory import MemorySnapshot
+from kvchat.engine.memory_probe import ScriptedProbe
 from kvchat.engine.model.loading import LoadedModel
 
 from polling import wait_for

@@ -68,7 +68,7 @@ def test_quantized_attention_error_bounds(name, tol, heads, kv_heads, head_dim):
 
 
 def test_bytes_per_token_fractions():
-    from kvchat.engine.kv.cache import KVShape, bytes_per_token
+    from kvchat.core.kv_sizes import KVShape, bytes_per_token
 
     shape = KVShape(30, 3, 64)
     fp16 = bytes_per_token(shape, "fp16")

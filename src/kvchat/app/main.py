@@ -2,7 +2,7 @@
 
 The window shows first, about a second after launch: nothing before ``show()`` imports torch or
 transformers. The engine (those imports, then the model) is made on a worker thread once the
-window's first frame is on screen (app/engine_starter.py); the window says "loading model" until
+window's first frame is on screen (controllers/engine_starter.py); the window says "loading model" until
 it is ready. No splash: a splash shown first took the window activation under X without a window
 manager, and keys typed into the new window went nowhere."""
 import os
@@ -17,13 +17,6 @@ from kvchat.app.store import Store, StoreError
 
 TRACE = "KVCHAT_STARTUP_TRACE"  # set: say on stderr when the first frame was exposed (tools/window_time.py)
 START_AT_THE_LATEST_MS = 1000  # no expose event (a window that starts hidden): start the engine anyway
-
-
-def make_engine(settings: dict) -> EngineStarter:
-    """An engine for the settings panel's values, made on its own thread; it loads the model there."""
-    from kvchat.app.controllers.engine_bridge import settings_config
-
-    return EngineStarter(settings_config(settings)).start()
 
 
 class FirstFrame(QObject):
@@ -60,7 +53,8 @@ def process_age() -> float:
         return time.perf_counter()
 
 
-def run() -> int:
+def run(local_engine) -> int:
+    """``local_engine(config)`` makes the local engine; it runs on the starter's worker thread."""
     from kvchat.core.paths import data_dir
 
     from kvchat.app.views.theme import Theme
@@ -77,7 +71,11 @@ def run() -> int:
     from kvchat.app.controllers.engine_bridge import EngineBridge, settings_config
     from kvchat.app.views.main_window import MainWindow
 
-    engine = EngineStarter(settings_config(store.setting("engine") or {}))
+    def make_engine(settings: dict) -> EngineStarter:
+        """An engine for the settings panel's values, made on its own thread; it loads the model there."""
+        return EngineStarter(settings_config(settings), local_engine).start()
+
+    engine = EngineStarter(settings_config(store.setting("engine") or {}), local_engine)
     window = MainWindow(store, EngineBridge(engine, make_engine), theme=theme)
     window.show()
     FirstFrame(window, engine.start)

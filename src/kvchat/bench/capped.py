@@ -20,7 +20,8 @@ from kvchat.bench.decode import random_model, sync
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
-from kvchat.core.memory import GiB, ScriptedProbe
+from kvchat.core.memory import GiB
+from kvchat.engine.memory_probe import ScriptedProbe
 from kvchat.engine.model.loading import pick_device, pick_dtype
 
 

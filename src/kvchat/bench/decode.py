@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvchat.core.config import Precision
-from kvchat.engine.kv.cache import KVShape, bytes_per_token
+from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.model.loading import LoadedModel, ModelSource, load, pick_device, pick_dtype

@@ -239,7 +239,7 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
     conversions left it, by KL divergence against an unconstrained fp16 cache."""
     from kvchat.bench.evaluate import reply_kl
     from kvchat.core.events import Finished, Notice
-    from kvchat.engine.kv.cache import KVShape, bytes_per_token
+    from kvchat.core.kv_sizes import KVShape, bytes_per_token
 
     lm = load(model)
     shape = KVShape.from_config(lm.model.config)

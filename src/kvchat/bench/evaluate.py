@@ -10,7 +10,7 @@ import math
 import torch
 
 from kvchat.core.config import EngineConfig, Precision
-from kvchat.engine.kv.cache import KVShape, bytes_per_token
+from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.model.loading import LoadedModel

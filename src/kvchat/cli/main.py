@@ -6,6 +6,7 @@ import os
 import sys
 
 from kvchat.core.config import DECODE_MODES, WEIGHTS, ConfigError, EngineConfig, SamplingParams
+from kvchat.core.errors import first_line
 
 USAGE_ERROR = 2
 
@@ -196,13 +197,9 @@ def start_backend(args):
     """The local engine, or the server of --remote (a URL or a saved connection's name)."""
     if not args.remote:
         return start_engine(make_config(args))
-    from kvchat.core.connections import Connections, get_key
-    from kvchat.remote.client import RemoteBackend
+    from kvchat.remote.connect import open_remote
 
-    saved = Connections().get(args.remote)
-    url = saved.base_url if saved else args.remote
-    key = args.api_key or (get_key(saved.name) if saved else None)
-    backend = RemoteBackend(url, api_key=key, model=args.model or (saved.model if saved else None))
+    backend = open_remote(args.remote, api_key=args.api_key, model=args.model)
     backend.wait_ready(timeout=60)
     return backend
 
@@ -343,7 +340,9 @@ def cmd_plan(args) -> int:
         if args.memory:
             total = memory.parse_bytes(args.memory)
         else:
-            probe = memory.MemoryProbe(pick_device("auto"))
+            from kvchat.engine.memory_probe import MemoryProbe
+
+            probe = MemoryProbe(pick_device("auto"))
             size, used = probe.totals()
             total = size - used
     except ValueError as e:
@@ -353,7 +352,7 @@ def cmd_plan(args) -> int:
     try:
         config = load_config(args.model)
     except ValueError as e:  # JSON that does not parse, a file that is not UTF-8
-        raise ConfigError(f"{args.model}: not a readable config.json ({_first_line(e)})") from None
+        raise ConfigError(f"{args.model}: not a readable config.json ({first_line(e)})") from None
     check_model_config(config, args.model, SUPPORTED)
     result = memory.plan(config, total, args.context, args.weights, headroom,
                          kv_full_bytes=4 if args.weights == "fp32" else 2)
@@ -385,10 +384,6 @@ def main(argv=None) -> int:
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def _quiet_transformers() -> None:

@@ -1,12 +1,13 @@
-"""What answers a conversation: the local Engine or a remote OpenAI-compatible server. The app and
-``kvchat chat`` hold a Backend and never ask which one it is; the events are the same (ModelReady or
+"""What answers a conversation: the local Engine (kvchat.engine) or a remote OpenAI-compatible
+server (kvchat.remote). The app and ``kvchat chat`` hold a Backend and never ask which one it is;
+the ``kvchat`` command (kvchat.cli) is the one place that makes the local engine; the events are the same (ModelReady or
 LoadFailed once it can serve or cannot, TokenDelta, Finished with stats, Error), and stop is
 ``cancel(handle)`` on both."""
 import threading
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
-from kvchat.core.events import EngineError, Request, RequestHandle
+from kvchat.core.events import Request, RequestHandle
 
 
 @runtime_checkable
@@ -35,23 +36,3 @@ class Backend(Protocol):
     @property
     def alive(self) -> bool: ...
 
-
-def open_backend(config=None, remote: str | None = None, api_key: str | None = None,
-                 model: str | None = None, connection: str | None = None) -> Backend:
-    """The local engine for ``config``; a server at ``remote`` (a base URL) with ``model`` (None: the
-    server's first); or the saved ``connection`` of that name, with its key from the keyring.
-    Returns at once; ``wait_ready`` blocks until it can serve."""
-    if connection:
-        from kvchat.core.connections import Connections, get_key
-
-        saved = Connections().get(connection)
-        if saved is None:
-            raise EngineError(f"no saved connection named {connection!r} (see: kvchat connections list)")
-        remote, api_key, model = saved.base_url, api_key or get_key(saved.name), model or saved.model
-    if remote:
-        from kvchat.remote.client import RemoteBackend
-
-        return RemoteBackend(remote, api_key=api_key, model=model)
-    from kvchat.engine.engine import Engine
-
-    return Engine(config)

@@ -1,23 +1,21 @@
-"""Where memory goes, and what fits: the probe (NVML / torch / psutil) and the precision planner.
+"""What fits in memory: the precision planner, and the snapshot of where memory goes (the engine's
+probe, engine/memory_probe.py, fills it).
 
 The planner works from a model config alone, before any weights load. KV bytes per token follow
 2 x layers x kv_heads x head_dim x bytes per element, with the quantized modes' fp16 group scales
 (one per 32 values) counted in.
 
-Importing this module imports no torch: the app imports it for its units and snapshots while its
-window opens, before the engine (and torch) loads on a worker thread. The planner's functions
-import the KV layout (torch) when first called.
+Nothing here imports torch (a test holds it to that): the app plans with it while its window opens,
+before the engine (and torch) loads on a worker thread.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 from kvchat.core.config import Precision
-
-if TYPE_CHECKING:
-    from kvchat.engine.kv.cache import KVShape
+from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
+from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
 PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
@@ -35,7 +33,6 @@ def parse_bytes(text: str) -> int:
 
 def parameter_counts(config) -> tuple[int, int]:
     """(parameters of the linear layers that 8-bit/nf4 quantize, all other parameters)."""
-    from kvchat.engine.kv.cache import KVShape, config_value
 
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
@@ -63,15 +60,11 @@ def activations_bytes(config, chunk: int = 512, act_bytes: int = 2, context: int
     full-precision window of sink and newest K/V and the cache of sinks (quantized modes), and a
     fixed allowance for the framework's workspaces. A rebuild's conversion slice runs between
     steps, so the larger of the two is reserved."""
-    from kvchat.kernels.quant import RecentWindow
-
-    from kvchat.engine.kv.cache import SINK_CACHE_ENTRIES, KVShape, config_value
 
     hidden, inter, vocab = (config_value(config, n) for n in ("hidden_size", "intermediate_size", "vocab_size"))
     shape = KVShape.from_config(config)
-    window = RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
-    sinks = SINK_CACHE_ENTRIES * RecentWindow.nbytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                                     act_bytes, size=0)
+    window = window_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes)
+    sinks = SINK_CACHE_ENTRIES * window_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, act_bytes, size=0)
     model = chunk * (6 * hidden + 3 * inter) * act_bytes + 4 * vocab
     working = max(attention_bytes(config, chunk, context, act_bytes), slice_bytes(shape))
     return model + working + window + sinks + 256 * (1 << 20)
@@ -82,9 +75,6 @@ def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int
     ``reference.paged_attention`` runs it on CUDA: the context's K and V in the model's dtype, the
     boolean mask (grouped query heads folded into its rows) and its conversion to the dtype, an fp32
     slice of dequantized rows, and the queries and output in fp32. Measured in test_memory."""
-    from kvchat.kernels.reference import READ_SLICE
-
-    from kvchat.engine.kv.cache import KVShape, config_value
 
     shape = KVShape.from_config(config)
     heads = config_value(config, "num_attention_heads")
@@ -98,7 +88,6 @@ def slice_bytes(shape: KVShape, block_size: int = 16) -> int:
     """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
     their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
     rounding). Measured in test_kv_cache: 0.9x of this."""
-    from kvchat.engine.kv.cache import SLICE_BLOCKS
 
     return 7 * SLICE_BLOCKS * block_size * shape.num_kv_heads * shape.head_dim * 4
 
@@ -124,7 +113,6 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
          weights_size: int | None = None) -> Plan:
     """For each precision the largest context the memory holds, and Auto's pick: the highest
     precision that holds ``context`` plus the prefix-cache reserve."""
-    from kvchat.engine.kv.cache import KVShape, bytes_per_token
 
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
     act = activations_bytes(config, chunk, kv_full_bytes, context)
@@ -166,87 +154,3 @@ class MemorySnapshot:
     precision: str
     max_context: dict
     on_cpu: bool
-
-
-class MemoryProbe:
-    """Device totals: NVML on CUDA (other processes included), system RAM (psutil) on the CPU."""
-
-    def __init__(self, device):
-        self.device = device
-        self._nvml = nvml_handle(device) if device.type == "cuda" else None
-
-    def totals(self) -> tuple[int, int]:
-        """(total bytes, bytes in use by everything, this process included)."""
-        if self.device.type == "cuda":
-            if self._nvml is not None:
-                import pynvml
-
-                info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
-                return info.total, info.used
-            import torch
-
-            free, total = torch.cuda.mem_get_info(self.device)
-            return total, total - free
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return vm.total, vm.total - vm.available
-
-    def own(self) -> int:
-        """Bytes this process holds on the device. On CUDA, NVML's count for this process when it
-        lists it: torch's reserved bytes miss the CUDA context and the loaded kernels (hundreds of
-        MiB), which would otherwise pass for another program's."""
-        if self.device.type == "cuda":
-            import torch
-
-            listed = self._nvml_own()
-            return listed if listed is not None else torch.cuda.memory_reserved(self.device)
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-    def _nvml_own(self) -> int | None:
-        if self._nvml is None:
-            return None
-        import os
-
-        import pynvml
-
-        try:
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
-        except pynvml.NVMLError:
-            return None
-        mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid() and p.usedGpuMemory]
-        return mine[0] if mine else None  # in a container NVML may list host pids
-
-
-def nvml_handle(device):
-    """NVML's handle for a torch CUDA device, found by UUID: NVML's indices ignore
-    CUDA_VISIBLE_DEVICES and MIG, so index 0 may be another GPU. None: torch's view is used."""
-    try:
-        import pynvml
-        import torch
-
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:  # no driver library, no pynvml
-        return None
-    for name in (uuid, "GPU-" + uuid, "MIG-" + uuid):
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID(name)
-        except Exception:
-            continue
-    return None
-
-
-class ScriptedProbe:
-    """A probe that reports what a test tells it: total, and what other processes use."""
-
-    def __init__(self, total: int, other: int = 0, own: int = 0):
-        self.total, self.other, self._own = total, other, own
-
-    def totals(self) -> tuple[int, int]:
-        return self.total, self.other + self._own
-
-    def own(self) -> int:
-        return self._own

@@ -156,7 +156,7 @@ def fetch(repo_id: str, progress, cancelled: threading.Event) -> LocalModel:
     """Download ``repo_id`` into the hub cache, the files the engine's load would fetch, and describe
     it. ``progress(done, total)`` in bytes; setting ``cancelled`` stops it at the next chunk. Raises
     the models module's ModelError with one line (offline, not found, cancelled)."""
-    from kvchat.engine.model.loading import ModelError, download  # torch: on the caller's worker thread
+    from kvchat.core.model_source import ModelError, download
 
     def report(done: int, total: int) -> None:
         if cancelled.is_set():

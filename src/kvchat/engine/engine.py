@@ -19,10 +19,11 @@ from kvchat.core.config import ConfigError, EngineConfig, Precision, SamplingPar
 from kvchat.engine.detok import StopChecker, StreamDetokenizer
 from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Reconfigured,
                      Request, RequestHandle, Stats, TokenDelta)
-from kvchat.engine.kv.cache import KVShape, bytes_per_token, config_value
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool, kv_dtype
-from kvchat.core.memory import PREFIX_RESERVE, PRECISIONS, MemoryProbe, MemorySnapshot, activations_bytes
+from kvchat.core.memory import PREFIX_RESERVE, PRECISIONS, MemorySnapshot, activations_bytes
+from kvchat.engine.memory_probe import MemoryProbe
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.sampler import Sampler

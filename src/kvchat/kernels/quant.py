@@ -25,45 +25,15 @@
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 
-GROUP = 32
+from kvchat.kernels.layout import (FORMATS, GROUP, SINKS, WINDOW, KVFormat, element_bytes, qmax,  # noqa: F401
+                                   token_bytes, window_bytes)
+
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-WINDOW = 64
-SINKS = 4
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    name: str
-    k_bits: int  # 16: the model's dtype, unquantized
-    v_bits: int
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_bits < 16 or self.v_bits < 16
-
-
-FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("k8v4", 8, 4),
-                               KVFormat("int4", 4, 4))}
-
-
-def qmax(bits: int) -> int:
-    return (1 << (bits - 1)) - 1
-
-
-def element_bytes(bits: int, full_bytes: int = 2) -> float:
-    """Bytes per K or V element, its share of the group's fp16 scale included."""
-    return full_bytes if bits == 16 else bits / 8 + SCALE_DTYPE.itemsize / GROUP
-
-
-def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
-    """K and V of one token in one layer, scales included."""
-    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes) + element_bytes(fmt.v_bits, full_bytes))
 
 
 def hadamard(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -215,7 +185,7 @@ class RecentWindow:
     @classmethod
     def nbytes(cls, layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,
                sinks: int = SINKS) -> int:
-        return 2 * layers * (sinks + size) * kv_heads * head_dim * full_bytes
+        return window_bytes(layers, kv_heads, head_dim, full_bytes, size, sinks)
 
     def store(self, layer: int, first_pos: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """``key``/``value`` ``[T, kv_heads, D]``, transformed, for positions ``first_pos ..``."""

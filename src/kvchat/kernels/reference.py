@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.kernels import quant
+from kvchat.kernels.layout import READ_SLICE
 from kvchat.kernels.quant import KVFormat
 
 write_kv = quant.write
@@ -175,7 +176,6 @@ def _merge(parts: list) -> torch.Tensor:
     return sum(o.float() * (lse - total).exp().unsqueeze(-1) for o, lse in parts)
 
 
-READ_SLICE = 2048  # tokens dequantized at a time: bounds the fp32 copy
 
 
 def sequence_rows(tensors: dict, fmt: KVFormat, name: str, block_table, context_len: int, first_block,

@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from kvchat.core.backend import open_backend
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Request,
                                   RequestHandle, TokenDelta)
 from kvchat.core.memory import GiB, MemorySnapshot
+from kvchat.remote.connect import open_remote
 from kvchat.remote.metrics import ServerMemory
 
 
@@ -59,10 +59,11 @@ class EngineBridge(QObject):
 
     def __init__(self, engine, make_engine=None):
         """``engine``: the backend to start on. ``make_engine(settings)`` makes the local engine when
-        the app comes back to it from a connection (switching models is the engine's own LoadModel)."""
+        the app comes back to it from a connection (switching models is the engine's own LoadModel);
+        the ``kvchat`` command passes it in, for the app never imports the engine."""
         super().__init__()
         self.engine = engine  # the backend in use; the GUI calls its methods, never reads it
-        self.make_engine = make_engine or (lambda settings: open_backend(settings_config(settings)))
+        self.make_engine = make_engine
         self._generation = 0
         self.handle: RequestHandle | None = None
         self._request_id = 0
@@ -126,7 +127,7 @@ class EngineBridge(QObject):
         """Run on the saved connection ``name`` (its key from the keyring); ready or load_failed
         says how it went."""
         try:
-            backend = open_backend(connection=name)
+            backend = open_remote(name, saved_only=True)
         except Exception as e:  # no such connection any more
             self.load_failed.emit(str(e))
             return
@@ -134,6 +135,9 @@ class EngineBridge(QObject):
 
     def use_local(self, settings: dict) -> None:
         """Back on this computer's engine, loading ``settings``' model."""
+        if self.make_engine is None:
+            self.load_failed.emit("this window was opened without a local engine")
+            return
         self.use_backend(self.make_engine(settings))
 
     def use_backend(self, backend) -> None:

@@ -15,14 +15,9 @@ from kvchat.core.events import LoadFailed, RequestHandle
 STILL_STARTING = "the engine is still starting; send again once the model is ready"
 
 
-def make_local_engine(config: EngineConfig):
-    from kvchat.engine.engine import Engine  # torch, transformers: the slow part, on the worker thread
-
-    return Engine(config)
-
-
 class EngineStarter:
-    def __init__(self, config: EngineConfig, make=make_local_engine):
+    def __init__(self, config: EngineConfig, make):
+        """``make(config)`` makes the engine (the ``kvchat`` command's local_engine)."""
         self._config = config
         self._make = make
         self._engine = None

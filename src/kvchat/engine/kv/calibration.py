@@ -24,13 +24,12 @@ recommend a novel about the sea? The answer, usually, is yes - and a cup of tea.
 
 
 @torch.inference_mode()
-def calibrate(lm):
+def calibrate(lm, scratch_pool):
     """Per layer: key centre ``[kv_heads, D]`` and channel scale ``[kv_heads, D]``, from the keys and
-    queries of the calibration text run through a scratch fp16 pool."""
-    from kvchat.engine.kv.pool import KVPool  # the pool calls this function when it first needs a quantized layout
-
+    queries of the calibration text run through ``scratch_pool(lm, tokens, Precision.FP16)``, a new
+    fp16 pool (the pool's own constructor: the pool calls this when it first needs a quantized layout)."""
     ids = lm.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
-    pool = KVPool.for_tokens(lm, len(ids), Precision.FP16)
+    pool = scratch_pool(lm, len(ids), Precision.FP16)
     seq = Sequence(ids)
     pool.manager.reserve(seq, len(ids))
     qs = {}

@@ -7,7 +7,8 @@ import torch
 from kvchat.engine.kv.block_pool import BlockPool
 from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import ConfigError, Precision
-from kvchat.engine.kv.cache import KVCache, KVShape, blocks_for_budget, bytes_per_token
+from kvchat.engine.kv.cache import KVCache
+from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.kv.personas import PersonaCache
 from kvchat.engine.model.runner import ModelRunner
@@ -66,7 +67,7 @@ class KVPool:
 
     def key_stats(self):
         if self._key_stats is None:
-            self._key_stats = calibrate(self.lm)
+            self._key_stats = calibrate(self.lm, KVPool.for_tokens)
         return self._key_stats
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:

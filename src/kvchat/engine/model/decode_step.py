@@ -14,10 +14,6 @@ When compiling or capturing fails, the step falls back to eager and says why onc
 """
 import inspect
 import logging
-import os
-import shutil
-import sysconfig
-from pathlib import Path
 
 import torch
 
@@ -26,9 +22,9 @@ from kvchat.kernels.reference import consecutive_start
 
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.core.config import DECODE_MODES
-from kvchat.engine.kv.cache import config_value
-from kvchat.engine.model.loading import _one_line
-from kvchat.core.paths import cache_dir
+from kvchat.core.kv_sizes import config_value
+from kvchat.core.errors import first_line
+from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
 log = logging.getLogger("kvchat.decode")
 BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
@@ -41,23 +37,6 @@ def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
     if mode not in steps:
         steps[mode] = DecodeStep(model, mode)
     return steps[mode]
-
-
-def cpu_compile_missing() -> str | None:
-    """Why inductor cannot compile for the CPU here (it builds C++ against Python's headers), or None.
-    A packaged app on a machine without a compiler decodes eagerly, and says so once."""
-    if not (shutil.which("g++") or shutil.which("c++")):
-        return "decoding without compilation: no C++ compiler (g++) found"
-    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
-        return "decoding without compilation: Python's headers (Python.h) are missing"
-    return None
-
-
-def use_disk_cache() -> None:
-    """Inductor's FX-graph and kernel caches in kvchat's cache dir, so that they are where the user
-    expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
-    own default into the environment the first time anything asks it for its cache dir."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 class DecodeStep:
@@ -175,7 +154,7 @@ class DecodeStep:
             self(kv, None, 0, 0, -1, [0])
 
     def _fall_back(self, error: Exception) -> None:
-        self.fallback = f"decoding without compilation ({type(error).__name__}: {_one_line(error)})"
+        self.fallback = f"decoding without compilation ({type(error).__name__}: {first_line(error)})"
         log.warning("%s", self.fallback)
 
     def _compiled_forward(self):

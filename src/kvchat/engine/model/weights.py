@@ -75,7 +75,7 @@ def fused(fn):
     """``fn`` compiled by inductor for every shape, once a process (the conversion from int8 and
     the scaling in one pass instead of three in eager torch: an 18-token prefill of the starter
     230 -> 132-149 ms, fp32 weights 106-127), or ``fn`` itself where inductor cannot compile here."""
-    from kvchat.engine.model.decode_step import cpu_compile_missing, use_disk_cache
+    from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
     if cpu_compile_missing() is not None:
         return fn

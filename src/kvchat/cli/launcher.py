@@ -1,4 +1,7 @@
-"""The ``kvchat`` command: no arguments start the desktop app, anything else is the engine's CLI."""
+"""The ``kvchat`` command: no arguments start the desktop app, anything else is the command line.
+
+This is where the layers meet: the app gets the local engine's maker from here, for the app itself
+imports no engine (and so no torch) of its own."""
 import ctypes.util
 import logging
 import os
@@ -25,6 +28,14 @@ def display_problem() -> str | None:
     return None
 
 
+def local_engine(config):
+    """The local engine for ``config``; called on the app's worker thread, as its imports (torch,
+    transformers) take seconds."""
+    from kvchat.engine.engine import Engine
+
+    return Engine(config)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "ui"]:  # the GUI's own benchmark: the engine's CLI knows nothing of Qt
@@ -41,7 +52,7 @@ def main(argv=None) -> int:
         return 1
     from kvchat.app.main import run
 
-    code = run()
+    code = run(local_engine)
     # The engine's thread may still be inside torch (compiling, reading a GGUF) when the window
     # closes; interpreter shutdown would stop it mid-C++ and abort the process ("terminate called
     # without an active exception", exit 134). The database holds everything by now.

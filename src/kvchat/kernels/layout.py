@@ -1,0 +1,45 @@
+"""The KV layout's sizes, without torch: how many bits each precision stores, the group and window
+sizes, and the bytes they take. quant.py is the layout as tensor code; this is the part the memory
+planner (kvchat.core, which loads no torch) needs to count bytes before any model loads."""
+from dataclasses import dataclass
+
+GROUP = 32  # values along head_dim sharing one fp16 scale
+SCALE_BYTES = 2  # fp16
+WINDOW = 64  # newest tokens of a sequence kept in full precision
+SINKS = 4  # first tokens of a sequence kept in full precision
+READ_SLICE = 2048  # tokens dequantized at a time when a prefill reads its past: bounds the fp32 copy
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    k_bits: int  # 16: the model's dtype, unquantized
+    v_bits: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits < 16 or self.v_bits < 16
+
+
+FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("k8v4", 8, 4),
+                               KVFormat("int4", 4, 4))}
+
+
+def qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def element_bytes(bits: int, full_bytes: int = 2) -> float:
+    """Bytes per K or V element, its share of the group's fp16 scale included."""
+    return full_bytes if bits == 16 else bits / 8 + SCALE_BYTES / GROUP
+
+
+def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
+    """K and V of one token in one layer, scales included."""
+    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes) + element_bytes(fmt.v_bits, full_bytes))
+
+
+def window_bytes(layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,
+                 sinks: int = SINKS) -> int:
+    """One sequence's full-precision window (``RecentWindow``): K and V of its sinks and newest rows."""
+    return 2 * layers * (sinks + size) * kv_heads * head_dim * full_bytes
