@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvchat.core.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.serve.server import create_app
+from kvchat.serve.transport import server_config
 
 from tiny_models import as_loaded
 
@@ -32,7 +33,7 @@ def served(starter):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(engine, "starter", api_key=KEY, max_queue=2)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -343,7 +344,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_leak_nothing(served):
         @given(REQUEST, HEADERS)
         def one(request, headers):
             method, path, body = request
-            headers = {"Authorization": f"Bearer {KEY}", **headers}
+            headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
             try:
                 r = http.request(method, path, content=body.encode("utf-8", "surrogatepass"), headers=headers)
             except httpx.LocalProtocolError:  # a header the client itself will not send

@@ -27,6 +27,7 @@ def _local_server(model: str, decode: str | None):
     from kvchat.core.config import EngineConfig
     from kvchat.engine.engine import Engine
     from kvchat.serve.server import create_app
+    from kvchat.serve.transport import server_config
 
     config = EngineConfig(model=model, **({"decode": decode} if decode else {}))
     engine = Engine(config)
@@ -37,8 +38,8 @@ def _local_server(model: str, decode: str | None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, engine.loaded.source.label, max_queue=64),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(engine, engine.loaded.source.label, max_queue=64)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from kvchat.core.config import EngineConfig
 from kvchat.core.events import Refused, RequestHandle
 
-__all__ = ["Cancel", "Command", "LoadModel", "Reconfigure", "Refused", "Shutdown", "Submit", "refuse"]
+__all__ = ["Cancel", "Command", "LoadModel", "Reconfigure", "Refused", "Shutdown", "Submit", "Tokenize", "refuse"]
 
 
 @dataclass
@@ -41,11 +41,20 @@ class LoadModel:
 
 
 @dataclass
+class Tokenize:
+    """A plain prompt's token ids, from the loaded model's tokenizer on the engine thread (the one
+    owner of the model, so a model switch cannot pull it away midway). A prompt that cannot fit the
+    context is refused with ChatError, on its length in characters when that suffices."""
+    text: str
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
 class Shutdown:
     future: Future = field(default_factory=Future)
 
 
-Command = Submit | Cancel | Reconfigure | LoadModel | Shutdown
+Command = Submit | Cancel | Reconfigure | LoadModel | Tokenize | Shutdown
 
 
 def refuse(command: Command, reason: str) -> None:

@@ -19,6 +19,9 @@ FALLBACK_TEMPLATE = (
 ROLES = ("system", "user", "assistant")
 _SENTINEL = "\x00kvchat-content\x00"
 SEGMENT_CACHE = 4096  # messages whose text and tokens are remembered (a long chat has a few hundred)
+# and at most this many bytes of them: entries are as large as the messages, and a client of the API
+# sending distinct 7.8 MiB messages added 87 MB each while the cap was a count alone
+SEGMENT_CACHE_BYTES = 64 << 20
 
 
 class ChatError(ValueError):
@@ -38,12 +41,35 @@ class ChatFormatter:
     check the pieces add up. A template for which they do not (one that rewrites history, or
     numbers its messages) is rendered prefix by prefix instead, as a whole conversation must be."""
 
-    def __init__(self, tokenizer, cache_entries: int = SEGMENT_CACHE):
+    def __init__(self, tokenizer, cache_entries: int = SEGMENT_CACHE, cache_bytes: int = SEGMENT_CACHE_BYTES):
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
         self.uses_fallback = not getattr(tokenizer, "chat_template", None)
-        self.cache_entries = cache_entries
+        self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
         self._segments: OrderedDict[tuple, tuple[str, list[int]]] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        self.cached_bytes = 0
+        # No token spans more characters than the longest one in the vocabulary (special tokens
+        # included), so a text of more than ``limit * longest_token`` characters is more than
+        # ``limit`` tokens: it can be refused without being tokenized.
+        try:
+            self.longest_token = max(map(len, tokenizer.get_vocab())) or 1
+        except (AttributeError, TypeError, ValueError, NotImplementedError):
+            self.longest_token = 1 << 20  # unknown: no refusal on characters alone
+
+    def max_chars(self, limit: int) -> int:
+        """Characters past which a text is surely more than ``limit`` tokens."""
+        return limit * self.longest_token
+
+    def prompt_ids(self, text: str, limit: int) -> list[int]:
+        """A plain prompt's tokens (special tokens added, as a completion's prompt has them); one of
+        ``limit`` tokens or more is refused, on its characters first when they suffice."""
+        if len(text) > self.max_chars(limit):
+            raise ChatError(f"the prompt is {len(text):,} characters, longer than the context of {limit:,} tokens")
+        ids = self.tokenizer(text)["input_ids"]
+        if len(ids) >= limit:
+            raise ChatError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
+        return ids
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         if not messages and not add_generation_prompt:
@@ -94,9 +120,13 @@ class ChatFormatter:
         after = self.render(history + [message])
         text = _delta(before, after)
         piece = (text, self._message_tokens(history, message, before, after))
-        self._segments[key] = piece
-        if len(self._segments) > self.cache_entries:
-            self._segments.popitem(last=False)
+        size = _size(key, piece)
+        if size <= self.cache_bytes // 4:  # one huge message does not flush a chat's worth of small ones
+            self._segments[key], self._sizes[key] = piece, size
+            self.cached_bytes += size
+            while len(self._segments) > self.cache_entries or self.cached_bytes > self.cache_bytes:
+                old, _ = self._segments.popitem(last=False)
+                self.cached_bytes -= self._sizes.pop(old)
         return piece
 
     def _by_prefixes(self, messages: list[dict], add_generation_prompt: bool) -> list[list[int]]:
@@ -130,6 +160,19 @@ def _key(message: dict | None) -> tuple | None:
         return None
     ids = message.get("token_ids")
     return message["role"], message["content"], tuple(ids) if ids else None
+
+
+def longest_content(messages) -> int:
+    """The most characters in one message's content (0 for what is not a list of messages)."""
+    return max((len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)),
+               default=0) if isinstance(messages, list) else 0
+
+
+def _size(key: tuple, piece: tuple[str, list[int]]) -> int:
+    """About what an entry holds: its strings (up to 4 bytes a character) and a list of ints (an
+    8-byte slot and, past 256, a 28-byte int each)."""
+    chars = len(piece[0]) + sum(len(m[1]) + 36 * len(m[2] or ()) for m in key if m is not None)
+    return 2 * chars + 36 * len(piece[1]) + 256
 
 
 def _delta(before: str, after: str) -> str:

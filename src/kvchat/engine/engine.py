@@ -13,8 +13,8 @@ from dataclasses import asdict, replace
 import torch
 
 from kvchat.engine.kv.block_pool import PoolExhausted
-from kvchat.engine.chat import ChatError, ChatFormatter
-from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Refused, Shutdown, Submit, refuse
+from kvchat.engine.chat import ChatError, ChatFormatter, longest_content
+from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Refused, Shutdown, Submit, Tokenize, refuse
 from kvchat.core.config import ConfigError, EngineConfig, Precision, SamplingParams
 from kvchat.engine.detok import StopChecker, StreamDetokenizer
 from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Reconfigured,
@@ -72,6 +72,10 @@ class Engine:
 
     def generate(self, messages: list[dict], **sampling) -> Finished:
         return self.submit(Request(messages=messages, sampling=SamplingParams(**sampling))).result()
+
+    def tokenize(self, text: str) -> Future:
+        """A plain prompt's token ids (the API's /v1/completions), or ChatError when it cannot fit."""
+        return self._put(Tokenize(text))
 
     def cancel(self, handle: RequestHandle) -> Future:
         """Stop a request at its next step (or before it starts); an API client that hung up calls
@@ -193,6 +197,8 @@ class Engine:
             return command.future.set_result(True)
         if self.kvpool is None:
             return refuse(command, self.load_error or "no model is loaded")
+        if isinstance(command, Tokenize):
+            return self._tokenize(command)
         try:
             if isinstance(command, Submit):
                 self._warm_decode()  # a first request before an idle second: warned the same
@@ -583,6 +589,12 @@ class Engine:
             log.exception("could not remember the persona")
         self.manager.free(seq, keep_tail=True)  # the next turn goes on from the last computed token
 
+    def _tokenize(self, command: Tokenize) -> None:
+        try:
+            command.future.set_result(self.formatter.prompt_ids(command.text, self.context_limit()))
+        except Exception as e:  # the future resolves whatever happens
+            command.future.set_exception(e if isinstance(e, ChatError) else EngineError(f"internal error: {_short(e)}"))
+
     def context_limit(self) -> int:
         """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
         precision it may step down to."""
@@ -602,10 +614,17 @@ class Engine:
             if len(ids) >= limit:
                 raise EngineError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
             return ids, 0, 0
-        messages = request.messages
+        messages, trimmed = request.messages, 0
+        cap = self.formatter.max_chars(limit)
+        while longest_content(messages) > cap:  # a message alone past the context: trimmed or refused, untokenized
+            shorter = drop_oldest(messages)
+            if shorter is None:
+                raise EngineError(f"a message is longer than the context of {limit} tokens ({cap:,} characters "
+                                  "at most)")
+            trimmed += len(messages) - len(shorter)
+            messages = shorter
         room = min(request.sampling.max_new_tokens, limit // 4)
         encoded = self.formatter.encode(messages)
-        trimmed = 0
         while len(encoded.token_ids) + room > limit:
             shorter = drop_to_fit(messages, encoded, limit - room)
             if shorter is None:

@@ -16,10 +16,23 @@ PENALTY_RANGE = (0.01, 100.0)  # outside it a seen token's logit overflows or va
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes
 
 
+def greedy_if_tiny(temperature: float, top_p: float) -> tuple[float, float]:
+    """A temperature, or a nucleus, too small to leave more than the top token is greedy: said so
+    before the sampler divides by the one or rounds the other to 0 in float32 (a 500 once)."""
+    if 0 <= temperature < GREEDY_BELOW:
+        temperature = 0.0
+    if 0 < top_p < GREEDY_BELOW and temperature >= 0:  # a bad temperature is still refused
+        temperature, top_p = 0.0, 1.0
+    return temperature, top_p
+
+
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    """``close``: refused before its body was read; the connection ends rather than read it."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 close: bool = False):
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.close = message, status, param, code, close
 
 
 def _utf8(value: str, where: str) -> str:
@@ -121,9 +134,8 @@ class Sampling(BaseModel):
             raise ApiError("logit_bias: not supported", param="logit_bias")
 
     def sampling(self, default_max: int) -> SamplingParams:
-        temperature = 0.7 if self.temperature is None else self.temperature
-        if 0 <= temperature < GREEDY_BELOW:
-            temperature = 0.0
+        temperature, top_p = greedy_if_tiny(0.7 if self.temperature is None else self.temperature,
+                                            1.0 if self.top_p is None else self.top_p)
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
             raise ApiError(f"repetition_penalty must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]:.0f}]",
@@ -134,7 +146,7 @@ class Sampling(BaseModel):
         try:
             return SamplingParams(
                 max_new_tokens=default_max if self.max_tokens is None else self.max_tokens,
-                temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
+                temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=0.0 if self.min_p is None else self.min_p, repetition_penalty=penalty, seed=self.seed,
                 stop=list(self.stop or []))
         except ConfigError as e:

@@ -11,24 +11,72 @@ import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Refused, Request,
+                                TokenDelta)
+from kvchat.core.memory import MemorySnapshot
 from kvchat.serve.guard import Guard
-from kvchat.serve.schema import ApiError, ChatBody, CompletionBody, error_body, parse
-from kvchat.engine.engine import Engine
-from kvchat.core.events import Error, Finished, Request, TokenDelta
+from kvchat.serve.schema import MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, error_body, parse
 from kvchat.serve.stream import chat_chunks, completion_chunks, finish_reason
+from kvchat.serve.transport import incident
 
 WATCH_S = 0.1  # how often a waiting request looks at its connection
+BODY_IDLE_S = 15.0  # a body that stops arriving for this long is given up
+BODY_DEADLINE_S = 60.0  # and one that takes longer than this in all (8 MiB at 140 KB/s)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
-                   code=None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_body(message, kind, param, code))
+                   code=None, close: bool = False) -> JSONResponse:
+    """``close``: the connection ends after it, so that a body left unread is not read after all."""
+    return JSONResponse(status_code=status, content=error_body(message, kind, param, code),
+                        headers={"Connection": "close"} if close else None)
+
+
+class ClientGone(Exception):
+    """The client hung up before its body was all sent."""
+
+
+def json_only(http: HttpRequest) -> None:
+    """Only application/json: a web page can send text/plain, a form or multipart to any address
+    without asking (no CORS preflight), and those bodies were parsed as JSON and served."""
+    media = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(f"the body must be application/json, not {media or 'unlabelled'}", status=415,
+                       code="unsupported_media_type", close=True)
+
+
+async def read_body(http: HttpRequest) -> bytes:
+    """The body, refused past MAX_BODY_BYTES while it is read: on its Content-Length before a byte
+    of it, a chunked one as it arrives (a 600 MiB body cost 800 MB when read whole first)."""
+    length = http.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise ApiError("Content-Length is not a number", close=True)
+        if int(length) > MAX_BODY_BYTES:
+            raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413, close=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BODY_DEADLINE_S
+    chunks, size = [], 0
+    while True:
+        try:
+            message = await asyncio.wait_for(http.receive(), min(BODY_IDLE_S, max(0.0, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            incident("a request body arrived too slowly: answered 408 and closed")
+            raise ApiError("the body arrived too slowly", status=408, code="timeout", close=True) from None
+        if message["type"] == "http.disconnect":
+            incident("a client hung up while sending its body")
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413, close=True)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def engine_error_response(event: Error) -> JSONResponse:
@@ -47,6 +95,25 @@ def usage(stats) -> dict:
         "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision,
                    "ttft_ms": round(stats.ttft_ms, 2), "decode_tok_s": round(stats.decode_tok_s, 2)},
     }
+
+
+class EngineState:
+    """What the engine last said about itself (its events, on its thread; plain assignments), so
+    that /health and /metrics read no engine attribute."""
+
+    def __init__(self):
+        self.loading, self.error = True, None
+        self.snapshot: MemorySnapshot | None = None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, ModelReady):
+            self.loading, self.error = False, None
+        elif isinstance(event, LoadFailed):
+            self.loading, self.error = False, None if event.restored else event.message
+        elif isinstance(event, LoadProgress):
+            self.loading = True
+        elif isinstance(event, MemorySnapshot):
+            self.snapshot = event
 
 
 class Counters:
@@ -109,15 +176,22 @@ class Waiter:
                 pass
 
 
-def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | None = None,
+def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None,
                host: str = "127.0.0.1", allow_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
                max_queue: int = 32) -> FastAPI:
+    """``engine``: the local Engine, used through its commands and events only."""
     app = FastAPI(title="kvchat", docs_url=None, redoc_url=None, openapi_url=None)
     counters = app.state.counters = Counters()
+    state = EngineState()
+    engine.add_listener(state, replay=True)
 
     @app.exception_handler(ApiError)
     async def refused(_request, exc: ApiError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, close=exc.close)
+
+    @app.exception_handler(ClientGone)
+    async def gone(_request, _exc):
+        return Response(status_code=499, headers={"Connection": "close"})  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
@@ -133,28 +207,61 @@ def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | Non
 
     @app.get("/health")
     def health():
-        if not engine.ready.is_set():
+        if state.error or not engine.alive:
+            return error_response(503, state.error or "the engine has stopped", "server_error")
+        if state.loading:
             return error_response(503, "the model is loading", "server_error")
-        if engine.load_error or not engine.alive:
-            return error_response(503, engine.load_error or "the engine has stopped", "server_error")
         return {"status": "ok", "model": model_name, "requests": counters.active}
+
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(model_id: str):
+        if model_id != model_name:
+            raise ApiError(f"no model {model_id!r} here; this server has {model_name!r}", status=404,
+                           param="model", code="model_not_found")
+        return model_card
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(prometheus(engine, counters), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus(state.snapshot, counters), media_type="text/plain; version=0.0.4")
 
-    async def run(http: HttpRequest, request: Request, stream: bool, reply, chunks):
-        """Submit, then answer: a JSON body built by ``reply(finished)``, or an SSE stream of
-        ``chunks(first_event, next_event)``. Errors before the first token keep their status code."""
+    def admit() -> None:
+        """The queue bound, checked before the body is read and again before it is tokenized."""
         if counters.active >= max_queue:
             counters.refused += 1
             raise ApiError(f"{counters.active} requests are already waiting; try again shortly", status=429,
-                           code="rate_limit_exceeded")
+                           code="rate_limit_exceeded", close=True)
+
+    async def accept(http: HttpRequest, kind):
+        """The request's body, parsed, with a queue slot held for it (``run`` gives it back)."""
+        json_only(http)
+        admit()
+        body = parse(await read_body(http), kind)
+        admit()
         counters.active += 1
+        return body
+
+    async def tokenized(text: str) -> list[int]:
+        """On the engine thread, one prompt at a time, refused on its length in characters before
+        it is tokenized when that suffices (eight 7.8 MiB prompts tokenized at once took 7.9 GB)."""
+        try:
+            return await asyncio.wrap_future(engine.tokenize(text))
+        except Refused as e:  # no model, a switch, a shutdown
+            raise ApiError(str(e), status=503, code="model_not_ready") from None
+        except ValueError as e:  # ChatError: the prompt cannot fit
+            raise ApiError(str(e), param="prompt") from None
+        except EngineError as e:
+            raise ApiError(str(e), status=500) from None
+
+    async def run(http: HttpRequest, request: Request, stream: bool, reply, chunks):
+        """Submit, then answer: a JSON body built by ``reply(finished)``, or an SSE stream of
+        ``chunks(first_event, next_event)``. Errors before the first token keep their status code.
+        The caller holds a queue slot (``accept``); this gives it back however the request ends."""
         waiter = Waiter(http)
         handle = engine.submit(request, listener=waiter.listener)
         closed = handed_over = ended = False
@@ -206,8 +313,12 @@ def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        body = parse(await http.body(), ChatBody)
-        request = Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+        body = await accept(http, ChatBody)
+        try:
+            request = Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+        except BaseException:
+            counters.active -= 1
+            raise
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def reply(done: Finished) -> dict:
@@ -221,11 +332,16 @@ def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = parse(await http.body(), CompletionBody)
-        prompt = body.one_prompt()
-        if isinstance(prompt, str):
-            prompt = await run_in_threadpool(lambda: engine.loaded.tokenizer(prompt)["input_ids"])
-        request = Request(prompt_ids=list(prompt), sampling=body.sampling(16))
+        body = await accept(http, CompletionBody)
+        try:
+            prompt = body.one_prompt()
+            sampling = body.sampling(16)
+            if isinstance(prompt, str):
+                prompt = await tokenized(prompt)
+            request = Request(prompt_ids=list(prompt), sampling=sampling)
+        except BaseException:
+            counters.active -= 1
+            raise
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def reply(done: Finished) -> dict:
@@ -237,28 +353,25 @@ def create_app(engine: Engine, model_name: str = "kvchat", *, api_key: str | Non
         return await run(http, request, body.stream, reply,
                          lambda events: completion_chunks(events, cid, created, model_name, body.include_usage, usage))
 
-    app.add_middleware(Guard, api_key=api_key, bound_host=host, allow_hosts=tuple(allow_hosts))
+    app.add_middleware(Guard, api_key=api_key, bound_host=host, allow_hosts=tuple(allow_hosts),
+                       origins=tuple(cors_origins))
     if cors_origins:  # outermost, so that a browser's preflight (which carries no key) is answered
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     return app
 
 
-def prometheus(engine: Engine, counters: Counters) -> str:
-    """kvchat's own names, in the shape of vLLM's: the remote client reads either."""
+def prometheus(snapshot: MemorySnapshot | None, counters: Counters) -> str:
+    """kvchat's own names, in the shape of vLLM's: the remote client reads either. The KV figures
+    are the engine's last memory snapshot (about once a second)."""
     lines = []
 
     def metric(name: str, kind: str, value, help_: str) -> None:
         lines.extend([f"# HELP kvchat:{name} {help_}", f"# TYPE kvchat:{name} {kind}", f"kvchat:{name} {value}"])
 
-    try:
-        pool = engine.pool
-        total, free = pool.num_blocks, pool.num_free
-    except AttributeError:  # not loaded (yet)
-        total = free = 0
-    metric("kv_cache_usage_perc", "gauge", (total - free) / total if total else 0.0,
-           "KV-cache blocks in use, 1 means full")
-    metric("kv_blocks_in_use", "gauge", total - free, "KV-cache blocks referenced by a running request")
+    total, in_use = (snapshot.kv_total, snapshot.kv_in_use) if snapshot else (0, 0)
+    metric("kv_cache_usage_perc", "gauge", in_use / total if total else 0.0, "KV-cache blocks in use, 1 means full")
+    metric("kv_bytes_in_use", "gauge", in_use, "bytes of KV-cache blocks referenced by a running request")
     metric("prefix_cache_queries_total", "counter", counters.prompt_tokens, "prompt tokens of finished requests")
     metric("prefix_cache_hits_total", "counter", counters.cached_tokens, "of those, tokens served from the cache")
     metric("requests_running", "gauge", counters.active, "requests submitted and not yet answered")

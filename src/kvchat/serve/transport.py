@@ -1,0 +1,85 @@
+"""How the API meets the network: uvicorn's h11 server with deadlines and a cap on connections,
+and one log line per kind of failure.
+
+uvicorn alone, not a proxy in front: a proxy is a second program for a desktop user to install
+and run. uvicorn has a keep-alive timeout (after a response), ``limit_concurrency`` (a 503 once
+that many connections or requests are open) and h11's cap on a request head's size; it has no
+deadline for a request head, so a client that connects and sends nothing, or half a head, was
+held for ever (3,000 of them for 90 s in a probe). The protocol below adds that deadline; the
+body's is the app's (``server.read_body``), where the bytes are counted."""
+import logging
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0  # from connecting, or from the last response, to a complete request head
+KEEP_ALIVE_S = 5.0  # an idle connection between requests (uvicorn's default, said here)
+MAX_CONNECTIONS = 512  # open at once; past it a new connection is closed at once
+MAX_HEAD_BYTES = 64 << 10  # h11's cap on an unfinished request head
+
+log = logging.getLogger("kvchat.serve")
+
+
+class OncePerKind(logging.Filter):
+    """Lets the first record of each kind through and counts the rest: a flood of hung-up or
+    half-sent clients is one line, not a line (or a traceback) per client."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = str(record.msg) + (type(record.exc_info[1]).__name__ if record.exc_info else "")
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if self.seen[kind] > 1:
+            return False
+        if record.exc_info:  # the kind is enough; a traceback per client is what filled the log
+            record.msg = f"{record.msg} ({type(record.exc_info[1]).__name__}: {record.exc_info[1]}); " \
+                         "further ones are counted, not logged"
+            record.exc_info = record.exc_text = None
+        else:
+            record.msg = f"{record.msg} (further ones are counted, not logged)"
+        return True
+
+
+FILTER = OncePerKind()
+for name in ("uvicorn.error", "kvchat.serve"):
+    logging.getLogger(name).addFilter(FILTER)
+
+
+def incident(kind: str) -> None:
+    """A client's failure (hung up mid-body, too slow, one connection too many): logged once."""
+    log.warning(kind)
+
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on the request head and a cap on connections."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > MAX_CONNECTIONS:
+            incident(f"more than {MAX_CONNECTIONS} connections open: new ones are closed")
+            transport.close()
+            return
+        self._head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._head_deadline()
+
+    def _head_deadline(self) -> None:
+        # A new request replaces self.cycle; the same cycle at the deadline means no head came.
+        self.loop.call_later(HEAD_TIMEOUT_S, self._head_late, self.cycle)
+
+    def _head_late(self, cycle) -> None:
+        if self.cycle is cycle and not self.transport.is_closing():
+            incident(f"a connection sent no complete request head in {HEAD_TIMEOUT_S:g} s: closed")
+            self.transport.close()
+
+
+def server_config(app, host: str, port: int, log_level: str = "warning"):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=DeadlineProtocol,
+                          timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=MAX_CONNECTIONS,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws="none", lifespan="off")
