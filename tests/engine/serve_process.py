@@ -33,6 +33,13 @@ def wait_for(url: str, proc, headers=None, deadline_s: float = 300) -> None:
 @contextmanager
 def kvchat_serve(log_dir, key: str, context: int = 2048):
     """Yields the server's base URL; the server's log is in the failure when it does not come up."""
+    with kvchat_serve_process(log_dir, key, context) as (url, _proc):
+        yield url
+
+
+@contextmanager
+def kvchat_serve_process(log_dir, key: str, context: int = 2048):
+    """Yields the server's base URL and its process; its log is ``log_dir / "serve.log"``."""
     port = free_port()
     log = open(log_dir / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "kvchat.cli.main", "serve", "--port", str(port),
@@ -46,7 +53,7 @@ def kvchat_serve(log_dir, key: str, context: int = 2048):
         log.seek(0)
         raise AssertionError(log.read()[-3000:]) from None
     try:
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(30)

@@ -11,8 +11,8 @@ import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-HEAD_TIMEOUT_S = 10.0  # from connecting, or from the last response, to a complete request head
 KEEP_ALIVE_S = 5.0  # an idle connection between requests (uvicorn's default, said here)
+HEAD_TIMEOUT_S = KEEP_ALIVE_S  # from connecting, or from the last response, to a complete request head
 MAX_CONNECTIONS = 512  # open at once; past it a new connection is closed at once
 MAX_HEAD_BYTES = 64 << 10  # h11's cap on an unfinished request head
 
