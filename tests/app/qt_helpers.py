@@ -18,7 +18,7 @@ def back_on_the_starter(qtbot, bridge, store):
 
 def send(qtbot, win, text):
     win.input.setPlainText(text)
-    win.send()
+    win.replies.send()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
 
 

@@ -17,7 +17,7 @@ def window(qtbot, store, shared, kv_folder):
     win = MainWindow(store, EngineBridge(engine), SamplingParams(max_new_tokens=8, temperature=0))
     qtbot.addWidget(win)
     shown(qtbot, win)
-    qtbot.waitUntil(lambda: win.model_config is not None, timeout=60000)
+    qtbot.waitUntil(lambda: win.models.config is not None, timeout=60000)
     return win
 
 
@@ -31,7 +31,7 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
     store = Store(tmp_path / "chat.db")
     win = window(qtbot, store, shared, tmp_path / "kv")
     try:
-        win.new_conversation()
+        win.chats.new()
         win.persona_box.setCurrentIndex(2)  # a persona longer than one block
         qtbot.waitUntil(lambda: badge(win) == "cold", timeout=10000)  # known before the first reply
         assert win.persona_badge.text() == "cold"
@@ -43,7 +43,7 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
     again = window(qtbot, store, shared, tmp_path / "kv")  # a restart: an empty pool, the same disk
     try:
         chat = store.conversations()[0]["id"]
-        again.open_conversation(chat)
+        again.chats.open(chat)
         qtbot.waitUntil(lambda: badge(again) == "disk", timeout=10000)
         assert again.persona_badge.text() == "warm (on disk)"
         send(qtbot, again, "Hello again")

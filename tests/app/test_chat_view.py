@@ -18,7 +18,7 @@ LONG = SamplingParams(max_new_tokens=300, temperature=0.8, seed=1, ignore_eos=Tr
 
 
 def long_chat(store, win, messages=30, words=30):
-    cid = win.new_conversation()
+    cid = win.chats.new()
     for i in range(messages):
         store.add_message(cid, "user" if i % 2 == 0 else "assistant", f"message {i}\n\n" + "A line of text. " * words)
     win.render_chat()
@@ -134,7 +134,7 @@ def test_replies_carry_the_persona_name_in_a_centred_column(qtbot, app_parts):
     win, store, _, _ = app_parts
     shown(qtbot, win)
     win.resize(1600, 900)
-    win.save_persona(None, "Ada", "You are Ada, a patient teacher.")
+    win.personas.save(None, "Ada", "You are Ada, a patient teacher.")
     send(qtbot, win, "Hello")
     assert [i.property("text") for i in qml_items(win, "author")] == ["Ada"]
     column = qml_items(win, "messageColumn")[0]
@@ -175,7 +175,7 @@ def test_the_sidebar_groups_chats_by_date_and_searches(qtbot, app_parts):
         cid = store.create_conversation(title)
         store.add_message(cid, "user", f"about {title}")
         store.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now - days * 86400, cid))
-    win.refresh_conversations()
+    win.chats.refresh()
     chats = win.conversation_list
     assert chats.headings() == ["Today", "Yesterday", "Previous 7 days", "Older"]
     assert [i.text() for i in chats.chat_items()] == ["Now", "Yesterday's", "Last week", "Old plan"]

@@ -106,7 +106,7 @@ def test_a_connection_added_in_the_app_chats_stops_regenerates_and_edits(qtbot, 
     regenerate = qml_items(win, "regenerate")[0]
     hover(qtbot, win, regenerate)
     qml_click(qtbot, win, regenerate)
-    qtbot.waitUntil(lambda: win.send_button.isEnabled() and win.reply_id is None, timeout=60000)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and win.replies.reply_id is None, timeout=60000)
     again = store.messages(win.conversation_id)
     assert len(again) == 2 and again[1].content == reply.content
     assert again[1].stats["cached_tokens"] >= reply.stats["prompt_tokens"] - 16  # all but the last block
@@ -140,7 +140,7 @@ def test_personas_hit_the_servers_cache_and_the_memory_panel_shows_the_servers_f
     choose(qtbot, win.connection_box, "lab")
     qtbot.waitUntil(lambda: bridge.server is not None and not bridge.switching, timeout=30000)
     ada = store.add_persona("Ada", PERSONA)
-    win.reload_personas(select=ada)
+    win.personas.reload(select=ada)
     replies = []
     for question in ("What is 2 + 2?", "What is a prime number?"):
         qtbot.mouseClick(win.new_button, Qt.LeftButton)
@@ -200,8 +200,8 @@ def test_a_server_without_cached_counts_says_not_reported(qtbot, app_parts):
         "prompt_tokens": 30, "cached_tokens": 0, "generated_tokens": 2, "ttft_ms": 80.0, "decode_tok_s": 20.0,
         "kv_precision": "server", "cached_reported": False})
     assert store.messages(chat)[1].token_ids is None  # -1 ids never reach the store
-    win.refresh_conversations()
-    win.open_conversation(chat)
+    win.chats.refresh()
+    win.chats.open(chat)
     shown(qtbot, win)
     assert last_stats(win) == ["TTFT 80 ms · 20.0 tok/s · 30 prompt tokens, cached: not reported · on the server"]
 

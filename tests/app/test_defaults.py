@@ -1,5 +1,7 @@
 """Defaults from the model (issue 10, deliverable 6): sampling from generation_config.json or the
 fallbacks, a reply stopped when it loops, the settings estimate capped at the trained context."""
+from types import SimpleNamespace
+
 from PySide6.QtCore import Qt
 from transformers import GenerationConfig
 
@@ -9,19 +11,24 @@ from kvchat.app.views.main_window import MainWindow
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.store import Store
 from kvchat.core.config import EngineConfig, SamplingParams
-from kvchat.engine.engine import Engine
+from kvchat.engine.engine import Engine, generation_settings
 from kvchat.engine.model.loading import LoadedModel
 
 from qt_helpers import last_stats
 
 
+def own(generation_config) -> dict:
+    """What the engine's ModelReady carries for a model with this generation config."""
+    return generation_settings(SimpleNamespace(generation_config=generation_config))
+
+
 def test_sampling_defaults_come_from_the_models_generation_config():
-    assert model_defaults(GenerationConfig(temperature=0.3, top_p=0.8, repetition_penalty=1.2)) | {} == {
+    assert model_defaults(own(GenerationConfig(temperature=0.3, top_p=0.8, repetition_penalty=1.2))) | {} == {
         "temperature": 0.3, "top_p": 0.8, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.2,
         "max_new_tokens": 1024, "seed": None}
-    assert model_defaults(GenerationConfig(do_sample=False))["temperature"] == 0.0
+    assert model_defaults(own(GenerationConfig(do_sample=False)))["temperature"] == 0.0
     # transformers' own defaults (top_k 50, temperature 1.0) are not the model's: the fallbacks apply
-    fallback = model_defaults(GenerationConfig())
+    fallback = model_defaults(own(GenerationConfig()))
     assert (fallback["temperature"], fallback["top_p"], fallback["top_k"], fallback["repetition_penalty"],
             fallback["max_new_tokens"]) == (0.7, 0.9, 0, 1.1, 1024)
 
@@ -32,11 +39,11 @@ def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtb
     win = MainWindow(store, EngineBridge(engine))
     qtbot.addWidget(win)
     try:
-        qtbot.waitUntil(lambda: win.model_config is not None, timeout=60000)
+        qtbot.waitUntil(lambda: win.models.config is not None, timeout=60000)
         qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)  # the planner needs the memory
-        expected = model_defaults(shared.model.generation_config)
+        expected = model_defaults(own(shared.model.generation_config))
         assert vars(win.sampling) | {"stop": [], "ignore_eos": False} == vars(SamplingParams(**expected))
-        dialog = win.settings_dialog()
+        dialog = win.models.settings_dialog()
         qtbot.addWidget(dialog)
         assert dialog.max_new.value() == 1024 and dialog.repetition.value() == expected["repetition_penalty"]
         # the starter was trained on 8,192 tokens: no precision is offered more, and more warns
@@ -45,7 +52,7 @@ def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtb
         dialog.context.setValue(16384)
         assert not dialog.warning.isHidden() and "8,192 this model was trained on" in dialog.warning.text()
         dialog.temperature.setValue(0.2)
-        win.apply_settings(dialog)
+        win.models.apply_settings(dialog)
         assert store.setting("sampling")["temperature"] == 0.2
     finally:
         engine.close()
@@ -53,7 +60,7 @@ def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtb
                                                   persona_store=None)))
     qtbot.addWidget(again)
     try:
-        qtbot.waitUntil(lambda: again.model_config is not None, timeout=60000)
+        qtbot.waitUntil(lambda: again.models.config is not None, timeout=60000)
         assert again.sampling.temperature == 0.2  # the user's choice outlives the model's defaults
     finally:
         again.bridge.engine.close()

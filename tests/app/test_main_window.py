@@ -4,7 +4,8 @@ import json
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
-from kvchat.app.views.main_window import WAITING_NOTE, MainWindow
+from kvchat.app.controllers.replies import WAITING_NOTE
+from kvchat.app.views.main_window import MainWindow
 from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.app.store import Store
 from kvchat.core.config import SamplingParams
@@ -40,20 +41,20 @@ def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, app_parts):
 def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, monkeypatch):
     """The periodic save lags the screen; at quit the event loop has stopped, so the engine's
     cancelled end never reaches the window: main.run saves what was shown before closing it."""
-    from kvchat.app.views import main_window
+    from kvchat.app.controllers import replies
 
     win, store, bridge, _ = app_parts
-    monkeypatch.setattr(main_window, "SAVE_EVERY_S", 3600.0)  # the last periodic save: the empty start
+    monkeypatch.setattr(replies, "SAVE_EVERY_S", 3600.0)  # the last periodic save: the empty start
     win.sampling = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
     shown_tokens = []
     bridge.token.connect(lambda text, tid: shown_tokens.append(text))
     win.input.setPlainText("Write a very long story.")
     qtbot.keyClick(win.input, Qt.Key_Return)
     qtbot.waitUntil(lambda: len(shown_tokens) >= 5, timeout=60000)
-    qtbot.waitUntil(lambda: win.reply_text in win.chat_view.toPlainText(), timeout=5000)
-    seen = win.reply_text  # no event is delivered from here on, as once the loop has stopped at quit
+    qtbot.waitUntil(lambda: win.replies.text in win.chat_view.toPlainText(), timeout=5000)
+    seen = win.replies.text  # no event is delivered from here on, as once the loop has stopped at quit
     win.close()
-    win.save_reply_so_far()  # what main.run does once app.exec() returns
+    win.replies.save_so_far()  # what main.run does once app.exec() returns
     reply = store.messages(win.conversation_id)[-1]
     assert reply.interrupted and reply.content == seen and len(reply.token_ids) >= 5
 
@@ -63,7 +64,7 @@ def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot
     chat says so under the reply, and Stop does not wait for the compile to end."""
     import time
 
-    from kvchat.app.views.main_window import WARMING_NOTE
+    from kvchat.app.controllers.replies import WARMING_NOTE
     from kvchat.engine.engine import Engine
 
     def compiling(engine):  # the engine's warm-up as the user sees it (its notices: test_decode_step)
@@ -105,7 +106,7 @@ def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     win, store, _, _ = app_parts
     send(qtbot, win, "Name a color.")
     first = store.messages(win.conversation_id)[-1]
-    win.regenerate()
+    win.replies.regenerate()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
     messages = store.messages(win.conversation_id)
     assert len(messages) == 2 and messages[-1].content == first.content  # greedy: the same reply again
@@ -119,7 +120,7 @@ def test_regenerate_replaces_the_last_reply_and_edit_resends(qtbot, app_parts):
     qml_click(qtbot, win, edit)
     assert win.input.toPlainText() == "Name a color." and win.send_button.text() == "Resend"
     win.escape()  # cancels the edit
-    assert win.editing is None and not win.input.toPlainText() and win.send_button.text() == "Send"
+    assert win.replies.editing is None and not win.input.toPlainText() and win.send_button.text() == "Send"
     qml_click(qtbot, win, qml_items(win, "editMessage")[0])
     send(qtbot, win, "Name a fruit.")
     messages = store.messages(win.conversation_id)
@@ -149,7 +150,7 @@ def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, ap
     win, store, bridge, tmp_path = app_parts
     send(qtbot, win, "Remember me")
     win.input.setPlainText("   ")
-    win.send()
+    win.replies.send()
     assert len(store.messages(win.conversation_id)) == 2
     win.close()
     again = MainWindow(Store(tmp_path / "chat.db"), bridge)  # a new connection, as after a restart
@@ -164,7 +165,7 @@ def test_conversations_survive_a_restart_and_empty_input_sends_nothing(qtbot, ap
 def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, app_parts):
     win, store, bridge, _ = app_parts
     qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=10000)
-    dialog = win.settings_dialog()
+    dialog = win.models.settings_dialog()
     qtbot.addWidget(dialog)
     assert "Auto would pick: fp16" in dialog.estimate.text()
     dialog.context.setValue(1_000_000)  # 1M tokens x 23 KB at fp16 is more than this machine's RAM
@@ -175,7 +176,7 @@ def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, app_part
     dialog.temperature.setValue(0.0)
     model = bridge.engine.loaded.model
     with qtbot.waitSignal(bridge.reconfigured, timeout=60000):
-        win.apply_settings(dialog)
+        win.models.apply_settings(dialog)
     assert bridge.engine.precision.value == "int4" and bridge.engine.config.max_context == 4096
     assert bridge.engine.loaded.model is model and win.sampling.temperature == 0.0
     assert bridge.engine.config.headroom_bytes == 1 << 29
@@ -187,7 +188,7 @@ def test_code_blocks_show_their_language_and_copy(qtbot, app_parts):
 
     win, store, _, _ = app_parts
     shown(qtbot, win)
-    win.new_conversation()
+    win.chats.new()
     store.add_message(win.conversation_id, "user", "Show me code\nin Python")
     store.add_message(win.conversation_id, "assistant", "Here:\n\n```python\ndef f():\n    return 1\n```\n\n"
                                                          "# not a title\n\nDone.")
@@ -208,7 +209,7 @@ def test_a_long_code_line_wraps_inside_its_block(qtbot, app_parts):
     """It ran past the block's right edge (a <pre> does not wrap)."""
     win, store, _, _ = app_parts
     shown(qtbot, win)
-    win.new_conversation()
+    win.chats.new()
     store.add_message(win.conversation_id, "user", "code")
     line = "x = 1  # " + "a long comment " * 30
     store.add_message(win.conversation_id, "assistant", f"```python\n{line}\n```")
@@ -222,25 +223,25 @@ def test_a_long_code_line_wraps_inside_its_block(qtbot, app_parts):
 
 def test_persona_editor_and_export(qtbot, app_parts, tmp_path):
     win, store, _, _ = app_parts
-    win.save_persona(None, "Pirate", "You talk like a pirate.")
+    win.personas.save(None, "Pirate", "You talk like a pirate.")
     assert win.persona_box.currentText() == "Pirate"
-    win.save_persona(None, "Pirate", "duplicate name")  # refused with a message, nothing lost
+    win.personas.save(None, "Pirate", "duplicate name")  # refused with a message, nothing lost
     assert [p["name"] for p in store.personas()].count("Pirate") == 1
     assert "Could not save" in win.notice_label.text()
     send(qtbot, win, "Hello")
-    win.export_to(tmp_path / "chat.md")
-    win.export_to(tmp_path / "chat.json")
+    win.chats.export_to(tmp_path / "chat.md")
+    win.chats.export_to(tmp_path / "chat.json")
     assert "You talk like a pirate." in (tmp_path / "chat.md").read_text()
     assert json.loads((tmp_path / "chat.json").read_text())["persona"]["name"] == "Pirate"
 
 
 def test_an_unreadable_model_path_says_why_and_the_last_model_comes_back(qtbot, app_parts):
     win, store, bridge, tmp_path = app_parts
-    dialog = win.settings_dialog()
+    dialog = win.models.settings_dialog()
     qtbot.addWidget(dialog)
     dialog.model.setText(str(tmp_path / "no-such-model"))
     with qtbot.waitSignal(bridge.load_failed, timeout=60000) as failed:
-        win.apply_settings(dialog)
+        win.models.apply_settings(dialog)
     assert "no such model" in failed.args[0]
     back_on_the_starter(qtbot, bridge, store)
     qtbot.waitUntil(lambda: win.load_bar.isHidden(), timeout=10000)
@@ -264,10 +265,10 @@ def test_a_download_shows_progress_and_can_be_cancelled(qtbot, app_parts, monkey
         raise AssertionError("the download was not cancelled")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", slow_snapshot)
-    dialog = win.settings_dialog()
+    dialog = win.models.settings_dialog()
     qtbot.addWidget(dialog)
     dialog.model.setText("org/tiny")
-    win.apply_settings(dialog)
+    win.models.apply_settings(dialog)
     assert not win.load_bar.isHidden() and not win.cancel_load_button.isHidden()
     qtbot.waitUntil(lambda: win.load_bar.maximum() == 1000 and win.load_bar.value() > 0, timeout=30000)
     assert "/ 3.00 GB" in win.load_bar.format()
@@ -322,7 +323,7 @@ def test_delete_asks_with_the_chats_title_and_deletes_only_on_yes(qtbot, app_par
     kept = store.create_conversation("Keep me")
     doomed = store.create_conversation("Trip to Lisbon")
     store.add_message(doomed, "user", "Plan three days in Lisbon")
-    win.refresh_conversations()
+    win.chats.refresh()
     click_chat(qtbot, win, "Trip to Lisbon")
     assert "Plan three days in Lisbon" in win.chat_view.toPlainText()
     with answering(QMessageBox, press(QMessageBox.Cancel)) as asked:
@@ -491,6 +492,7 @@ def test_an_engine_that_cannot_be_made_is_reported_like_a_failed_load(qtbot, tmp
 def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monkeypatch):
     from kvchat.app import main
     from kvchat.app.controllers.engine_starter import EngineStarter
+    from kvchat.app.controllers.replies import ReplyController
 
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     order = []
@@ -504,7 +506,7 @@ def test_launch_shows_the_window_before_making_the_engine(qtbot, tmp_path, monke
         return 0
 
     monkeypatch.setattr(QApplication, "exec", event_loop)
-    monkeypatch.setattr(MainWindow, "save_reply_so_far", lambda self: order.append("saved"))
+    monkeypatch.setattr(ReplyController, "save_so_far", lambda self: order.append("saved"))
     assert main.run(local_engine) == 0
     assert order == [True, "saved"]  # one engine, made once the window was on screen; the reply saved at quit
 
@@ -525,7 +527,7 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     seen = []  # what the user sees after each progress event (the window's slot runs first)
     bridge.load_progress.connect(lambda *_: seen.append((win.load_bar.value(), win.load_bar.maximum(),
                                                          win.load_bar.text(), win.precision_label.text())))
-    win.load_model({"model": str(model)}, previous=None)
+    win.models.load_model({"model": str(model)}, previous=None)
     qtbot.waitUntil(lambda: not bridge.switching, timeout=150000)
     assert bridge.load_error is None
     busy = [label for _, maximum, text, label in seen if maximum == 0]
@@ -550,7 +552,7 @@ def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
     """At 1000 px the chips' minimum held the window at 1056 px and, forced narrower, the badge was
     cut ("warm (in memo"): now the KV and context chips give way, and come back when there is room."""
     win, _, _, _ = app_parts
-    win.badge_asker.answered.emit(win.persona_box.currentData(), "warm")  # the longest state the engine gives
+    win.personas.asker.answered.emit(win.persona_box.currentData(), "warm")  # the longest state the engine gives
     assert win.persona_badge.text() == "warm (in memory)"
     win.resize(1000, 700)
     qtbot.waitUntil(lambda: win.width() == 1000 and win.kv_chip.isHidden() and win.context_chip.isHidden())
@@ -585,7 +587,7 @@ def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_pat
         folder = tmp_path / "models"
         folder.mkdir()
         (folder / "smollm2.gguf").symlink_to(starter_path())
-        library = win.model_library(roots=[(folder, "here")])
+        library = win.models.library(roots=[(folder, "here")])
         qtbot.addWidget(library)
         library.show()
         qtbot.waitUntil(lambda: library.table.rowCount() == 1, timeout=30000)
@@ -599,7 +601,7 @@ def test_the_load_bar_stays_put_while_the_stage_beside_it_changes(qtbot, app_par
     """The stage label's text grows and shrinks from stage to stage; the bar must not jump sideways."""
     win, _, bridge, _ = app_parts
     win.show()
-    win.set_loading(True)
+    win.models.set_loading(True)
     edges = []
     for done, total, stage in ((0, 0, "read"), (0, 0, "tokenizer"), (0, 0, "model"), (5, 272, "convert"),
                                (272, 272, "convert"), (9, 272, "weights")):

@@ -24,7 +24,7 @@ def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts,
     hub.mkdir(parents=True)
     (hub / "config.json").write_text(json.dumps(HUGE))
     (hub / "model.safetensors").write_bytes(b"\0" * 1024)
-    library = win.model_library(roots=[(tmp_path / "hub", "hub cache"), (tmp_path / "lmstudio", "LM Studio")])
+    library = win.models.library(roots=[(tmp_path / "hub", "hub cache"), (tmp_path / "lmstudio", "LM Studio")])
     qtbot.addWidget(library)
     library.show()
     qtbot.waitUntil(lambda: library.table.rowCount() == 2, timeout=30000)
@@ -71,7 +71,7 @@ def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, app_pa
 
     win, store, bridge, _ = app_parts
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_snapshot(tmp_path, tokenizer, chunks=5, pause=0.2))
-    library = win.model_library(roots=[(tmp_path / "empty", "hub cache")])
+    library = win.models.library(roots=[(tmp_path / "empty", "hub cache")])
     qtbot.addWidget(library)
     shown(qtbot, library)
     qtbot.waitUntil(lambda: "No models found" in library.status.text(), timeout=30000)

@@ -80,6 +80,6 @@ def run(local_engine) -> int:
     window.show()
     FirstFrame(window, engine.start)
     code = app.exec()
-    window.save_reply_so_far()
+    window.replies.save_so_far()
     window.bridge.engine.close()
     return code

@@ -113,18 +113,18 @@ def measure(messages: int, tokens: int, interval_s: float, size=(1100, 720)) -> 
         win = MainWindow(store, bridge, SamplingParams(max_new_tokens=tokens))
         win.resize(*size)
         win.show()
-        win.open_conversation(cid)
+        win.chats.open(cid)
         settle(app, 0.5)
         win.input.setPlainText("One more question, please.")
         cpu, wall = time.thread_time(), time.perf_counter()
-        win.send()
+        win.replies.send()
         loop = QEventLoop()
         poll = QTimer(interval=5)
         poll.timeout.connect(lambda: bridge.done.is_set() and not bridge.busy and loop.quit())
         poll.start()
         loop.exec()
         poll.stop()
-        settle(app, 2 * win.render_timer.interval() / 1000)  # the last render
+        settle(app, 2 * win.replies.render_timer.interval() / 1000)  # the last render
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
         rows = win.chat_view.model.rowCount()
         streamed = win.chat_view.model.rows[-1]["content"]

@@ -70,6 +70,7 @@ class ModelReady:
     label: str
     settings: dict
     model_config: object = None
+    generation: dict = field(default_factory=dict)  # the model's generation_config.json, as its authors set it
 
 
 @dataclass
@@ -86,7 +87,7 @@ class LoadFailed:
 
 @dataclass
 class Reconfigured:
-    settings: dict  # kv_precision, max_context, kv_budget as applied
+    settings: dict  # the engine's config as applied (Engine.settings), and kv_budget
 
 
 @dataclass

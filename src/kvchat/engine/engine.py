@@ -244,7 +244,8 @@ class Engine:
             self.load_error = None
             settings = self.settings()
             command.future.set_result(settings)
-            self._announce(ModelReady(self.loaded.source.label, settings, self.loaded.model.config))
+            self._announce(ModelReady(self.loaded.source.label, settings, self.loaded.model.config,
+                                      generation_settings(self.loaded.model)))
         finally:
             if not self._superseded(command.seq):  # else the newer load sets it when it ends
                 self._model_seq = command.seq
@@ -528,7 +529,7 @@ class Engine:
             pool.pool.clear_cache()  # lossy blocks must not pass for full-precision ones
         self.config, self.auto = new_cfg, new_cfg.kv_precision == Precision.AUTO
         self._next_snapshot = 0.0
-        return {"kv_precision": precision.value, "max_context": new_cfg.max_context, "kv_budget": budget}
+        return {**self.settings(), "kv_budget": budget}  # the whole config: the app shows it as it is
 
     def _notice(self, kind: str, message: str) -> None:
         notice = Notice(kind, message)
@@ -777,3 +778,10 @@ def eos_token_ids(lm: LoadedModel) -> set[int]:
     if lm.tokenizer.eos_token_id is not None:
         ids.add(lm.tokenizer.eos_token_id)
     return ids
+
+
+def generation_settings(model) -> dict:
+    """What the model's authors set in its generation_config.json (``to_diff_dict``: transformers'
+    own defaults, e.g. top_k 50, say nothing about this model), as plain values for the app."""
+    config = getattr(model, "generation_config", None)
+    return config.to_diff_dict() if config is not None else {}

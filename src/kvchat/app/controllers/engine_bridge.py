@@ -1,5 +1,5 @@
 """The backend as Qt signals: one QObject adapter over the backend in use, the local engine or a
-connection to a server (engine/backend.py); the window never asks which one it has.
+connection to a server (core/backend.py); the window never asks which one it has.
 
 Every engine event, and the end of every command, reaches the GUI thread as one queued signal;
 there, and only there, the bridge updates its state (busy, loading, the settings in force) and
@@ -72,6 +72,7 @@ class EngineBridge(QObject):
         self.settings: dict = {}  # the engine's config as last reported (model, max_context, kv_precision...)
         self.precision: str | None = None  # the KV precision in force
         self.model_config = None  # the loaded model's own config (the settings dialog's planner)
+        self.model_generation: dict = {}  # the model's generation_config.json: its authors' sampling defaults
         self.load_error: str | None = None  # why no model is loaded, when none is
         self.label = ""  # the model's name as the backend gives it
         self._delivered.connect(self._on_delivered, Qt.QueuedConnection)
@@ -149,9 +150,19 @@ class EngineBridge(QObject):
         self._generation += 1
         self.switching, self.load_error, self.settings = True, None, {}
         self.precision = self.model_config = None
+        self.model_generation = {}
         self.label = ""
         self._listen()
         threading.Thread(target=old.close, name="kvchat-close-backend", daemon=True).start()
+
+    def current_settings(self, saved: dict) -> dict:
+        """The settings panel's values in force: the engine's config as its last event gave it, over
+        the ``saved`` ones (which the engine starts from, and which stand until it has said)."""
+        config, now = settings_config(saved), self.settings
+        return {"model": "starter", "weights": "auto", **saved,
+                "max_context": now.get("max_context", config.max_context),
+                "kv_precision": now.get("kv_precision", config.kv_precision.value),
+                "headroom_gib": now.get("headroom_bytes", config.headroom_bytes) / GiB}
 
     def cancel_load(self) -> None:
         self.engine.cancel_load()
@@ -198,6 +209,7 @@ class EngineBridge(QObject):
         if isinstance(item, ModelReady):
             self.switching, self.load_error = False, None
             self.settings, self.model_config, self.label = item.settings, item.model_config, item.label
+            self.model_generation = item.generation
             self.precision = item.settings.get("precision")
             self.ready.emit()
         elif isinstance(item, LoadFailed):
@@ -239,7 +251,6 @@ class EngineBridge(QObject):
         except Exception as e:
             self.failed.emit(str(e))
             return
-        self.settings = {**self.settings, "kv_precision": result["kv_precision"],
-                         "max_context": result["max_context"]}
-        self.precision = result["kv_precision"]
+        self.settings = {**self.settings, **result}
+        self.precision = result.get("precision", result["kv_precision"])
         self.reconfigured.emit(result)

@@ -5,11 +5,11 @@ FALLBACK = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetit
 FROM_MODEL = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
-def model_defaults(generation_config) -> dict:
-    """Only the values the model's authors set count (``to_diff_dict``: transformers' own defaults,
-    e.g. top_k 50, say nothing about this model). A model that asks for greedy decoding gets it."""
+def model_defaults(generation: dict | None) -> dict:
+    """``generation``: what the model's authors set (ModelReady.generation), nothing of transformers'
+    own defaults. A model that asks for greedy decoding gets it."""
     out = dict(FALLBACK)
-    chosen = generation_config.to_diff_dict() if generation_config is not None else {}
+    chosen = generation or {}
     for key in FROM_MODEL:
         value = chosen.get(key)
         if value is not None:

@@ -1,0 +1,87 @@
+"""The sidebar's chats: list, search, new, open, rename, delete, export. The open chat is the window's
+``conversation_id``; everything is saved in the store at once."""
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Qt
+from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
+
+STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
+
+
+class ConversationController(QObject):
+    """A child of the window: the bridge's signals stop reaching it when the window goes."""
+
+    def __init__(self, win):
+        super().__init__(win)
+        self.win, self.store = win, win.store
+
+    def refresh(self) -> None:
+        self.win.conversation_list.fill(self.store.conversations(self.win.search.text()), self.win.conversation_id)
+
+    def new(self) -> int:
+        """A new chat, or the open one if it has no message yet: clicking twice makes one, not two
+        empty chats that outlive a restart."""
+        win = self.win
+        win.replies.stop_editing()
+        if win.conversation_id is not None and not self.store.messages(win.conversation_id):
+            win.input.setFocus()
+            return win.conversation_id
+        win.conversation_id = self.store.create_conversation("New chat", win.persona_box.currentData())
+        self.refresh()
+        win.render_chat()
+        win.input.setFocus()
+        return win.conversation_id
+
+    def open(self, conversation_id: int) -> None:
+        win = self.win
+        win.replies.stop_editing()
+        win.conversation_id = conversation_id
+        win.personas.show(self.store.conversation(conversation_id)["persona_id"])
+        win.render_chat()
+
+    def on_select(self, item, _previous) -> None:
+        # the view follows the highlight even while a reply streams (into its own chat), so the list and
+        # the view never name different chats
+        if item is not None and item.data(Qt.UserRole) is not None:
+            self.open(item.data(Qt.UserRole))
+
+    def rename(self) -> None:
+        cid = self.win.conversation_id
+        if cid is None:
+            return
+        title, ok = QInputDialog.getText(self.win, "Rename chat", "Title:", text=self.store.conversation(cid)["title"])
+        if ok:
+            self.store.rename_conversation(cid, title)
+            self.refresh()
+
+    def delete(self) -> None:
+        """Deletes the open chat, the one in view, after a confirmation that names it. No parameter:
+        the button's clicked(bool) must have nothing to fill."""
+        win, doomed = self.win, self.win.conversation_id
+        if doomed is None:
+            return
+        if doomed == win.replies.conversation:
+            win.notify(STREAMING_NOTICE)
+            return
+        title = self.store.conversation(doomed)["title"]
+        if QMessageBox.question(win, "Delete chat", f"Delete “{title}” for good?",
+                                QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
+            return
+        self.store.delete_conversation(doomed)
+        if win.replies.waiting == doomed:
+            win.replies.waiting = None
+        win.conversation_id = None
+        self.refresh()
+        win.render_chat()
+
+    def export_dialog(self) -> None:
+        if self.win.conversation_id is None:
+            return
+        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
+        if path:
+            self.export_to(Path(path))
+
+    def export_to(self, path: Path) -> None:
+        export = self.store.export_json if path.suffix == ".json" else self.store.export_markdown
+        path.write_text(export(self.win.conversation_id), encoding="utf-8")
+        self.win.notify(f"exported to {path}")

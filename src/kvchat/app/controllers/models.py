@@ -1,0 +1,231 @@
+"""Which model answers, and how: the settings panel, the model library, loading and switching models,
+connections to servers, and what the top bar and status bar say about them. Everything it knows of
+the engine comes from the bridge's state, which the engine's events set."""
+from PySide6.QtCore import QObject
+
+from kvchat.core.config import SamplingParams
+from kvchat.core.memory import GiB, plan
+
+from kvchat.app.models.sampling_defaults import model_defaults
+from kvchat.app.views.model_library import ModelLibrary
+from kvchat.app.views.settings_dialog import SettingsDialog, trained_context
+from kvchat.app.views.top_bar import model_name, size_label
+
+# a GGUF's first conversion before its tensors count (the starter: ~2.5 s, ~1.3 s, ~1.9 s)
+BUSY_STAGES = {"read": "reading GGUF file…", "tokenizer": "converting GGUF: the tokenizer…",
+               "model": "converting GGUF: building the model…"}
+COUNTED_STAGES = {"convert": "converting GGUF", "weights": "loading weights"}
+LIVE = ("max_context", "kv_precision", "headroom_gib")  # applied without reloading the model
+
+
+class ModelController(QObject):
+    """A child of the window: the bridge's signals stop reaching it when the window goes."""
+
+    def __init__(self, win):
+        super().__init__(win)
+        self.win, self.store, self.bridge = win, win.store, win.bridge
+        self.previous: dict | None = None  # the settings to go back to if a new model fails
+        self.pending: dict | None = None  # saved once they load: a failed model is never saved
+        self.config = None  # the loaded model's config and name, as its ModelReady gave them
+        self.label = ""
+
+    def engine_settings(self) -> dict:
+        return self.bridge.current_settings(self.store.setting("engine") or {})
+
+    def memory(self) -> int | None:
+        snap = self.win.gauge.snapshot
+        return snap["total"] - snap["other_processes"] if snap else None
+
+    def on_cuda(self) -> bool:
+        snap = self.win.gauge.snapshot
+        return bool(snap and not snap["on_cpu"])
+
+    # -- settings --
+
+    def settings_dialog(self) -> SettingsDialog:
+        current = self.engine_settings() if self.bridge.server is None else self.store.setting("engine") or {}
+        return SettingsDialog(self.win, current, vars(self.win.sampling), self.config, self.memory(),
+                              on_cuda=self.on_cuda(), server=self.bridge.server)
+
+    def open_settings(self, focus: str | None = None) -> None:
+        dialog = self.settings_dialog()
+        if focus:
+            dialog.focus_on(focus)
+        if dialog.exec():
+            self.apply_settings(dialog)
+
+    def apply_settings(self, dialog: SettingsDialog) -> None:
+        """Sampling applies to the next reply; context, precision and headroom without reloading the
+        model; a different model or weight format loads at once."""
+        try:
+            self.win.sampling = SamplingParams(**dialog.sampling())
+        except ValueError as e:
+            self.win.show_error(str(e))
+            return
+        self.store.set_setting("sampling", dialog.sampling())
+        self.win.sampling_from_model = False
+        if self.bridge.server is not None:  # the server's model, context and precision are its own
+            return
+        wanted, now = dialog.engine_settings(), self.engine_settings()
+        failed = self.bridge.load_error is not None
+        if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]) or failed:
+            # saved by on_ready; after a failed start there is no working model to go back to
+            self.load_model(wanted, previous=None if failed else now)
+            return
+        self.store.set_setting("engine", wanted)
+        if any(wanted[k] != now[k] for k in LIVE):
+            self.bridge.reconfigure(*(wanted[k] for k in LIVE))
+
+    # -- loading a model --
+
+    def library(self, roots=None) -> ModelLibrary:
+        library = ModelLibrary(self.win, self.store.setting("model_folders") or [], self.memory(), self.on_cuda(), roots)
+        library.chosen.connect(self.load_from_library)
+        library.finished.connect(lambda _: self.store.set_setting("model_folders", library.folders))
+        return library
+
+    def load_from_library(self, path: str) -> None:
+        """Like choosing the model in Settings: saved only once it has loaded. On a connection, the
+        app comes back to this computer with that model."""
+        if self.bridge.server is not None:
+            self.use_connection(None, {**(self.store.setting("engine") or {}), "model": path})
+            return
+        now = self.engine_settings()
+        self.load_model({**now, "model": path}, previous=None if self.bridge.load_error else now)
+
+    def load_model(self, settings: dict, previous: dict | None) -> None:
+        """Load ``settings`` in the engine; the chat waits, the window does not."""
+        if self.bridge.busy:
+            self.bridge.stop()
+        self.previous, self.pending = previous, settings
+        self.set_loading(True)
+        self.win.notify(f"loading {settings.get('model', 'starter')}...")
+        self.bridge.switch_model(settings)
+
+    def use_connection(self, name: str | None, local_settings: dict | None = None) -> None:
+        """Run on the saved connection ``name``, or on this computer (None) with ``local_settings``
+        (default: the saved ones). A streaming reply stops and keeps what it had."""
+        self.store.set_setting("connection", name)
+        self.win.connection_box.fill(name)
+        self.previous = self.pending = None
+        self.config = None
+        self.set_loading(True, f"connecting to {name}" if name else "loading model")
+        self.win.notify(f"connecting to {name}..." if name else "back on this computer: loading the model...")
+        if name:
+            self.bridge.use_connection(name)
+        else:
+            self.pending = local_settings
+            self.bridge.use_local(local_settings or self.store.setting("engine") or {})
+
+    def set_loading(self, loading: bool, what: str = "loading model") -> None:
+        win = self.win
+        win.load_bar.setVisible(loading)
+        win.cancel_load_button.setVisible(loading and not what.startswith("connecting"))  # nothing loads there
+        if loading:
+            win.load_bar.setRange(0, 0)
+            win.load_bar.setFormat(what)
+            win.precision_label.setText(f"{what}...")
+            win.model_chip.setText("connecting…" if what.startswith("connecting") else "loading…")
+
+    def on_load_progress(self, done: int, total: int, stage: str = "download") -> None:
+        """A download in bytes; a GGUF's first conversion in its stages, the tensors counted; then the
+        weights, tensor by tensor. A busy bar draws no text: the label beside it names the stage."""
+        bar, label = self.win.load_bar, self.win.precision_label
+        if stage in BUSY_STAGES:
+            bar.setRange(0, 0)
+            label.setText(BUSY_STAGES[stage])
+            return
+        if total <= 0:
+            return
+        if stage in COUNTED_STAGES:
+            what = COUNTED_STAGES[stage]
+            bar.setRange(0, total)
+            bar.setValue(done)
+            bar.setFormat(f"{what}: tensor {done} of {total}")
+            label.setText(f"{what}…")
+            return
+        bar.setRange(0, 1000)
+        bar.setValue(int(1000 * done / total))
+        bar.setFormat(f"{done / 1e9:.2f} / {total / 1e9:.2f} GB")
+        label.setText("downloading…")
+
+    def on_ready(self) -> None:
+        win, bridge = self.win, self.bridge
+        self.set_loading(False)
+        if self.pending is not None:  # it loaded: now it is the setting
+            self.store.set_setting("engine", self.pending)
+        self.previous = self.pending = None
+        self.config, self.label = bridge.model_config, bridge.label
+        if win.sampling_from_model:  # the model's own sampling defaults; a server's model has none here
+            win.sampling = SamplingParams(**model_defaults(bridge.model_generation))
+        server = bridge.server
+        win.precision_label.setText(f"on {bridge.settings['host']}" if server else f"KV {bridge.precision}")
+        if server:
+            win.memory_panel.show_server(None, server)
+        win.chat_view.actions.set_where(f"Replies come from {bridge.settings['host']}: what you type is sent "
+                                        "there." if server else win.chat_view.actions.LOCAL_NOTE)
+        self.update_chips()
+        win.personas.update_badge()
+        win.notify(f"connected: {bridge.settings['model']} at {server}" if server else
+                   f"model ready: {(self.store.setting('engine') or {}).get('model', 'starter')}")
+        win.replies.answer_waiting()
+
+    def update_chips(self) -> None:
+        win, bridge = self.win, self.bridge
+        win.top_bar.allow(win.context_chip, bridge.server is None)
+        if bridge.server is not None:  # the model and its cache are the server's: the chip names them
+            win.model_chip.setText(model_name(bridge.settings["model"]))
+            win.model_chip.setToolTip(f"{bridge.settings['model']} at {bridge.server}, the connection's model")
+            win.kv_chip.setText("KV on the server")
+            return
+        win.model_chip.setToolTip("The model: click to change it")
+        if self.config is None:
+            return
+        now = self.engine_settings()
+        parts = [model_name(self.label), size_label(self.config), f"weights {now['weights']}"]
+        win.model_chip.setText(" · ".join(p for p in parts if p))
+        win.context_chip.setText(f"{now['max_context']:,} ctx")
+        win.kv_chip.setText(f"KV {now['kv_precision']}")
+
+    def on_load_failed(self, message: str) -> None:
+        """Say why; after a failed switch, load the model that worked again (its setting was never
+        replaced). With none to go back to (the saved model fails at launch), say so and stay there."""
+        win = self.win
+        self.set_loading(False)
+        previous, self.previous, self.pending = self.previous, None, None
+        if previous is not None and self.bridge.load_error is None:
+            # the engine brought the previous model back itself: it is the setting again
+            win.show_error(f"The model could not be loaded: {message}")
+            self.store.set_setting("engine", previous)
+            self.update_chips()
+            win.personas.update_badge()
+            win.notify(f"model ready: {previous.get('model', 'starter')} (back after the failed load)")
+            win.replies.answer_waiting()
+        elif previous is not None:
+            win.show_error(f"The model could not be loaded: {message}")
+            self.load_model(previous, previous=None)
+        elif self.store.setting("connection"):
+            win.precision_label.setText("not connected")
+            win.model_chip.setText("not connected")
+            win.show_error(f"Could not use the connection {self.store.setting('connection')}: {message}. "
+                           "Edit it, or choose another one or this computer in the box at the top.")
+        else:
+            win.precision_label.setText("no model loaded")
+            win.model_chip.setText("no model")
+            win.show_error(f"The model could not be loaded: {message}. Choose another one in Settings.")
+
+    def on_snapshot(self, snapshot: dict) -> None:
+        win = self.win
+        win.memory_panel.show_snapshot(snapshot)
+        where = " · on the CPU" if snapshot["on_cpu"] else ""
+        win.precision_label.setText(f"KV {snapshot['precision']}{where}")
+        win.kv_chip.setText(f"KV {snapshot['precision']}")
+        if self.config is not None:
+            p = plan(self.config, snapshot["total"] - snapshot["other_processes"], 4096,
+                     weights_size=snapshot["weights"], headroom=int(self.engine_settings()["headroom_gib"] * GiB),
+                     kv_full_bytes=4 if snapshot["on_cpu"] else 2)
+            win.memory_panel.show_contexts(p.max_context, trained_context(self.config))
+
+    def on_server_memory(self, memory: dict) -> None:
+        if self.bridge.server is not None:
+            self.win.memory_panel.show_server(memory, self.bridge.server)
