@@ -67,3 +67,27 @@ def test_trimming_drops_enough_messages_in_one_go(tokenizer):
     kept_from = len(messages) - (len(shorter) - 1)
     one_more = messages[:1] + messages[kept_from - 2:]  # the last exchange it dropped, back
     assert len(f.encode(one_more).token_ids) > budget
+
+
+def test_the_segment_cache_is_capped_in_bytes_and_answers_the_same(tokenizer):
+    """Distinct long messages, as an API client can send: the cache stays under its byte cap, and a
+    message evicted from it encodes to the same tokens as before."""
+    capped = ChatFormatter(tokenizer, cache_bytes=2 << 20)
+    texts = [f"message {i}: " + "lorem ipsum dolor sit amet " * 1000 for i in range(40)]  # ~27 KB each
+    first = [capped.encode([{"role": "user", "content": t}]).token_ids for t in texts]
+    assert capped.cached_bytes <= 2 << 20 and 1 < len(capped._segments) < 40
+    assert capped.encode([{"role": "user", "content": texts[0]}]).token_ids == first[0]
+    assert first[0] == ChatFormatter(tokenizer).encode([{"role": "user", "content": texts[0]}]).token_ids
+
+
+def test_a_prompt_is_refused_on_its_characters_when_they_alone_exceed_the_context(tokenizer):
+    from kvchat.engine.chat import ChatError
+
+    formatter = ChatFormatter(tokenizer)
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    assert formatter.max_chars(100) == 100 * longest
+    with pytest.raises(ChatError, match="characters, longer than the context of 100 tokens"):
+        formatter.prompt_ids("a" * (100 * longest + 1), 100)
+    with pytest.raises(ChatError, match="tokens, longer than the context of 100"):
+        formatter.prompt_ids("a b " * 100, 100)  # under the character bound, over in tokens
+    assert formatter.prompt_ids("Hello", 100) == tokenizer("Hello")["input_ids"]

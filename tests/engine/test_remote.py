@@ -50,7 +50,7 @@ def wait_server_idle(server, deadline_s=60) -> dict:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         m = metrics(server)
-        if m["kvchat:requests_running"] == 0 and m["kvchat:kv_blocks_in_use"] == 0:
+        if m["kvchat:requests_running"] == 0 and m["kvchat:kv_bytes_in_use"] == 0:
             return m
         time.sleep(0.1)
     raise AssertionError(f"server still busy: {m}")

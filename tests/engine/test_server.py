@@ -362,3 +362,64 @@ def test_fuzzed_requests_never_get_a_5xx_and_leak_nothing(served):
     assert engine.alive and seen["n"] >= FUZZ_EXAMPLES
     assert post(url + "/v1/chat/completions", ask("Hi")).status_code == 200
     print(f"fuzz: {seen['n']} requests, {seen['ok']} answered 2xx, 0 5xx, 0 blocks held after")
+
+
+# -- hostile input that needs no big payload: the bounded checks in order --
+
+def test_models_retrieve_finds_the_model_and_404s_another(client):
+    from openai import NotFoundError
+
+    assert client.models.retrieve("starter").id == "starter"
+    with pytest.raises(NotFoundError, match="no model 'gpt-4'"):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("chat/completions", ask("Name a colour.", top_p=1e-300)),
+    ("completions", {"prompt": "The sky is", "max_tokens": 4, "temperature": 0.7, "top_p": 1e-300}),
+])
+def test_a_tiny_top_p_is_greedy_not_a_500(base_url, endpoint, body):
+    tiny = post(f"{base_url}/{endpoint}", body)
+    greedy = post(f"{base_url}/{endpoint}", {**body, "temperature": 0, "top_p": 1.0})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"] == greedy.json()["choices"]
+
+
+def test_a_declared_oversized_body_is_refused_before_it_is_read(served):
+    host, port = served[0].rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {9 << 20}\r\n\r\n".encode())
+        s.settimeout(30)
+        answer = s.recv(65536)  # no byte of the body sent: the answer comes from the header alone
+        assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:300]
+
+
+def test_a_page_origin_is_refused_before_the_key_is_looked_at(served):
+    r = post(served[0] + "/v1/chat/completions", ask("Hi"), headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = httpx.post(served[0] + "/v1/chat/completions", content=json.dumps(ask("Hi")),
+                   headers={**AUTH, "content-type": "text/plain"})
+    assert r.status_code == 415
+
+
+def test_a_completion_prompt_past_the_context_in_characters_is_refused_untokenized(served, base_url):
+    _, engine, _ = served
+    tokenized = []
+    tokenizer = engine.formatter.tokenizer
+    real = tokenizer.__call__
+
+    class Spy(type(tokenizer)):
+        def __call__(self, text, *a, **kw):
+            tokenized.append(len(text))
+            return real(text, *a, **kw)
+
+    cap = engine.formatter.max_chars(engine.context_limit())
+    tokenizer.__class__ = Spy
+    try:
+        too_long = post(f"{base_url}/completions", {"prompt": "a" * (cap + 1), "max_tokens": 1})
+        fits = post(f"{base_url}/completions", {"prompt": "a b " * 10, "max_tokens": 1})
+    finally:
+        tokenizer.__class__ = Spy.__bases__[0]
+    assert too_long.status_code == 400 and "characters, longer than the context" in too_long.json()["error"]["message"]
+    assert fits.status_code == 200 and tokenized == [40]  # the long one never reached the tokenizer
