@@ -95,3 +95,60 @@ def test_connections_bad_input_is_one_line(tmp_path, args, stdin, message):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvchat: error")]
     assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "config" / "connections.json").exists()
+
+
+def one_error_line(r, message):
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvchat: error")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.fixture(scope="module")
+def taken_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--max-queue", "0"], "--max-queue must be positive"),
+    (["--api-key", ""], "--api-key (or $KVCHAT_API_KEY) is empty"),
+    (["--api-key", "  "], "--api-key (or $KVCHAT_API_KEY) is empty"),
+    (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: not an address"),
+    (["--host", "192.0.2.1"], "cannot serve on 192.0.2.1"),
+    (["--cors-origin", "*"], "--cors-origin takes an origin"),
+    (["--cors-origin", "http://app.example/path"], "--cors-origin takes an origin"),
+    (["--allow-host", ""], "--allow-host takes a host name"),
+    (["--threads", "0"], "threads must be a positive integer"),
+    (["--context", "0"], "--context must be a positive"),
+    (["--model", "/no/such.gguf"], "no such model file or folder"),
+])
+def test_serve_refuses_bad_arguments_in_one_line_before_loading(args, message):
+    one_error_line(kvchat("serve", *args, timeout=60), message)
+
+
+def test_serve_on_a_taken_port_is_one_line(taken_port):
+    one_error_line(kvchat("serve", "--port", str(taken_port), timeout=60), f"cannot serve on 127.0.0.1:{taken_port}")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "decode", "--random-weights", "/nonexistent"], "--random-weights /nonexistent: no such file"),
+    (["eval", "ppl", "--text", "/nonexistent"], "--text /nonexistent: no such file"),
+])
+def test_missing_paths_are_one_line(args, message):
+    one_error_line(kvchat(*args, timeout=60), message)
+
+
+def test_generate_says_what_it_capped_and_takes_a_tiny_top_p(starter):
+    r = kvchat("generate", "--prompt", "Hi", "--max-new-tokens", "3", "--json", "--context", "100000",
+               "--threads", "10000", "--top-p", "1e-300", "--temperature", "0.7")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"--threads 10000 capped at {os.cpu_count()}" in r.stderr
+    assert "--context 100,000 capped at 8,192 tokens" in r.stderr
+    greedy = kvchat("generate", "--prompt", "Hi", "--max-new-tokens", "3", "--json", "--temperature", "0")
+    assert json.loads(r.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]

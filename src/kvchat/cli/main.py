@@ -191,7 +191,7 @@ def check_engine_args(args) -> None:
     model = getattr(args, "model", None)
     if model and not getattr(args, "remote", None) and looks_like_path(model) \
             and not os.path.exists(os.path.expanduser(model)):
-        raise ConfigError(f"--model {model}: no such file or folder")
+        raise ConfigError(f"no such model file or folder: {model}")
 
 
 def check_serve_args(args) -> None:
@@ -356,6 +356,8 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     from kvchat.bench import engine as bench
 
+    if args.random_weights and not os.path.exists(os.path.expanduser(args.random_weights)):
+        raise ConfigError(f"--random-weights {args.random_weights}: no such file or folder")
     if args.which == "decode":
         from kvchat.bench import decode as bench_decode
 
@@ -435,6 +437,9 @@ def cmd_plan(args) -> int:
 
 def cmd_eval(args) -> int:
     from kvchat.bench import evaluate
+
+    if not os.path.isfile(os.path.expanduser(args.text)):
+        raise ConfigError(f"--text {args.text}: no such file")
 
     evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
                   args.chunk)
