@@ -11,7 +11,8 @@ from kvchat.app.views.main_window import MainWindow
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.store import Store
 from kvchat.core.config import EngineConfig, SamplingParams
-from kvchat.engine.engine import Engine, generation_settings
+from kvchat.engine.engine import Engine
+from kvchat.engine.host import generation_settings
 from kvchat.engine.model.loading import LoadedModel
 
 from qt_helpers import last_stats

@@ -1,7 +1,7 @@
 """The main window on the starter model, offscreen, with a real SQLite file."""
 import json
 
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
 from kvchat.app.controllers.replies import WAITING_NOTE
@@ -62,29 +62,32 @@ def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, mon
 def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot, app_parts, monkeypatch):
     """The first reply after a start waits while the decode step compiles (90 s cold here): the
     chat says so under the reply, and Stop does not wait for the compile to end."""
-    import time
+    import threading
 
     from kvchat.app.controllers.replies import WARMING_NOTE
-    from kvchat.engine.engine import Engine
+    from kvchat.engine.host import ModelHost
 
-    def compiling(engine):  # the engine's warm-up as the user sees it (its notices: test_decode_step)
-        if not engine._warmed:
-            engine._warmed = True
-            engine._notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
-            time.sleep(4)
-            engine._notice("warm-up", "fast decoding ready (4 s)")
+    compiled = threading.Event()  # the compile ends when the test says so, after the Stop
+
+    def compiling(host):  # the engine's warm-up as the user sees it (its notices: test_decode_step)
+        if not host.warmed:
+            host.warmed = True
+            host.engine.notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
+            compiled.wait(60)
+            host.engine.notice("warm-up", "fast decoding ready (4 s)")
 
     win, store, bridge, _ = app_parts
-    monkeypatch.setattr(Engine, "_warm_decode", compiling)
-    bridge.engine._warmed = False  # as after a start: the next idle second or request compiles first
+    monkeypatch.setattr(ModelHost, "warm_decode", compiling)
+    bridge.engine.host.warmed = False  # as after a start: the next idle second or request compiles first
     win.input.setPlainText("Hello")
     qtbot.keyClick(win.input, Qt.Key_Return)
     qtbot.waitUntil(lambda: [i.property("text") for i in qml_items(win, "note")] == [WARMING_NOTE], timeout=5000)
     qtbot.mouseClick(win.stop_button, Qt.LeftButton)
-    assert win.send_button.isEnabled() and not bridge.busy  # now, not after the compile
+    assert win.send_button.isEnabled() and not bridge.busy  # now, while the compile still runs
     reply = store.messages(win.conversation_id)[-1]
     assert reply.role == "assistant" and reply.interrupted and reply.content == ""
-    assert not qml_items(win, "note")
+    assert not qml_items(win, "note") and not compiled.is_set()
+    QTimer.singleShot(300, compiled.set)  # while the next message waits behind the compile
     send(qtbot, win, "Name a color.")  # queued behind the compile; the stopped one is skipped
     messages = store.messages(win.conversation_id)
     assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
@@ -293,7 +296,7 @@ def test_an_engine_error_becomes_a_message_and_the_next_turn_works(qtbot, app_pa
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(bridge.engine.runner, "forward", broken)
+    monkeypatch.setattr(bridge.engine.kvpool.runner, "forward", broken)
     send(qtbot, win, "Hello")
     failed = store.messages(win.conversation_id)[-1]
     assert failed.interrupted and "device lost" in failed.content and "device lost" in win.notice_label.text()

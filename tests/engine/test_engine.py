@@ -20,7 +20,7 @@ def engine(starter):
 
 
 def no_leak(engine):
-    pool = engine.pool
+    pool = engine.kvpool.pool
     return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
@@ -100,7 +100,7 @@ def test_bad_requests_get_an_error_and_the_engine_survives(engine, request_, mes
 
 def test_internal_failure_is_an_error_event_and_frees_blocks(engine, monkeypatch):
     calls = {"n": 0}
-    real = engine.runner.forward
+    real = engine.kvpool.runner.forward
 
     def flaky(seq, end, want_logits):
         calls["n"] += 1
@@ -108,7 +108,7 @@ def test_internal_failure_is_an_error_event_and_frees_blocks(engine, monkeypatch
             raise RuntimeError("simulated device failure")
         return real(seq, end, want_logits)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.kvpool.runner, "forward", flaky)
     with pytest.raises(EngineError, match="simulated device failure"):
         engine.generate(HELLO, max_new_tokens=10, temperature=0)
     monkeypatch.undo()

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from kvchat.engine import engine as engine_module
+from kvchat.engine import host as host_module
 from kvchat.core.commands import Refused
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
@@ -50,7 +50,7 @@ def started(handle, tokens: int = 3):
 
 
 def no_leak(e):
-    pool = e.pool
+    pool = e.kvpool.pool
     return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
@@ -102,7 +102,7 @@ def test_a_second_switch_replaces_a_load_under_way(engine, monkeypatch):
         gate.wait(30)
         return load(spec, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load", slow_load)
+    monkeypatch.setattr(host_module, "load", slow_load)
     seen = events_of(engine)
     first = engine.load_model(small(max_context=256))
     assert entered.wait(30)
@@ -144,7 +144,7 @@ def test_a_cancelled_load_brings_the_previous_model_back(engine, monkeypatch):
         gate.wait(30)
         return load(spec, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load", slow_load)
+    monkeypatch.setattr(host_module, "load", slow_load)
     future = engine.load_model(small(max_context=256))
     engine.cancel_load()
     gate.set()
@@ -175,7 +175,7 @@ def test_a_context_past_the_trained_length_is_capped_and_said(starter):
     seen = events_of(e)
     e.wait_ready(60)
     trained = starter.model.config.max_position_embeddings
-    assert e.config.max_context == trained and e.context_limit() == trained
+    assert e.config.max_context == trained and e.requests.context_limit() == trained
     assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
     assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
     huge = EngineConfig(max_context=10 ** 12, allow_long_context=True, kv_precision="fp16")
@@ -207,7 +207,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
     from kvchat.kernels import quant
 
     first = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
-    config, kv, blocks = engine.config, engine.kv, engine.pool.num_blocks
+    config, kv, blocks = engine.config, engine.kvpool.kv, engine.kvpool.pool.num_blocks
     target = {"calibration": (kv_pool, "calibrate", 1), "allocation": (quant, "layer_tensors", 3),
               "conversion": (quant, "write", 3)}[stage]
     module, name, nth = target
@@ -217,7 +217,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
         engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)
     monkeypatch.undo()
     assert any(isinstance(x, Notice) and "unchanged" in x.message for x in seen)
-    assert engine.config == config and engine.kv is kv and engine.pool.num_blocks == blocks
+    assert engine.config == config and engine.kvpool.kv is kv and engine.kvpool.pool.num_blocks == blocks
     assert engine.precision.value == "fp16" and all(t is not None for t in kv.layers)
     again = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
     assert again.token_ids == first.token_ids and again.stats.cached_tokens > 0 and no_leak(engine)
@@ -233,11 +233,11 @@ def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figur
                persona_store=None, probe=probe)
     e.wait_ready(60)
     seen = events_of(e)
-    kv, budget = e.kv, e.kvpool.budget
+    kv, budget = e.kvpool.kv, e.kvpool.budget
     probe._own = e.weights_bytes + e.activations + kv.nbytes
     probe.other = 8 * gib - probe._own + budget // 2  # the pool must halve, and nothing is free to build it in
     assert wait_for(lambda: any(isinstance(x, Notice) for x in seen))
     notice = next(x for x in seen if isinstance(x, Notice))
     assert notice.kind == "pressure" and "MiB are free" in notice.message
-    assert e.kv is kv and e.kvpool.budget == budget
+    assert e.kvpool.kv is kv and e.kvpool.budget == budget
     e.close()

@@ -145,7 +145,7 @@ class EngineMachine(RuleBasedStateMachine):
         gc.collect()
         alive = [ref() for ref in self.models if ref() is not None]
         assert alive == [self.engine.loaded]
-        pool = self.engine.pool
+        pool = self.engine.kvpool.pool
         assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
     @invariant()

@@ -103,11 +103,11 @@ def test_edit_reuses_everything_before_the_edited_message(shared, warm):
 def test_persona_blocks_are_pinned_after_use(warm):
     warm.generate([PERSONA_B, {"role": "user", "content": "Hi"}], **GREEDY)
     n = len(warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids) // 16
-    key = warm.personas.key(type("S", (), {"token_ids": warm.formatter.encode(
+    key = warm.kvpool.personas.key(type("S", (), {"token_ids": warm.formatter.encode(
         [PERSONA_B], add_generation_prompt=False).token_ids})(), n)
-    pinned = [b for b, _ in warm.personas.pinned[key]]
+    pinned = [b for b, _ in warm.kvpool.personas.pinned[key]]
     assert len(pinned) == n and all(b.pinned and b.ref_cnt == 0 for b in pinned)
-    assert all(b.id in warm.pool.pinned_queue for b in pinned)
+    assert all(b.id in warm.kvpool.pool.pinned_queue for b in pinned)
 
 
 def test_restart_restores_the_persona_from_disk(shared, tmp_path):
@@ -197,7 +197,7 @@ class EngineMachine(RuleBasedStateMachine):
             for _ in h:
                 pass
         self.handles = []
-        pool = self.engine.pool
+        pool = self.engine.kvpool.pool
         assert pool.num_free == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
 
@@ -207,8 +207,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.drain()
-        for b in self.engine.pool.blocks:
-            assert (b.id in self.engine.pool.free_queue) != (b.id in self.engine.pool.pinned_queue)
+        for b in self.engine.kvpool.pool.blocks:
+            assert (b.id in self.engine.kvpool.pool.free_queue) != (b.id in self.engine.kvpool.pool.pinned_queue)
         self.engine.close()
 
 

@@ -43,7 +43,7 @@ def test_snapshots_arrive_about_once_a_second_and_add_up(shared):
     snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
     e.close()
     assert snap.on_cpu and snap.device == "cpu" and snap.precision == "fp16"
-    assert snap.kv_total == e.pool.num_blocks * 16 * e.kvpool.bytes_per_token()
+    assert snap.kv_total == e.kvpool.pool.num_blocks * 16 * e.kvpool.bytes_per_token()
     assert snap.weights == sum(t.numel() * t.element_size() for t in shared.model.state_dict().values())
     assert 0 <= snap.kv_in_use <= snap.kv_total and snap.free >= 0
     assert snap.max_context["int4"] > snap.max_context["int8"] > snap.max_context["fp16"] > 0
@@ -66,14 +66,14 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(shared):
     again = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
     assert again.stats.cached_tokens > 0  # converted blocks are still found
-    assert e.pool.num_free == e.pool.num_blocks
+    assert e.kvpool.pool.num_free == e.kvpool.pool.num_blocks
     e.close()
 
 
 def test_a_full_pool_steps_down_instead_of_failing(shared):
     per_token_fp32 = 2 * 30 * 3 * 64 * 4
     e = engine(shared, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * per_token_fp32)
-    assert e.precision.value == "fp16" and e.pool.num_blocks == 16
+    assert e.precision.value == "fp16" and e.kvpool.pool.num_blocks == 16
     handle = e.submit(Request(messages=[PERSONA, {"role": "user", "content": "Tell me about the Alps. " * 25}],
                               sampling=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
     events = list(handle)
@@ -81,7 +81,7 @@ def test_a_full_pool_steps_down_instead_of_failing(shared):
     assert isinstance(done, Finished) and done.stats.generated_tokens == 200
     shifts = [x for x in events if isinstance(x, Notice) and x.kind == "downshift"]
     assert shifts and done.stats.kv_precision in ("int8", "int4")
-    assert e.pool.num_free == e.pool.num_blocks
+    assert e.kvpool.pool.num_free == e.kvpool.pool.num_blocks
     e.close()
 
 

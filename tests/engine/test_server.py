@@ -67,11 +67,11 @@ def wait_idle(served, deadline_s=60):
     _, engine, counters = served
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if counters.active == 0 and engine.pool.num_free == engine.pool.num_blocks:
+        if counters.active == 0 and engine.kvpool.pool.num_free == engine.kvpool.pool.num_blocks:
             return
         time.sleep(0.05)
     raise AssertionError(f"still busy: {counters.active} open, "
-                         f"{engine.pool.num_blocks - engine.pool.num_free} blocks held")
+                         f"{engine.kvpool.pool.num_blocks - engine.kvpool.pool.num_free} blocks held")
 
 
 # counting goes on for as long as it is let: a reply that would take minutes, unless cancelled
@@ -414,7 +414,7 @@ def test_a_completion_prompt_past_the_context_in_characters_is_refused_untokeniz
             tokenized.append(len(text))
             return real(text, *a, **kw)
 
-    cap = engine.formatter.max_chars(engine.context_limit())
+    cap = engine.formatter.max_chars(engine.requests.context_limit())
     tokenizer.__class__ = Spy
     try:
         too_long = post(f"{base_url}/completions", {"prompt": "a" * (cap + 1), "max_tokens": 1})

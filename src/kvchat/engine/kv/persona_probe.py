@@ -28,4 +28,4 @@ def engine_persona_state(engine, system_prompt: str) -> str:
     may ask while the engine thread works."""
     if engine.load_error or not engine.ready.is_set():
         return "cold"
-    return persona_state(engine.formatter, engine.manager, engine.personas.store, system_prompt)
+    return persona_state(engine.formatter, engine.kvpool.manager, engine.kvpool.personas.store, system_prompt)

@@ -1,0 +1,240 @@
+"""The model host: loading a model and building its pool, dropping them, bringing the previous model
+back after a failed switch, and warming the decode step up. It runs on the engine thread and keeps
+what it loads on the Engine (config, loaded, kvpool and what follows from them)."""
+import ctypes
+import gc
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from kvchat.core.commands import LoadModel, refuse
+from kvchat.core.config import ConfigError, EngineConfig, Precision
+from kvchat.core.errors import first_line
+from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value
+from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
+from kvchat.engine.chat import ChatFormatter
+from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.pool import KVPool, kv_dtype
+from kvchat.engine.memory_probe import MemoryProbe
+from kvchat.engine.model.loading import LoadedModel, ModelError, load
+from kvchat.engine.model.weights import warm_up as warm_weights
+
+log = logging.getLogger("kvchat.engine")
+
+
+class ModelHost:
+    def __init__(self, engine, persona_store: PersonaStore | None | bool, probe):
+        self.engine = engine
+        self.store_arg, self.given_probe = persona_store, probe
+        self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
+        self.warmed = self.fallback_told = False  # the decode step compiled once; its fallback told once
+
+    # -- loading and dropping --
+
+    def load(self, command: LoadModel) -> None:
+        """Drop the model, load the new one; on failure load the previous one again."""
+        e = self.engine
+        if e.superseded(command.seq):
+            return refuse(command, "replaced by a later model choice")
+        e.ready.clear()
+        try:
+            self.drop()
+            try:
+                self.start(command.config, command.loaded, command.seq)
+            except Exception as error:
+                return self.failed(command, load_failure(error))
+            self.good = (e.config, command.loaded)
+            e.load_error = None
+            settings = e.settings()
+            command.future.set_result(settings)
+            e.announce(ModelReady(e.loaded.source.label, settings, e.loaded.model.config,
+                                  generation_settings(e.loaded.model)))
+        finally:
+            e.loaded_seq(command.seq)
+
+    def failed(self, command: LoadModel, reason: str) -> None:
+        e = self.engine
+        self.drop(check=False)
+        if e.superseded(command.seq):
+            return refuse(command, "replaced by a later model choice")
+        restored = self.good is not None and self.restore()
+        message = reason + ("; the previous model is back" if restored else "")
+        e.load_error = None if restored else reason
+        command.future.set_exception(EngineError(message))
+        e.announce(LoadFailed(message, e.settings() if restored else None))
+
+    def restore(self) -> bool:
+        config, loaded = self.good
+        try:
+            self.start(config, loaded, None)
+        except Exception as error:
+            log.exception("the previous model could not be loaded again")
+            self.drop(check=False)
+            self.good = None
+            self.engine.notice("load", f"the previous model could not be loaded again: {load_failure(error)}")
+            return False
+        return True
+
+    def start(self, config: EngineConfig, loaded: LoadedModel | None, seq: int | None) -> None:
+        """Load the model (unless given) and build its pool; raises with the reason."""
+        e = self.engine
+        e.config = cfg = config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        progress = lambda done, total, stage: self.progress(seq, done, total, stage)
+        lm = loaded or load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=progress, decode=cfg.decode)
+        why = e.stop_loading(seq)
+        if why:
+            raise ModelError(why)
+        e.loaded = lm
+        e.formatter = ChatFormatter(lm.tokenizer)
+        e.eos_ids = eos_token_ids(lm)
+        e.probe = self.given_probe or MemoryProbe(lm.device)
+        e.weights_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
+        e.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize, cfg.max_context)
+        e.config = cfg = self.capped(cfg)
+        e.auto = cfg.kv_precision == Precision.AUTO
+        store = PersonaStore() if self.store_arg is True else (self.store_arg or None)
+        precision, budget = self.layout(cfg)
+        e.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode)
+        self.warmed = self.fallback_told = False
+        e.governor.next_snapshot = 0.0
+
+    def drop(self, check: bool = True) -> None:
+        """Let go of the model and the pool and give their memory back before anything new loads.
+        With ``check``, the probe must see most of it return, or the user is told."""
+        e = self.engine
+        if e.loaded is None and e.kvpool is None:
+            return
+        expected = e.weights_bytes + (e.kvpool.kv.nbytes if e.kvpool else 0)
+        ours = check and self.good is not None and self.good[1] is None  # not a model a caller still holds
+        before = e.probe.own() if ours else 0
+        e.kvpool = e.loaded = e.formatter = None
+        e.handle = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        trim_heap()
+        if ours:
+            freed = before - e.probe.own()
+            if freed < expected // 2:
+                e.notice("memory", f"the previous model's memory did not all come back: "
+                                   f"{freed / 2**20:.0f} of {expected / 2**20:.0f} MiB freed")
+
+    def progress(self, seq: int | None, done: int, total: int, stage: str) -> None:
+        """Called by a download after each chunk and a GGUF conversion after each tensor; raising
+        here is how they stop."""
+        why = self.engine.stop_loading(seq)
+        if why:
+            raise ModelError(why)
+        self.engine.emit(LoadProgress(done, total, stage))
+
+    # -- the pool's size --
+
+    def capped(self, cfg: EngineConfig) -> EngineConfig:
+        """The context is capped at what the model was trained for, unless the config allows more."""
+        trained = config_value(self.engine.loaded.model.config, "max_position_embeddings")
+        if not trained or cfg.max_context <= trained:
+            return cfg
+        if cfg.allow_long_context:
+            self.engine.notice("context", f"{cfg.max_context:,} tokens is longer than the {trained:,} "
+                                          "the model was trained for: expect worse answers past that")
+            return cfg
+        self.engine.notice("context", f"{cfg.max_context:,} tokens capped at {trained:,}, the length the model "
+                                      "was trained for")
+        return replace(cfg, max_context=trained)
+
+    def layout(self, cfg: EngineConfig) -> tuple[Precision, int]:
+        """The pool's precision and bytes, sized from the context (never from all that is free).
+        Auto starts at fp16, the best quality, in at most the bytes a full fp16 context needs, and
+        steps down when the conversation outgrows them or memory runs short."""
+        precision = Precision.FP16 if cfg.kv_precision == Precision.AUTO else cfg.kv_precision
+        if cfg.kv_budget_bytes is not None:
+            return precision, cfg.kv_budget_bytes
+        total, used = self.engine.probe.totals()
+        available = total - used - self.engine.activations - cfg.headroom_bytes
+        if available <= 0:
+            raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
+        want = self.kv_bytes(cfg.max_context, precision)
+        lowest = Precision.INT4 if cfg.kv_precision == Precision.AUTO else precision  # Auto steps down to it
+        need = self.kv_bytes(cfg.max_context, lowest)
+        if need > available:
+            raise ConfigError(f"a context of {cfg.max_context:,} tokens needs {need / 2**20:,.0f} MiB of KV cache at "
+                              f"{lowest.value}; {available / 2**20:,.0f} MiB are free: lower the context"
+                              + ("" if lowest == Precision.INT4 else " or the precision"))
+        return precision, min(want, available)
+
+    def kv_bytes(self, context: int, precision: Precision) -> int:
+        """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""
+        loaded = self.engine.loaded
+        per_token = bytes_per_token(KVShape.from_config(loaded.model.config), precision, kv_dtype(loaded).itemsize)
+        return int(context * (1 + PREFIX_RESERVE) * per_token) + 1
+
+    # -- the decode step --
+
+    def warm_decode(self) -> None:
+        """Compile (or capture) the decode step in the first idle second, not in the first reply."""
+        e = self.engine
+        if e.kvpool is None or self.warmed:
+            return
+        self.warmed = True
+        started = time.perf_counter()
+        step = e.kvpool.runner.step
+        # compiling on the CPU takes a minute or more the first time: a message sent meanwhile
+        # waits, and the user should know why (a CUDA capture takes a second)
+        told = step.captured and e.loaded.device.type == "cpu"
+        if told:
+            e.notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
+        try:
+            step.warm_up(e.kvpool.kv)
+            warm_weights(e.loaded.model)
+        except Exception:
+            log.exception("warming up the decode step failed")
+        elapsed = time.perf_counter() - started
+        log.info("decode step ready (%s) in %.1f s", step.mode, elapsed)
+        if told and step.captured:
+            e.notice("warm-up", f"fast decoding ready ({elapsed:.0f} s)")
+        self.report_fallback()
+
+    def report_fallback(self) -> None:
+        e = self.engine
+        reason = e.kvpool.runner.step.fallback if e.kvpool is not None else None
+        if reason and not self.fallback_told:
+            self.fallback_told = True
+            e.notice("eager", reason)
+
+
+def load_failure(e: Exception) -> str:
+    if isinstance(e, (ModelError, ConfigError, EngineError)):
+        return str(e)
+    log.exception("model load failed")
+    return f"model load failed: {first_line(e)}"
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc keeps them otherwise), so that the probe
+    sees a dropped model's memory return and the next model can use it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def eos_token_ids(lm: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (lm.model.config, getattr(lm.model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    if lm.tokenizer.eos_token_id is not None:
+        ids.add(lm.tokenizer.eos_token_id)
+    return ids
+
+
+def generation_settings(model) -> dict:
+    """What the model's authors set in its generation_config.json (``to_diff_dict``: transformers'
+    own defaults, e.g. top_k 50, say nothing about this model), as plain values for the app."""
+    config = getattr(model, "generation_config", None)
+    return config.to_diff_dict() if config is not None else {}
