@@ -1,7 +1,8 @@
 """``kvchat bench ui``: the GUI thread's CPU time per streamed token, offscreen, in a conversation of
-10 and of 200 messages with code blocks. The window is the real one; the engine is replaced by a
-thread that emits a canned reply's tokens at a steady rate through the same queued signals, so the
-figure is the window's cost alone (model updates, layout, rendering), not the model's."""
+10 and of 200 messages with code blocks. The window and its EngineBridge are the real ones; the
+backend is a thread that gives a canned reply's tokens at a steady rate as the engine's events, so
+the figure is the GUI's cost alone (bridge, model updates, layout, rendering), not the model's. A
+fake of the bridge instead broke each time the window read something new of it."""
 import argparse
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,57 +32,65 @@ def tokens_of(text: str, n: int) -> list[str]:
     return (pieces * (n // len(pieces) + 1))[:n]
 
 
-def fake_bridge_class():
-    from PySide6.QtCore import QObject, Signal
+class CannedBackend:
+    """A Backend (core/backend.py) whose replies are REPLY's pieces at a steady rate, from a thread:
+    the window and the real EngineBridge get the events a model would give, at no model's cost."""
 
-    class FakeBridge(QObject):
-        """The window's side of EngineBridge; ``send`` streams REPLY from a thread."""
-        ready, load_failed, failed = Signal(), Signal(str), Signal(str)
-        token, finished, notice = Signal(str, int), Signal(dict), Signal(str, str)
-        snapshot, reconfigured, load_progress = Signal(dict), Signal(dict), Signal(object, object)
+    def __init__(self, tokens: int, interval_s: float):
+        from kvchat.core.config import EngineConfig
 
-        def __init__(self, tokens: int, interval_s: float):
-            super().__init__()
-            self.tokens, self.interval_s = tokens, interval_s
-            self.handle, self.switching, self.loading = None, False, False
-            self.done = threading.Event()
-            config = SimpleNamespace(max_position_embeddings=8192)
-            self.engine = SimpleNamespace(
-                loaded=SimpleNamespace(model=SimpleNamespace(config=config, generation_config=None),
-                                       source=SimpleNamespace(label="bench")),
-                config=SimpleNamespace(max_context=8192, kv_precision=SimpleNamespace(value="auto"),
-                                       headroom_bytes=1 << 30),
-                precision=SimpleNamespace(value="fp16"), load_error=None)
+        self.tokens, self.interval_s = tokens, interval_s
+        self.config = EngineConfig()
+        self.ready, self.load_error = threading.Event(), None
+        self.ready.set()
+        self.done = threading.Event()  # the last reply has ended
 
-        busy = property(lambda self: self.handle is not None)
+    alive = property(lambda self: True)
 
-        def start(self):
-            self.ready.emit()
+    def add_listener(self, callback, replay: bool = False) -> None:
+        from kvchat.core.events import ModelReady
 
-        def stop(self):
-            pass
+        if replay:
+            settings = {"model": "bench", "max_context": 8192, "kv_precision": "auto", "precision": "fp16"}
+            callback(ModelReady("bench", settings, SimpleNamespace(max_position_embeddings=8192)))
 
-        def cancel_load(self):
-            pass
+    def submit(self, request, listener=None):
+        from kvchat.core.events import RequestHandle
 
-        def send(self, messages, sampling):
-            self.handle = object()
-            threading.Thread(target=self._stream, daemon=True).start()
+        handle = RequestHandle(request, listener)
+        self.done.clear()
+        threading.Thread(target=self._stream, args=(handle,), daemon=True).start()
+        return handle
 
-        def _stream(self):
-            start = time.perf_counter()
-            pieces = tokens_of(REPLY, self.tokens)
-            for i, piece in enumerate(pieces):
-                time.sleep(max(0.0, start + (i + 1) * self.interval_s - time.perf_counter()))
-                self.token.emit(piece, i)
-            self.handle = None
-            stats = {"prompt_tokens": 10, "cached_tokens": 0, "generated_tokens": len(pieces), "ttft_ms": 1.0,
-                     "decode_tok_s": 1 / self.interval_s, "kv_precision": "fp16", "trimmed_messages": 0}
-            self.finished.emit({"text": "".join(pieces), "token_ids": list(range(len(pieces))),
-                                "finish_reason": "length", "stats": stats})
-            self.done.set()
+    def _stream(self, handle) -> None:
+        from kvchat.core.events import Finished, Stats, TokenDelta
 
-    return FakeBridge
+        start = time.perf_counter()
+        pieces = tokens_of(REPLY, self.tokens)
+        for i, piece in enumerate(pieces):
+            time.sleep(max(0.0, start + (i + 1) * self.interval_s - time.perf_counter()))
+            handle.put(TokenDelta(piece, i))
+        stats = Stats(prompt_tokens=10, generated_tokens=len(pieces), ttft_ms=1.0, decode_tok_s=1 / self.interval_s)
+        handle.put(Finished("".join(pieces), list(range(len(pieces))), "length", stats))
+        self.done.set()
+
+    def cancel(self, handle):
+        handle.cancel()
+        future = Future()
+        future.set_result(True)
+        return future
+
+    def persona_state(self, system_prompt: str) -> str:
+        return "cold"
+
+    def wait_ready(self, timeout=None) -> None:
+        pass
+
+    def cancel_load(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def conversation(store, messages: int) -> int:
@@ -102,14 +112,17 @@ def measure(messages: int, tokens: int, interval_s: float, size=(1100, 720)) -> 
 
     from kvchat.core.config import SamplingParams
 
-    from kvchat.app.views.main_window import MainWindow
+    from kvchat.app.controllers.engine_bridge import EngineBridge
     from kvchat.app.store import Store
+    from kvchat.app.views.main_window import MainWindow
 
     app = QApplication.instance()
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "chat.db")
         cid = conversation(store, messages)
-        bridge = fake_bridge_class()(tokens, interval_s)
+        backend = CannedBackend(tokens, interval_s)
+        bridge = EngineBridge(backend)
+        settle(app, 0.05)  # the bridge hears ModelReady through a queued signal
         win = MainWindow(store, bridge, SamplingParams(max_new_tokens=tokens))
         win.resize(*size)
         win.show()
@@ -120,7 +133,7 @@ def measure(messages: int, tokens: int, interval_s: float, size=(1100, 720)) -> 
         win.replies.send()
         loop = QEventLoop()
         poll = QTimer(interval=5)
-        poll.timeout.connect(lambda: bridge.done.is_set() and not bridge.busy and loop.quit())
+        poll.timeout.connect(lambda: backend.done.is_set() and not bridge.busy and loop.quit())
         poll.start()
         loop.exec()
         poll.stop()
