@@ -85,6 +85,8 @@ def test_connections_add_list_remove_keep_the_key_in_the_keyring(tmp_path):
     (["add", "x", "ftp://gpu-box"], None, "is not a server's base URL"),
     (["add", "x", "http://gpu-box:eighty"], None, "port that is not a number"),
     (["add", " ", "http://gpu-box:8000"], None, "needs a name"),
+    (["add", "x", "http://ada:s3cret@gpu-box:8000"], None, "would be saved in plain text"),
+    (["add", "x", "https://sk-123@gpu-box"], None, "would be saved in plain text"),
     (["add", "x", "http://gpu-box:8000", "--api-key-stdin"], "", "read no key"),
     (["remove", "nobody"], None, "no saved connection named 'nobody'"),
     ([], None, "say what to do"),
@@ -152,3 +154,12 @@ def test_generate_says_what_it_capped_and_takes_a_tiny_top_p(starter):
     assert "--context 100,000 capped at 8,192 tokens" in r.stderr
     greedy = kvchat("generate", "--prompt", "Hi", "--max-new-tokens", "3", "--json", "--temperature", "0")
     assert json.loads(r.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]
+
+
+def test_a_url_with_credentials_is_never_written(tmp_path):
+    from kvchat.core.connections import Connection, Connections
+
+    saved = Connections(tmp_path / "connections.json")
+    with pytest.raises(ValueError, match="plain text"):
+        saved.save(Connection("lab", "http://ada:s3cret@gpu-box:8000"))
+    assert not (tmp_path / "connections.json").exists()

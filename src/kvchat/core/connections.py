@@ -50,6 +50,9 @@ def connection_problem(name: str, url: str) -> str | None:
         parts.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError:
         return f"{url!r} has a port that is not a number"
+    if parts.username is not None or parts.password is not None:  # it would sit in connections.json as written
+        return ("a URL with a user name or password in it would be saved in plain text: give the URL without "
+                "them, and the key as the API key (kept in the OS keyring)")
     return None
 
 
@@ -76,6 +79,9 @@ class Connections:
     def save(self, connection: Connection, api_key: str | None = None) -> None:
         """Add or replace by name. The key, when given, goes to the keyring first: a machine
         without one refuses before anything is written."""
+        problem = connection_problem(connection.name, connection.base_url)
+        if problem:
+            raise ValueError(problem)
         if api_key:
             set_key(connection.name, api_key)
         rows = [c for c in self.all() if c.name != connection.name] + [connection]
