@@ -117,7 +117,9 @@ def test_stop_while_the_server_is_still_prefilling(backend, server):
     before = wait_server_idle(server)["kvchat:requests_cancelled_total"]
     handle = backend.submit(Request(messages=[{"role": "user", "content": "word " * 1200}],
                                     sampling=SamplingParams(max_new_tokens=400, **GREEDY)))
-    time.sleep(0.3)  # the request is on the wire and no byte of the reply has come yet
+    end = time.monotonic() + 60  # until the server runs it: on the wire, and no byte of the reply yet
+    while metrics(server)["kvchat:requests_running"] == 0 and time.monotonic() < end:
+        time.sleep(0.02)
     handle.cancel()
     assert handle.result(30).finish_reason == "cancelled"
     assert wait_server_idle(server)["kvchat:requests_cancelled_total"] == before + 1
@@ -196,13 +198,39 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
 SGLANG = 'sglang:token_usage{model_name="m"} 0.5\nsglang:cache_hit_rate{model_name="m"} 0.4\n'
 LLAMA = "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage.\nllamacpp:kv_cache_usage_ratio 0.125\n"
+# today's llama-server --metrics (its /metrics handler): no KV usage, requests processing and deferred
+LLAMA_NOW = ("llamacpp:prompt_tokens_total 6886\nllamacpp:tokens_predicted_total 3469\nllamacpp:n_decode_total 40\n"
+             "llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n")
+VLLM_EARLY_V1 = ('vllm:gpu_cache_usage_perc{engine="0"} 0.5\nvllm:gpu_prefix_cache_queries_total{engine="0"} 200.0\n'
+                 'vllm:gpu_prefix_cache_hits_total{engine="0"} 50.0\nvllm:num_requests_waiting{engine="0"} 4.0\n')
 
 
 @pytest.mark.parametrize("text, server, usage, rate", [(VLLM, "vllm", 0.25, 0.75), (SGLANG, "sglang", 0.5, 0.4),
-                                                        (LLAMA, "llama.cpp", 0.125, None), ("", None, None, None)])
+                                                        (LLAMA, "llama.cpp", 0.125, None),
+                                                        (LLAMA_NOW, "llama.cpp", None, None),
+                                                        (VLLM_EARLY_V1, "vllm", 0.5, 0.25), ("", None, None, None)])
 def test_server_metrics_of_each_kind(text, server, usage, rate):
     memory = server_memory(text)
     assert (memory.server, memory.kv_usage, memory.prefix_hit_rate) == (server, usage, rate)
+
+
+def test_server_metrics_in_one_line_for_the_terminal():
+    assert server_memory(LLAMA_NOW).line() == "server (llama.cpp): KV not reported, prefix hits not reported, " \
+                                              "1 running, 2 waiting"
+    assert server_memory(VLLM_EARLY_V1).line() == "server (vllm): KV 50% used, prefix hits 25%, 4 waiting"
+    assert server_memory("").line() == "server metrics: not reported (no /metrics)"
+
+
+def test_stats_in_the_terminal_chat_show_the_servers_figures(backend):
+    from kvchat.cli.chat_session import ChatSession
+
+    session = ChatSession(backend)
+    end = time.monotonic() + 30
+    while session.server_memory is None and time.monotonic() < end:  # the first poll (every 0.2 s here)
+        time.sleep(0.05)
+    session.send("Hi", SamplingParams(max_new_tokens=2, **GREEDY), lambda h: h.result(120), print)
+    lines = session.stats_line().splitlines()
+    assert lines[0].startswith("prompt ") and lines[1].startswith("[server (kvchat): KV ") and "prefix hits" in lines[1]
 
 
 def test_connections_keep_the_key_in_the_keyring_only(tmp_path):

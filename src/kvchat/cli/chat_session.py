@@ -1,6 +1,7 @@
 """A terminal conversation: the message list, the persona, and the slash commands of ``kvchat chat``."""
 from kvchat.core.config import SamplingParams
 from kvchat.core.events import EngineError, Request
+from kvchat.remote.metrics import ServerMemory
 
 
 class ChatSession:
@@ -8,6 +9,12 @@ class ChatSession:
         self.engine, self.system = engine, system
         self.messages: list[dict] = []
         self.last_stats = None
+        self.server_memory = None  # a remote server's own figures, as it last reported them
+        engine.add_listener(self._on_event)
+
+    def _on_event(self, event) -> None:
+        if isinstance(event, ServerMemory):  # only a remote backend sends it
+            self.server_memory = event
 
     def conversation(self) -> list[dict]:
         persona = [{"role": "system", "content": self.system}] if self.system else []
@@ -54,7 +61,8 @@ class ChatSession:
             return done
 
     def stats_line(self) -> str:
-        return format_stats(self.last_stats) if self.last_stats else "[no turn yet]"
+        line = format_stats(self.last_stats) if self.last_stats else "[no turn yet]"
+        return line + (f"\n[{self.server_memory.line()}]" if self.server_memory is not None else "")
 
 
 def format_stats(stats) -> str:

@@ -4,16 +4,20 @@ the app shows as "not reported"."""
 import math
 from dataclasses import dataclass
 
-# per server: (KV-cache usage 0..1, prefix-cache hit rate 0..1, hit counter, query counter)
-# vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1); both are read.
+# The names as the servers' sources write them (vllm/v1/metrics/loggers.py, sglang/srt/metrics/
+# collector.py, llama.cpp's server /metrics handler); a Counter declared as "x" is exported as
+# "x_total" by prometheus_client.
+# KV-cache usage 0..1. vLLM v1 renamed gpu_cache_usage_perc to kv_cache_usage_perc; llama.cpp dropped
+# kv_cache_usage_ratio in 2025 (today's builds export no KV usage at all), so only older ones give it.
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
          "llamacpp:kv_cache_usage_ratio", "kvchat:kv_cache_usage_perc")
-HIT_RATE = ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate")
+HIT_RATE = ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate")  # the latter: vLLM v0
 HIT_COUNTERS = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
-                ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"),
+                ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),  # early v1
                 ("kvchat:prefix_cache_hits_total", "kvchat:prefix_cache_queries_total"))
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
            "kvchat:requests_running")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
 
 
 @dataclass
@@ -23,6 +27,18 @@ class ServerMemory:
     kv_usage: float | None = None  # fraction of the server's KV cache in use
     prefix_hit_rate: float | None = None  # fraction of prompt tokens served from its prefix cache
     requests_running: float | None = None
+    requests_waiting: float | None = None
+
+    def line(self) -> str:
+        """For a terminal: what the server says of its cache, or that it says nothing."""
+        if self.server is None:
+            return "server metrics: not reported (no /metrics)"
+        parts = [f"KV {'not reported' if self.kv_usage is None else f'{self.kv_usage:.0%} used'}",
+                 f"prefix hits {'not reported' if self.prefix_hit_rate is None else f'{self.prefix_hit_rate:.0%}'}"]
+        for label, value in (("running", self.requests_running), ("waiting", self.requests_waiting)):
+            if value is not None:
+                parts.append(f"{value:.0f} {label}")
+        return f"server ({self.server}): " + ", ".join(parts)
 
 
 def parse(text: str) -> dict[str, float]:
@@ -60,4 +76,5 @@ def server_memory(text: str) -> ServerMemory:
             rate = values[hits] / values[queries] if values.get(queries) and hits in values else rate
             break
     return ServerMemory(server={"llamacpp": "llama.cpp"}.get(server, server), kv_usage=_first(values, USAGE),
-                        prefix_hit_rate=rate, requests_running=_first(values, RUNNING))
+                        prefix_hit_rate=rate, requests_running=_first(values, RUNNING),
+                        requests_waiting=_first(values, WAITING))
