@@ -157,7 +157,7 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
     assert "preparing fast decoding" in notices[0].message and "no C++ compiler found" in notices[1].message
 
 
-def test_the_engine_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
+def test_the_engine_on_the_starter_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
     """The notices only: compiling itself is tested above (a stand-in warm-up that takes 0.3 s)."""
     monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: time.sleep(0.3))
     lm = copy.copy(starter)
@@ -172,7 +172,7 @@ def test_the_engine_says_it_prepares_fast_decoding_and_when_it_is_ready(starter,
     assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (0 s)"
 
 
-def test_a_new_kv_precision_warms_up_again_before_the_next_reply(starter, monkeypatch):
+def test_a_new_kv_precision_on_the_starter_warms_up_again_before_the_next_reply(starter, monkeypatch):
     """Another pool is another compiled step: it compiles in the next idle second, said as at
     load, not silently at the next reply's second token (37 s stalled, a new user saw)."""
     warmed = []

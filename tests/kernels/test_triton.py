@@ -129,42 +129,98 @@ def test_a_prefill_of_several_write_tiles_stores_every_token_and_nothing_else(na
         assert (buf[:guard] == SENTINEL[buf.dtype]).all() and (buf[-guard:] == SENTINEL[buf.dtype]).all(), pool_name
 
 
+def padded_tables(tables, width=None, filler=None):
+    """The tables as one int32 ``[B, width]``; past each sequence's blocks, ``filler`` (other
+    sequences' real block ids, as a captured step's padded bucket holds) or zeros."""
+    width = width or max(len(t) for t in tables)
+    rows = []
+    for t in tables:
+        pad = filler[:width - len(t)] if filler is not None else t.new_zeros(width - len(t))
+        rows.append(torch.cat([t, pad]))
+    return torch.stack(rows).to(torch.int32)
+
+
+def decode(query, pool, fmt, table, lengths, rot, cscale, **kwargs):
+    return triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table),
+                                  on_device(torch.tensor(lengths, dtype=torch.int32)), query.shape[-1] ** -0.5,
+                                  on_device(rot), on_device(cscale if fmt.quantized else None), **kwargs).cpu()
+
+
+GROUPS = [1, 4, 7, 8]  # GQA groups: MHA, Llama-3 8B, Qwen2.5-7B (28/4), and a full 8 (no padding below 16)
+
+
 @pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 64), (9, 3, 64), (8, 1, 128)])  # 9/3: the starter's group of 3, padded to 4 in the kernel
-def test_paged_decode_matches_reference(name, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_decode_matches_reference(name, head_dim, group):
+    """Two sequences of odd lengths in random, non-contiguous blocks: 37 tokens (part of one
+    tile) and 211 (four tiles, the last partial), split three ways, so that splits hold one tile,
+    two, or none, and the merge sees empty parts."""
     fmt = quant.FORMATS[name]
-    lengths = [37, 70]  # not multiples of the block size; the second spans three splits
-    pool, tables, rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, lengths, seed=heads + head_dim)
+    kv_heads = 2
+    heads = kv_heads * group
+    lengths = [37, 211]
+    pool, tables, rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, lengths, seed=group + head_dim)
     query = torch.randn(len(lengths), heads, head_dim, generator=g)
-    width = max(len(t) for t in tables)
-    padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables]).to(torch.int32)
-    scale_vec = cscale if fmt.quantized else None
-    out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(padded),
-                                 on_device(torch.tensor(lengths, dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
-                                 on_device(scale_vec), blocks_per_split=2).cpu()
+    out = decode(query, pool, fmt, padded_tables(tables), lengths, rot, cscale, splits=3)
     for i, (table, n) in enumerate(zip(tables, lengths)):
-        want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot, scale_vec)
+        want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot,
+                                         cscale if fmt.quantized else None)
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("window_len", [5, 14, 66, 70])  # a part; a part; all but the sinks; all
-def test_paged_decode_with_a_full_precision_window_matches_reference(name, window_len):
-    """The kernel reads the window's ring itself (one more program per KV head), from the
-    positions its bounds name; the reference gathers the same rows."""
-    fmt = quant.FORMATS[name]
-    heads, kv_heads, head_dim, n = 8, 2, 64, 70
-    pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len)
+@pytest.mark.parametrize("splits", [1, 2, 5, 40])
+def test_the_split_count_and_a_padded_table_leave_the_result_alone(splits):
+    """A captured step launches a fixed split count over a table padded to its bucket with stale
+    ids of other blocks: each program finds its share from the length it reads, so 1 split or
+    more splits than tiles (40 for 4 tiles: most programs see nothing) give the same answer."""
+    fmt = quant.FORMATS["int4"]
+    lengths = [211]
+    pool, (table, _), rot, center, cscale, g = scene(fmt, 8, 2, 64, lengths + [90], seed=splits)
+    query = torch.randn(1, 8, 64, generator=g)
+    filler = torch.arange(pool["k"].shape[0] - 1, -1, -1)
+    out = decode(query, pool, fmt, padded_tables([table], width=64, filler=filler), lengths, rot, cscale,
+                 splits=splits)
+    want = reference.paged_attention(query, pool, fmt, table, 211, 64 ** -0.5, None, rot, cscale)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_split_count_follows_the_sms_not_the_bucket():
+    """Buckets of 8,192 and 32,768 blocks launch the same programs on an H200 (132 SMs): the
+    padding of a large bucket costs no programs. A short table launches no more splits than it
+    has tiles."""
+    big = [triton_kv.decode_splits(132, 1, 8, blocks * BS) for blocks in (2048, 8192, 32768)]
+    assert big[0] == big[1] == big[2] == -(-132 * triton_kv.PROGRAMS_PER_SM // 8)
+    assert triton_kv.decode_splits(132, 1, 8, 32 * BS) == 32 * BS // triton_kv.DECODE_TILE
+    assert triton_kv.decode_splits(132, 1, 8, 1) == 1
+
+
+@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (64, 7), (128, 8)])
+@pytest.mark.parametrize("window_len", [5, 66])  # a part of the context; all but the sinks
+def test_paged_decode_with_a_full_precision_window_matches_reference(name, head_dim, group, window_len):
+    """The kernel reads the window's rows itself (one more program per KV head, a block's worth
+    of rows at a time), from the positions its bounds name; the reference gathers the same rows."""
+    _window_case(quant.FORMATS[name], head_dim, group, window_len, n=70)
+
+
+@pytest.mark.parametrize("window_len", [14, 70])  # a ring of less than one chunk; every position held
+def test_paged_decode_with_a_window_of_other_sizes_matches_reference(window_len):
+    _window_case(quant.FORMATS["int4"], 64, 4, window_len, n=70)
+
+
+def _window_case(fmt, head_dim, group, window_len, n):
+    kv_heads = 2
+    heads = kv_heads * group
+    pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len + group)
     query = torch.randn(1, heads, head_dim, generator=g)
     sinks = min(4, n - window_len)  # with every position in the window, there is nothing to sink
     recent = quant.RecentWindow(1, kv_heads, head_dim, torch.float32, "cpu", size=window_len, sinks=sinks)
     recent.store(0, 0, torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g))
     s, first = recent.bounds(0, n)
-    out = triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table[None].to(torch.int32)),
-                                 on_device(torch.tensor([n], dtype=torch.int32)), head_dim ** -0.5, on_device(rot),
-                                 on_device(cscale), blocks_per_split=2,
-                                 window=(on_device(recent.k[0]), on_device(recent.v[0]), sinks,
-                                         on_device(torch.tensor([s, first, -1], dtype=torch.int32)))).cpu()
+    window = (on_device(recent.k[0]), on_device(recent.v[0]), sinks,
+              on_device(torch.tensor([s, first, -1], dtype=torch.int32)))
+    out = decode(query, pool, fmt, table[None].to(torch.int32), [n], rot, cscale, splits=2, window=window)
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale,
                                      window=recent.rows(0, n))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
@@ -230,7 +286,7 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
         for n in (20, 150):
             pool, (table,), rot, _, cscale, g = scene(fmt, 4, 2, 64, [n], seed=n)
             triton_kv.paged_decode(torch.randn(1, 4, 64, generator=g), pool, fmt, table[None].to(torch.int32),
-                                   torch.tensor([n], dtype=torch.int32), 0.125, rot, cscale, blocks_per_split=2)
+                                   torch.tensor([n], dtype=torch.int32), 0.125, rot, cscale)
     (a, ca), (b, cb) = launches
     assert ca == cb
     varying = {names[i] for i, (x, y) in enumerate(zip(a, b)) if isinstance(x, int) and x != y}

@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--compile", action="store_true",
+                       help="kernels: compile every Triton kernel variant for sm_86/89/90 (no GPU needed)")
     api = bench.add_argument_group("api")
     api.add_argument("--remote", default=None, metavar="URL", help="measure this server instead of kvchat serve")
     api.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"))
@@ -287,7 +289,7 @@ def cmd_bench(args) -> int:
     else:
         from kvchat.bench import kernels as bench_kernels
 
-        bench_kernels.main(args.json)
+        bench_kernels.main(args.json, args.compile)
     return 0
 
 

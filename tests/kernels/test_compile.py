@@ -1,0 +1,73 @@
+"""The Triton kernels the engine runs, compiled for sm_86, sm_89 and sm_90 here, without a GPU
+(``kernels.compile_check``: ``triton.compile`` with a ``GPUTarget``, the cubin's registers and
+stack read back with the wheel's cuobjdump), in a fresh process with the interpreter off.
+
+The occupancy designed for: the decode kernel, 4 warps a program, keeps to 128 registers a thread,
+so that registers allow 4 programs an SM (65,536 / (4 x 128 x 128)), the count its splits are
+sized for (``triton_kv.PROGRAMS_PER_SM``); shared memory, 32-40 KB a program, allows those 4 on
+sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB), which still keeps 32+ KB in flight per SM against
+the ~6 KB a 4090's SM needs (``kvchat bench kernels``' model). The other kernels (write,
+dequantize, merge) hold no pipeline: 168 registers, 3 programs an SM. No variant spills.
+
+A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s): every decode
+variant on the 8B shape, the merge, the heaviest write (int4 keys, clipped) and dequantize, and
+decode kernels of Qwen2.5-7B (a group of 7) and of head_dim 64. ``kvchat bench kernels --compile``
+compiles the whole matrix (every variant x 3 shapes x 3 targets).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvchat.kernels import compile_check
+
+_SCRIPT = """
+import json
+from kvchat.kernels import compile_check as cc
+picked = {
+    "llama-8b": lambda n: n.startswith(("decode", "merge")) or n in ("write int4 K", "dequantize int4"),
+    "qwen2.5-7b": lambda n: n in ("decode int8 +window", "decode int4 +window"),
+    "d64": lambda n: n in ("decode fp16", "decode int4 +window"),
+}
+rows = []
+for shape in cc.SHAPES:
+    rows += cc.table([shape], which=picked[shape[0]])
+print(json.dumps(rows))
+"""
+
+
+def compiled(tmp_path) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_occupancy(tmp_path):
+    rows = compiled(tmp_path)
+    seen = {(r["shape"], r["variant"], r["target"]) for r in rows}
+    decode = [f"decode {p}" for p in compile_check.PRECISIONS] + [f"decode {p} +window" for p in ("int8", "k8v4", "int4")]
+    for target in ("sm_86", "sm_89", "sm_90"):
+        for name in decode + ["merge fp32", "merge bf16", "write int4 K", "dequantize int4"]:
+            assert ("llama-8b", name, target) in seen, (name, target)
+    spilled = [r for r in rows if r["spill_bytes"]]
+    assert not spilled, spilled
+    for r in rows:
+        if r["variant"].startswith("decode"):
+            assert r["registers"] <= compile_check.REGISTER_BUDGET, r
+            assert r["programs_per_sm"] >= (4 if r["target"] == "sm_90" else 2), r
+        else:  # one token (write), a prefill's rows (dequantize), a merge: none holds a pipeline
+            assert r["registers"] <= compile_check.OTHER_REGISTER_BUDGET, r
+
+
+def test_resource_use_is_read_from_cuobjdump_output():
+    """The parser against the lines cuobjdump prints, so that a format change fails here and not
+    as a silent zero."""
+    text = (" Function _paged_decode_kernel:\n  REG:103 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:412 TEXTURE:0 "
+            "SURFACE:0 SAMPLER:0")
+    assert compile_check.parse_resources(text) == {"registers": 103, "stack": 16, "local": 8}
+    with pytest.raises(ValueError, match="no register count"):
+        compile_check.parse_resources("Fatbin elf code:\n")
