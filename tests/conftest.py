@@ -1,6 +1,10 @@
+import copy
+import ctypes
+import gc
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Before anything imports torch, transformers, triton or Qt.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -8,11 +12,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU, checked against the reference
 os.environ.setdefault("KVCHAT_DECODE", "eager")  # tests of the compiled step ask for it by name
-# a fresh home per run, removed at the end: each holds a converted starter and compiled code (~550 MB)
+# a fresh home per run, removed at the end (chats, personas' KV, settings), whose converted models and
+# inductor's compiled code live in a cache that outlives the run: a second run neither converts nor
+# compiles. Keyed by the versions that shape them; KVCHAT_TEST_CACHE moves it, KVCHAT_TEST_HOME
+# replaces the whole home.
 _OWN_HOME = None if os.environ.get("KVCHAT_TEST_HOME") else tempfile.mkdtemp(prefix="kvchat-test-")
 os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or _OWN_HOME
 
+
+def _keep_built_files(home: Path) -> Path:
+    from importlib.metadata import version
+
+    key = "-".join(version(d) for d in ("kvchat", "torch", "transformers"))
+    kept = Path(os.environ.get("KVCHAT_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".test-cache") / key
+    for name in ("converted", "inductor"):
+        (kept / name).mkdir(parents=True, exist_ok=True)
+        (home / "cache").mkdir(parents=True, exist_ok=True)
+        (home / "cache" / name).symlink_to(kept / name, target_is_directory=True)
+    return kept
+
+
+if _OWN_HOME:
+    _keep_built_files(Path(_OWN_HOME))
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -31,3 +55,27 @@ def starter():
 @pytest.fixture(scope="session")
 def tokenizer(starter):
     return starter.tokenizer
+
+
+@pytest.fixture(scope="session")
+def engine_model(starter):
+    """One copy of the starter for every engine of the suite (an engine sets the model's attention
+    to kvchat's, so the session's ``starter`` stays stock for the parity tests). A copy a test makes
+    for itself costs 540 MB: the suite shares this one."""
+    from kvchat.core.model_source import ModelSource
+    from kvchat.engine.model.loading import LoadedModel
+
+    return LoadedModel(copy.deepcopy(starter.model), starter.tokenizer, ModelSource("folder", "starter"),
+                       "test:starter", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_back_after_each_module():
+    """What a module's engines and windows held goes back to the system before the next module:
+    the suite's peak is that of its largest module, not the sum of them all."""
+    yield
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

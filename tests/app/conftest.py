@@ -13,12 +13,11 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.model.loading import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
-from tiny_models import as_loaded  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def shared(starter):
-    return as_loaded(starter.model, starter.tokenizer, "starter")
+def shared(engine_model):
+    return engine_model
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.model.loading import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
-from tiny_models import as_loaded  # noqa: E402
 
 HELLO = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 @pytest.fixture(scope="module")
-def shared(starter):
-    return as_loaded(starter.model, starter.tokenizer, "starter")
+def shared(engine_model):
+    return engine_model
 
 
 @pytest.fixture

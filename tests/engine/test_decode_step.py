@@ -158,8 +158,13 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
 
 
 def test_the_engine_on_the_starter_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
-    """The notices only: compiling itself is tested above (a stand-in warm-up that takes 0.3 s)."""
-    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: time.sleep(0.3))
+    """The notices only: compiling itself is tested above (a stand-in warm-up that takes 42 s of
+    the host's clock)."""
+    from kvchat.engine import host
+
+    clock = [1000.0]
+    monkeypatch.setattr(host, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: clock.__setitem__(0, clock[0] + 42))
     lm = copy.copy(starter)
     lm.model = copy.deepcopy(starter.model)  # the engine sets its attention: other tests share the starter
     engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, persona_store=False)
@@ -169,7 +174,7 @@ def test_the_engine_on_the_starter_says_it_prepares_fast_decoding_and_when_it_is
     assert wait_for(lambda: len(notices) == 2)
     engine.close()
     assert [n.kind for n in notices] == ["warm-up", "warm-up"]
-    assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (0 s)"
+    assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (42 s)"
 
 
 def test_a_new_kv_precision_on_the_starter_warms_up_again_before_the_next_reply(starter, monkeypatch):

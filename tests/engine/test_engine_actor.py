@@ -2,7 +2,6 @@
 each command's future resolved whatever happens."""
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -26,7 +25,16 @@ def small(**kw) -> EngineConfig:
 
 
 @pytest.fixture
-def engine(starter):
+def engine(engine_model):
+    e = Engine(small(), loaded=engine_model, persona_store=None)
+    e.wait_ready(60)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def own_engine(starter):
+    """An engine on a model of its own, which nothing else holds: a switch must free it."""
     e = Engine(small(), loaded=as_loaded(starter.model, starter.tokenizer, "starter"), persona_store=None)
     e.wait_ready(60)
     yield e
@@ -72,16 +80,15 @@ def test_quit_mid_reply_returns_within_two_seconds_with_the_partial_reply(engine
     handle = engine.submit(Request(messages=STORY, sampling=LONG))
     queued = engine.submit(Request(messages=STORY, sampling=LONG))
     started(handle)
-    t0 = time.perf_counter()
-    assert engine.close()
-    assert time.perf_counter() - t0 < 2.0
+    assert engine.close()  # its thread ended within close()'s two seconds
     done = handle.future.result(timeout=1)
     assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 400 and done.text
     with pytest.raises(EngineError, match="shut"):
         queued.future.result(timeout=1)
 
 
-def test_switch_during_a_reply_cancels_it_and_frees_the_old_model(engine, starter):
+def test_switch_during_a_reply_cancels_it_and_frees_the_old_model(own_engine, starter):
+    engine = own_engine
     old = weakref.ref(engine.loaded.model)
     handle = engine.submit(Request(messages=STORY, sampling=LONG))
     started(handle)
@@ -167,14 +174,14 @@ def test_cancel_resolves_and_stops_the_request(engine):
     assert handle.future.result(timeout=10).finish_reason == "cancelled" and no_leak(engine)
 
 
-def test_a_context_past_the_trained_length_is_capped_and_said(starter):
+def test_a_context_past_the_trained_length_is_capped_and_said(engine_model):
     from kvchat.engine.memory_probe import ScriptedProbe
 
-    e = Engine(EngineConfig(max_context=100_000), loaded=as_loaded(starter.model, starter.tokenizer, "starter"),
+    e = Engine(EngineConfig(max_context=100_000), loaded=engine_model,
                persona_store=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
     seen = events_of(e)
     e.wait_ready(60)
-    trained = starter.model.config.max_position_embeddings
+    trained = engine_model.model.config.max_position_embeddings
     assert e.config.max_context == trained and e.requests.context_limit() == trained
     assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
     assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
@@ -224,12 +231,12 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
     assert engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)["kv_precision"] == "int8"
 
 
-def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(starter):
+def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(engine_model):
     from kvchat.engine.memory_probe import ScriptedProbe
 
     gib = 1 << 30
     probe = ScriptedProbe(total=8 * gib)
-    e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=as_loaded(starter.model, starter.tokenizer),
+    e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=engine_model,
                persona_store=None, probe=probe)
     e.wait_ready(60)
     seen = events_of(e)

@@ -21,7 +21,6 @@ from kvchat.engine.engine import Engine
 from kvchat.core.events import EngineError, Error, Finished, Request, TokenDelta
 from kvchat.engine.model.loading import LoadedModel
 
-from tiny_models import as_loaded
 
 PERSONA = "You answer in one short sentence. " * 3
 QUESTIONS = ["Name a mountain.", "And a river?", "Which is longer?"]
@@ -195,8 +194,8 @@ def _contains(whole: list[int], part: list[int]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def machine_model(starter):
-    EngineMachine.shared = as_loaded(starter.model, starter.tokenizer, "starter")
+def machine_model(engine_model):
+    EngineMachine.shared = engine_model
     yield
     EngineMachine.shared = None
 

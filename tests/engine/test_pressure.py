@@ -13,15 +13,14 @@ from kvchat.engine.memory_probe import ScriptedProbe
 from kvchat.engine.model.loading import LoadedModel
 
 from polling import wait_for
-from tiny_models import as_loaded
 
 GiB = 1 << 30
 PERSONA = {"role": "system", "content": "You are a calm travel guide for the Alps. " * 6}
 
 
 @pytest.fixture(scope="module")
-def shared(starter):
-    return as_loaded(starter.model, starter.tokenizer, "starter")
+def shared(engine_model):
+    return engine_model
 
 
 def engine(shared, probe=None, **config):

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kvchat.core.config import EngineConfig, SamplingParams
+from kvchat.core.config import DEFAULT_CONTEXT, LADDER, EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
 from kvchat.engine.model.loading import load
@@ -140,7 +140,7 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 5, 
     over the cached context is the one cost that grows with the chat. Both chats are cached in the
     one pool and their turns taken in turn, so that a machine busy with something else for a while
     slows both alike, not one of the two medians."""
-    engine = Engine(EngineConfig(model=model, max_context=8192, kv_precision=precision), persona_store=None)
+    engine = Engine(EngineConfig(model=model, max_context=DEFAULT_CONTEXT, kv_precision=precision), persona_store=None)
     engine.wait_ready()
     histories = {n: long_chat(n) for n in lengths}
     for history in histories.values():
@@ -203,7 +203,7 @@ def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 12
     """Decode speed of the engine per KV precision, same model copy, prompts and threads."""
     lm = load(model)
     rows = {}
-    for precision in ("fp16", "int8", "k8v4", "int4"):
+    for precision in (p.value for p in LADDER):
         engine = Engine(EngineConfig(model=model, kv_precision=precision, max_context=prompt_len + new_tokens + 64),
                         loaded=lm, persona_store=None)
         engine.wait_ready()

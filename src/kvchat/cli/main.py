@@ -5,10 +5,13 @@ import logging
 import os
 import sys
 
-from kvchat.core.config import DECODE_MODES, WEIGHTS, ConfigError, EngineConfig, SamplingParams
+from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, LADDER, WEIGHTS, ConfigError, EngineConfig,
+                                SamplingParams)
 from kvchat.cli.checks import check_engine_args, check_serve_args, print_capped
 from kvchat.cli.connections import cmd_connections, connections_args
 from kvchat.core.errors import first_line
+
+LADDER_NAMES = [p.value for p in LADDER]  # the modes a bench or an eval runs in (no auto)
 
 USAGE_ERROR = 2
 
@@ -22,8 +25,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", default=None, choices=list(DECODE_MODES),
                    help="compiled: inductor on the CPU, CUDA graphs on CUDA (default: auto; eager for "
                         "generate, where a compile costs more than one reply saves)")
-    p.add_argument("--kv-precision", default="auto", choices=["auto", "fp16", "int8", "k8v4", "int4"])
-    p.add_argument("--context", type=int, default=8192,
+    p.add_argument("--kv-precision", default="auto", choices=KV_CHOICES)
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="context length in tokens (capped at the model's trained length)")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --context pass the model's trained length (answers get worse past it)")
@@ -96,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     decode.add_argument("--weights", default="none", choices=list(WEIGHTS))
-    decode.add_argument("--kv-precision", default="fp16", choices=["fp16", "int8", "k8v4", "int4"])
+    decode.add_argument("--kv-precision", default="fp16", choices=LADDER_NAMES)
     decode.add_argument("--prompt-len", type=int, default=512)
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)
@@ -117,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default="starter")
     ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
     ev.add_argument("--context", type=int, default=512)
-    ev.add_argument("--kv-precision", default="int4", choices=["fp16", "int8", "k8v4", "int4"])
+    ev.add_argument("--kv-precision", default="int4", choices=LADDER_NAMES)
     ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
     ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
     ev.add_argument("--json", action="store_true")

@@ -16,6 +16,12 @@ class Precision(str, Enum):
     INT4 = "int4"
 
 
+# The precision ladder, best first: what Auto steps down through and the planner tries in turn.
+LADDER = (Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4)
+KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
+DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
+BLOCK_SIZE = 16  # tokens a KV block holds
+
 WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
 DECODE_MODES = ("auto", "eager", "compiled")
 
@@ -30,8 +36,8 @@ class EngineConfig:
     # default, so a test suite of many short-lived engines need not compile each one
     decode: str = field(default_factory=lambda: os.environ.get("KVCHAT_DECODE", "auto"))
     kv_precision: Precision = Precision.FP16
-    block_size: int = 16
-    max_context: int = 8192
+    block_size: int = BLOCK_SIZE
+    max_context: int = DEFAULT_CONTEXT
     kv_budget_bytes: int | None = None  # None: room for max_context tokens plus a prefix-cache reserve
     headroom_bytes: int = 1 << 30  # device memory left free for everything else
     prefill_chunk: int = 512

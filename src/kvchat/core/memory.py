@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from kvchat.core.config import Precision
+from kvchat.core.config import BLOCK_SIZE, LADDER
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
-PRECISIONS = [Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4]  # best first
+PRECISIONS = LADDER  # best first
 PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as cached prefixes
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
 
@@ -84,7 +84,7 @@ def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int
     return context * per_token + fp32_slice + 3 * chunk * heads * shape.head_dim * 4
 
 
-def slice_bytes(shape: KVShape, block_size: int = 16) -> int:
+def slice_bytes(shape: KVShape, block_size: int = BLOCK_SIZE) -> int:
     """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
     their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
     rounding). Measured in test_kv_cache: 0.9x of this."""
@@ -109,7 +109,7 @@ class Plan:
 
 
 def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int = GiB,
-         kv_full_bytes: int = 2, block_size: int = 16, chunk: int = 512,
+         kv_full_bytes: int = 2, block_size: int = BLOCK_SIZE, chunk: int = 512,
          weights_size: int | None = None) -> Plan:
     """For each precision the largest context the memory holds, and Auto's pick: the highest
     precision that holds ``context`` plus the prefix-cache reserve."""

@@ -2,6 +2,7 @@
 matched, the rest prefilled in chunks, tokens sampled and streamed until a stop, then its blocks
 released (the persona kept). Every request ends with exactly one Finished or Error."""
 import logging
+import weakref
 import time
 
 from kvchat.core.commands import Tokenize
@@ -19,7 +20,7 @@ log = logging.getLogger("kvchat.engine")
 
 class RequestRunner:
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
 
     def serve(self, handle: RequestHandle) -> None:
         """Run one request; its blocks are released before the last event, so a caller that saw

@@ -2,6 +2,7 @@
 the pool shrunk (and, under Auto, its precision stepped down) when another program takes memory;
 context, precision and headroom changed on request without reloading the weights."""
 import logging
+import weakref
 import time
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ SNAPSHOT_PERIOD = 1.0  # seconds between memory snapshots
 
 class MemoryGovernor:
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
         self.next_snapshot = 0.0
 
     def tick(self, live: list[Sequence] = ()) -> None:

@@ -4,8 +4,9 @@ what it loads on the Engine (config, loaded, kvpool and what follows from them).
 import ctypes
 import gc
 import logging
-import time
+import weakref
 from dataclasses import replace
+from time import perf_counter
 
 import torch
 
@@ -27,7 +28,7 @@ log = logging.getLogger("kvchat.engine")
 
 class ModelHost:
     def __init__(self, engine, persona_store: PersonaStore | None | bool, probe):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
         self.store_arg, self.given_probe = persona_store, probe
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
         self.warmed = self.fallback_told = False  # the decode step compiled once; its fallback told once
@@ -181,7 +182,7 @@ class ModelHost:
         if e.kvpool is None or self.warmed:
             return
         self.warmed = True
-        started = time.perf_counter()
+        started = perf_counter()
         step = e.kvpool.runner.step
         # compiling on the CPU takes a minute or more the first time: a message sent meanwhile
         # waits, and the user should know why (a CUDA capture takes a second)
@@ -193,7 +194,7 @@ class ModelHost:
             warm_weights(e.loaded.model)
         except Exception:
             log.exception("warming up the decode step failed")
-        elapsed = time.perf_counter() - started
+        elapsed = perf_counter() - started
         log.info("decode step ready (%s) in %.1f s", step.mode, elapsed)
         if told and step.captured:
             e.notice("warm-up", f"fast decoding ready ({elapsed:.0f} s)")

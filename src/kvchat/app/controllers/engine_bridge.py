@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from kvchat.core.config import EngineConfig, SamplingParams
+from kvchat.core.config import DEFAULT_CONTEXT, EngineConfig, SamplingParams
 from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Request,
                                   RequestHandle, TokenDelta)
 from kvchat.core.memory import GiB, MemorySnapshot
@@ -22,7 +22,7 @@ from kvchat.remote.metrics import ServerMemory
 def settings_config(settings: dict) -> EngineConfig:
     """The engine config for the settings panel's values."""
     return EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
-                        max_context=settings.get("max_context", 8192), weights=settings.get("weights", "auto"),
+                        max_context=settings.get("max_context", DEFAULT_CONTEXT), weights=settings.get("weights", "auto"),
                         headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB))
 
 

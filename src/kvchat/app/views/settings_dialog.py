@@ -8,8 +8,8 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 from kvchat.core.memory import GiB, plan
 
 from kvchat.app.models.sampling_defaults import FALLBACK
+from kvchat.core.config import DEFAULT_CONTEXT, KV_CHOICES
 
-PRECISIONS = ["auto", "fp16", "int8", "k8v4", "int4"]
 
 
 def trained_context(config) -> int | None:
@@ -26,9 +26,9 @@ class SettingsDialog(QDialog):
         self.model = QLineEdit(engine_settings.get("model", "starter"))
         self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
         self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
-                                value=engine_settings.get("max_context", 8192))
+                                value=engine_settings.get("max_context", DEFAULT_CONTEXT))
         self.precision = QComboBox()
-        self.precision.addItems(PRECISIONS)
+        self.precision.addItems(KV_CHOICES)
         self.precision.setCurrentText(engine_settings.get("kv_precision", "auto"))
         self.on_cuda = on_cuda
         self.weights = QComboBox()

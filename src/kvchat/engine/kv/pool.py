@@ -6,7 +6,7 @@ import torch
 
 from kvchat.engine.kv.block_pool import BlockPool
 from kvchat.engine.kv.calibration import calibrate
-from kvchat.core.config import ConfigError, Precision
+from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
 from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -38,7 +38,7 @@ class KVPool:
         self.personas = PersonaCache(self.manager, self.kv, store)
 
     @classmethod
-    def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = 16) -> "KVPool":
+    def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
         """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
         per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
         return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), None)
