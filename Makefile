@@ -43,7 +43,7 @@ PACKAGE_TAR = dist/kvchat-$(PACKAGE_VERSION)-linux-$(shell uname -m).tar.gz
 # what package-check runs the app with: Xvfb, xdotool, the desktop-file validator and Qt's xcb libraries
 CHECK_DEBS := xvfb xdotool desktop-file-utils $(XCB_LIBS)
 
-.PHONY: install-desktop uninstall-desktop package-check package-tar
+.PHONY: install-desktop uninstall-desktop package-check package-tar wheel-check
 
 package: $(APP)
 
@@ -62,7 +62,7 @@ install-desktop: | $(APP)
 uninstall-desktop:
 	packaging/install.sh --uninstall
 
-package-check: $(APP)
+package-check: $(APP) wheel-check
 	@# CI runs as root on a fresh machine: install what is missing; elsewhere say what to install
 	@missing=$$(command -v dpkg >/dev/null && for p in $(CHECK_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -73,6 +73,10 @@ package-check: $(APP)
 				|| exit 1; \
 		else echo "package-check needs: sudo apt-get install $$missing" >&2; exit 1; fi; fi
 	$(BIN)/python packaging/check.py --app $(APP) --desktop $(APP_DIR)/install.sh
+
+# the wheel, installed on its own, runs (package data included): packaging/wheel_check.sh
+wheel-check: | $(VENV)/.installed
+	packaging/wheel_check.sh
 
 package-tar: $(APP)
 	tar -C dist -czf $(PACKAGE_TAR) kvchat

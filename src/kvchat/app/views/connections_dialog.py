@@ -1,5 +1,5 @@
 """Saved connections to OpenAI-compatible servers: add, edit, remove, and pick the one to run on.
-The API key goes only to the OS keyring (engine/connections.py); the model is one the server lists
+The API key goes only to the OS keyring (core/connections.py); the model is one the server lists
 on /v1/models, asked off the GUI thread."""
 import threading
 

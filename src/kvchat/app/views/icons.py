@@ -1,4 +1,4 @@
-"""The bundled SVG icon set (assets/icons), drawn in the theme's text colour for widgets; QML tints
+"""The bundled SVG icon set (app/assets/icons), drawn in the theme's text colour for widgets; QML tints
 the same files itself (icon.color)."""
 
 from PySide6.QtCore import QByteArray, QRectF, QUrl, Qt

@@ -1,4 +1,4 @@
-"""What transformers' GGUF loading lacks, added around one conversion (engine/models.py).
+"""What transformers' GGUF loading lacks, added around one conversion (engine/model/loading.py).
 
 - It parses the file three times (for the tokenizer, the config and the weights), and parsing the
   starter's 49k-token vocabulary takes 2.5-4 s here each time: the same reader serves all three.
