@@ -31,6 +31,11 @@ def summary(out: Path) -> None:
             c = r["chat_turn"]
             print(f"{step['step']}: a chat's next turn {c['ttft_long_ms']:.1f} ms after {c['history_tokens']} cached "
                   f"tokens, {c['ttft_short_ms']:.1f} ms after {c['short_tokens']}: ratio {c['ratio']:.2f}")
+        for k in r.get("measured", []) if isinstance(r, dict) else []:
+            if k["context"] == max(x["context"] for x in r["measured"]):
+                print(f"{step['step']}: decode {k['precision']} at {k['context']}: {k['measured_us']:.1f} us measured, "
+                      f"{k['predicted_us']:.1f} us modelled, {k['bound_us']:.1f} us at the bandwidth "
+                      f"({k['bound_us'] / k['measured_us']:.0%} of it)")
         if "paths" not in r:
             continue
         paths = ", ".join(f"{k} {v['decode_tok_s']:.1f} tok/s ({v['roofline_fraction']:.0%})"

@@ -352,3 +352,20 @@ def test_the_write_kernel_compiles_for_cuda_to_fp32_fmas_not_tf32(tmp_path):
     assert [line[0] for line in lines] == ["86", "90"]
     for cap, tf32, mma, fmas in lines:
         assert tf32 == "False" and mma == "False" and int(fmas) > 0, (cap, tf32, mma, fmas)
+
+
+def test_the_decode_products_take_exact_fp16_codes_and_an_unquantized_pool_as_it_is(monkeypatch):
+    """On a GPU: int8/int4 codes go into the products as fp16 (exact), a bf16 window's rows as
+    bf16, a bf16 pool as bf16; anything fp32 stays fp32 with "ieee" (TF32 would round it). Under
+    the interpreter everything is fp32."""
+    import triton.language as tl
+
+    bf16 = {"k": torch.zeros(1, dtype=torch.bfloat16)}
+    fp32 = {"k": torch.zeros(1)}
+    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float32, tl.float32, "ieee")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["fp16"]) == (tl.bfloat16, tl.bfloat16, "tf32")
+    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float16, tl.bfloat16, "tf32")
+    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["k8v4"]) == (tl.float16, tl.float16, "tf32")
+    assert triton_kv.dot_dtypes(fp32, quant.FORMATS["fp16"]) == (tl.float32, tl.float32, "ieee")
+    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int8"], torch.float32) == (tl.float32, tl.float32, "ieee")
