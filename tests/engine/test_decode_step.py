@@ -214,3 +214,35 @@ def test_the_step_block_table_holds_exactly_the_ids_it_was_given():
             ids = ids + [int(torch.randint(500, (1,), generator=g))]
         assert step._device_table(ids).tolist() == ids, change
     assert len(ids) > 64  # past the first buffer
+
+
+def test_the_window_bounds_go_through_two_pinned_buffers_in_turn(monkeypatch):
+    """A captured step copies the window's bounds from pinned memory without waiting; the buffer
+    it rewrites is the one whose copy was recorded two steps before, and it waits for that copy's
+    event first, never for the one just queued."""
+    from unittest import mock
+
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.synced = 0
+            events.append(self)
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            self.synced += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    step = DecodeStep(tiny_model("llama"), "eager")
+    buffers = []
+    real = step.wmeta.copy_
+    with mock.patch.object(step, "wmeta", mock.Mock(wraps=step.wmeta)) as wmeta:
+        wmeta.copy_.side_effect = lambda src, non_blocking=False: (buffers.append(src), real(src))[1]
+        for n in range(4):
+            step._copy_bounds((n, 10 + n, 20 + n))
+    assert step.wmeta.tolist() == [3, 13, 23]
+    assert buffers[0] is buffers[2] and buffers[1] is buffers[3] and buffers[0] is not buffers[1]
+    assert len(events) == 2 and [e.synced for e in events] == [1, 1]  # steps 3 and 4 waited on 1 and 2

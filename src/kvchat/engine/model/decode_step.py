@@ -61,7 +61,11 @@ class DecodeStep:
         self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
         # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
         self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
-        self._wmeta_host = torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        # two pinned buffers for the window's bounds, taken in turn: a buffer is rewritten only once
+        # the copy that read it two steps ago has left (its event), not while it may be pending
+        self._wmeta_host = [torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._wmeta_copied: list = [None, None]
+        self._wmeta_turn = 0
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_window = None  # and the window
@@ -200,11 +204,23 @@ class DecodeStep:
             for layer in range(len(window.end)):
                 window.note(layer, position, 1)
             bounds = (*window.bounds(0, position + 1), window.ring_row(position))
-            self._wmeta_host.copy_(torch.tensor(bounds, dtype=torch.int32))
-            self.wmeta.copy_(self._wmeta_host, non_blocking=True)  # pinned: the host goes on
+            self._copy_bounds(bounds)
         graph.replay()
         self.replays += 1
         return logits[0].clone()
+
+    def _copy_bounds(self, bounds: tuple) -> None:
+        """``bounds`` into ``wmeta`` without waiting for the GPU: through a pinned buffer, the
+        other one of the two than last step's."""
+        turn = self._wmeta_turn = 1 - self._wmeta_turn
+        if self._wmeta_copied[turn] is not None:
+            self._wmeta_copied[turn].synchronize()  # the copy of two steps ago: long gone, in practice
+        host = self._wmeta_host[turn]
+        host.copy_(torch.tensor(bounds, dtype=torch.int32))
+        self.wmeta.copy_(host, non_blocking=True)  # pinned: the host goes on
+        event = self._wmeta_copied[turn] or torch.cuda.Event()
+        event.record()
+        self._wmeta_copied[turn] = event
 
     def _capture(self, kv, window, position: int, bucket: int) -> tuple:
         """Record the step for block tables up to ``bucket`` blocks (a view of the step's table
