@@ -116,6 +116,7 @@ def test_internal_failure_is_an_error_event_and_frees_blocks(engine, monkeypatch
     assert engine.generate(HELLO, max_new_tokens=2, temperature=0).finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_context_limit(engine):
     done = engine.generate(HELLO, max_new_tokens=1000, temperature=0, ignore_eos=True)
     assert done.finish_reason == "length"

@@ -200,6 +200,7 @@ def machine_model(engine_model):
     EngineMachine.shared = None
 
 
+@pytest.mark.slow
 def test_random_command_sequences_keep_the_engine_whole(machine_model):
     run = EngineMachine.TestCase
     run.settings = settings(max_examples=8, stateful_step_count=6, deadline=None, derandomize=True,

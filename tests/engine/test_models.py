@@ -101,6 +101,7 @@ def test_quantized_weights_need_cuda():
         models._bnb_config("nf4", torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.slow
 def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch, tmp_path):
     """A fresh cache: stages "read", "tokenizer" and "model" with no count, then (i, n) after each of
     its n tensors; raising in the callback (the engine's cancel) stops the conversion with that reason."""

@@ -69,6 +69,7 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(shared):
     e.close()
 
 
+@pytest.mark.slow
 def test_a_full_pool_steps_down_instead_of_failing(shared):
     per_token_fp32 = 2 * 30 * 3 * 64 * 4
     e = engine(shared, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * per_token_fp32)

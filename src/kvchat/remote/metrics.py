@@ -4,6 +4,8 @@ the app shows as "not reported"."""
 import math
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 # The names as the servers' sources write them (vllm/v1/metrics/loggers.py, sglang/srt/metrics/
 # collector.py, llama.cpp's server /metrics handler); a Counter declared as "x" is exported as
 # "x_total" by prometheus_client.
@@ -42,23 +44,17 @@ class ServerMemory:
 
 
 def parse(text: str) -> dict[str, float]:
-    """Prometheus text format: each metric summed over its label sets (a vLLM with several models
-    or engines reports one line each)."""
+    """Each sample's value, summed over its label sets (a vLLM with several models or engines reports
+    one line each). Read with prometheus_client's parser; what follows a line it cannot read is
+    dropped, what came before is kept."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line and "}" in line:
-            name, rest = line[:line.index("{")], line[line.rindex("}") + 1:]
-        else:
-            name, _, rest = line.partition(" ")
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            values[name] = values.get(name, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if math.isfinite(sample.value):
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except (ValueError, IndexError, KeyError):  # not Prometheus text past this point
+        pass
     return values
 
 

@@ -10,11 +10,13 @@ import time
 import uuid
 
 from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Refused, Request,
                                 TokenDelta)
@@ -226,9 +228,12 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
                            param="model", code="model_not_found")
         return model_card
 
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MetricsCollector(state, counters))
+
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(prometheus(state.snapshot, counters), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def admit() -> None:
         """The queue bound, checked before the body is read and again before it is tokenized."""
@@ -361,20 +366,27 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
     return app
 
 
-def prometheus(snapshot: MemorySnapshot | None, counters: Counters) -> str:
-    """kvchat's own names, in the shape of vLLM's: the remote client reads either. The KV figures
-    are the engine's last memory snapshot (about once a second)."""
-    lines = []
+class MetricsCollector:
+    """kvchat's own names, in the shape of vLLM's: the remote client reads either. Read when
+    /metrics is asked: the counters, and the KV figures of the engine's last memory snapshot (about
+    once a second). A counter named "x" is exported as "x_total", as prometheus_client does."""
 
-    def metric(name: str, kind: str, value, help_: str) -> None:
-        lines.extend([f"# HELP kvchat:{name} {help_}", f"# TYPE kvchat:{name} {kind}", f"kvchat:{name} {value}"])
+    def __init__(self, state, counters: Counters):
+        self.state, self.counters = state, counters
 
-    total, in_use = (snapshot.kv_total, snapshot.kv_in_use) if snapshot else (0, 0)
-    metric("kv_cache_usage_perc", "gauge", in_use / total if total else 0.0, "KV-cache blocks in use, 1 means full")
-    metric("kv_bytes_in_use", "gauge", in_use, "bytes of KV-cache blocks referenced by a running request")
-    metric("prefix_cache_queries_total", "counter", counters.prompt_tokens, "prompt tokens of finished requests")
-    metric("prefix_cache_hits_total", "counter", counters.cached_tokens, "of those, tokens served from the cache")
-    metric("requests_running", "gauge", counters.active, "requests submitted and not yet answered")
-    metric("requests_refused_total", "counter", counters.refused, "requests refused with 429")
-    metric("requests_cancelled_total", "counter", counters.cancelled, "requests cancelled by a client that left")
-    return "\n".join(lines) + "\n"
+    def collect(self):
+        snapshot: MemorySnapshot | None = self.state.snapshot
+        c = self.counters
+        total, in_use = (snapshot.kv_total, snapshot.kv_in_use) if snapshot else (0, 0)
+        yield GaugeMetricFamily("kvchat:kv_cache_usage_perc", "KV-cache blocks in use, 1 means full",
+                                value=in_use / total if total else 0.0)
+        yield GaugeMetricFamily("kvchat:kv_bytes_in_use", "bytes of KV-cache blocks referenced by a running request",
+                                value=in_use)
+        yield CounterMetricFamily("kvchat:prefix_cache_queries", "prompt tokens of finished requests",
+                                  value=c.prompt_tokens)
+        yield CounterMetricFamily("kvchat:prefix_cache_hits", "of those, tokens served from the cache",
+                                  value=c.cached_tokens)
+        yield GaugeMetricFamily("kvchat:requests_running", "requests submitted and not yet answered", value=c.active)
+        yield CounterMetricFamily("kvchat:requests_refused", "requests refused with 429", value=c.refused)
+        yield CounterMetricFamily("kvchat:requests_cancelled", "requests cancelled by a client that left",
+                                  value=c.cancelled)
