@@ -13,9 +13,11 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.model.runner import ModelRunner
-from kvchat.kernels import dispatch, triton_kv
+from kvchat.kernels import dispatch, triton_decode, triton_kv
 
 from tiny_models import tiny_model
+
+pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 NO_LAUNCH = {"view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "slice", "select", "expand", "t",
              "as_strided", "permute", "alias", "detach", "detach_", "unflatten", "flatten", "reshape", "lift_fresh",
@@ -86,8 +88,8 @@ def test_a_decode_step_launches_at_most_20_ops_per_layer_for_attention(model, pr
     seq.token_ids.append(7)
     manager.reserve(seq, len(seq))
     with on_cuda_path(), mock.patch.object(triton_kv, "_quantize_write_kernel", Launch("write")), \
-            mock.patch.object(triton_kv, "_paged_decode_kernel", Launch("decode")), \
-            mock.patch.object(triton_kv, "_merge_kernel", Launch("merge")), torch.inference_mode(), \
+            mock.patch.object(triton_decode, "_paged_decode_kernel", Launch("decode")), \
+            mock.patch.object(triton_decode, "_merge_kernel", Launch("merge")), torch.inference_mode(), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.forward(seq, len(seq), want_logits=True)
     ops = Counter(e.name[len("aten::"):] for e in prof.events() if e.name.startswith("aten::") and inside_attention(e))

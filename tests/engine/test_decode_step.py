@@ -19,6 +19,8 @@ from kvchat.engine.model.runner import ModelRunner
 from polling import wait_for
 from tiny_models import ARCHS, as_loaded, tiny_model
 
+pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
+
 TOL = 1e-4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -4,7 +4,7 @@ stack read back with the wheel's cuobjdump), in a fresh process with the interpr
 
 The occupancy designed for: the decode kernel, 4 warps a program, keeps to 128 registers a thread,
 so that registers allow 4 programs an SM (65,536 / (4 x 128 x 128)), the count its splits are
-sized for (``triton_kv.PROGRAMS_PER_SM``); shared memory, 32-40 KB a program, allows those 4 on
+sized for (``triton_decode.PROGRAMS_PER_SM``); shared memory, 32-40 KB a program, allows those 4 on
 sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB), which still keeps 32+ KB in flight per SM against
 the ~6 KB a 4090's SM needs (``kvchat bench kernels``' model). The other kernels (write,
 dequantize, merge) hold no pipeline: 168 registers, 3 programs an SM. No variant spills.

@@ -7,7 +7,9 @@ from unittest import mock
 import pytest
 import torch
 
-from kvchat.kernels import quant, reference, triton_kv
+from kvchat.kernels import quant, reference, triton_decode, triton_kv
+
+pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 BS = 16
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -141,7 +143,7 @@ def padded_tables(tables, width=None, filler=None):
 
 
 def decode(query, pool, fmt, table, lengths, rot, cscale, **kwargs):
-    return triton_kv.paged_decode(on_device(query), on_device(pool), fmt, on_device(table),
+    return triton_decode.paged_decode(on_device(query), on_device(pool), fmt, on_device(table),
                                   on_device(torch.tensor(lengths, dtype=torch.int32)), query.shape[-1] ** -0.5,
                                   on_device(rot), on_device(cscale if fmt.quantized else None), **kwargs).cpu()
 
@@ -189,10 +191,10 @@ def test_the_split_count_follows_the_sms_not_the_bucket():
     """Buckets of 8,192 and 32,768 blocks launch the same programs on an H200 (132 SMs): the
     padding of a large bucket costs no programs. A short table launches no more splits than it
     has tiles."""
-    big = [triton_kv.decode_splits(132, 1, 8, blocks * BS) for blocks in (2048, 8192, 32768)]
-    assert big[0] == big[1] == big[2] == -(-132 * triton_kv.PROGRAMS_PER_SM // 8)
-    assert triton_kv.decode_splits(132, 1, 8, 32 * BS) == 32 * BS // triton_kv.DECODE_TILE
-    assert triton_kv.decode_splits(132, 1, 8, 1) == 1
+    big = [triton_decode.decode_splits(132, 1, 8, blocks * BS) for blocks in (2048, 8192, 32768)]
+    assert big[0] == big[1] == big[2] == -(-132 * triton_decode.PROGRAMS_PER_SM // 8)
+    assert triton_decode.decode_splits(132, 1, 8, 32 * BS) == 32 * BS // triton_decode.DECODE_TILE
+    assert triton_decode.decode_splits(132, 1, 8, 1) == 1
 
 
 @pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
@@ -256,7 +258,7 @@ def test_shapes_the_kernels_cannot_take_get_a_clear_error_and_the_reference_path
     with pytest.raises(ValueError, match=problem):
         triton_kv.quantize_write(pool, fmt, x, x, torch.arange(3), rot)
     with pytest.raises(ValueError, match=problem):
-        triton_kv.paged_decode(torch.randn(1, 4, head_dim), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
+        triton_decode.paged_decode(torch.randn(1, 4, head_dim), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
                                torch.tensor([3], dtype=torch.int32), 0.1, rot)
     cuda_like = mock.Mock(is_cuda=True, shape=x.shape)
     assert not dispatch.use_triton(cuda_like, pool, fmt)
@@ -272,7 +274,7 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
 
     fmt = quant.FORMATS["int8"]
     launches = []
-    real = triton_kv._paged_decode_kernel
+    real = triton_decode._paged_decode_kernel
 
     class Recorder:
         def __getitem__(self, grid):
@@ -282,10 +284,10 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
             return launch
 
     names = list(inspect.signature(real.fn).parameters)
-    with mock.patch.object(triton_kv, "_paged_decode_kernel", Recorder()):
+    with mock.patch.object(triton_decode, "_paged_decode_kernel", Recorder()):
         for n in (20, 150):
             pool, (table,), rot, _, cscale, g = scene(fmt, 4, 2, 64, [n], seed=n)
-            triton_kv.paged_decode(torch.randn(1, 4, 64, generator=g), pool, fmt, table[None].to(torch.int32),
+            triton_decode.paged_decode(torch.randn(1, 4, 64, generator=g), pool, fmt, table[None].to(torch.int32),
                                    torch.tensor([n], dtype=torch.int32), 0.125, rot, cscale)
     (a, ca), (b, cb) = launches
     assert ca == cb
@@ -362,10 +364,10 @@ def test_the_decode_products_take_exact_fp16_codes_and_an_unquantized_pool_as_it
 
     bf16 = {"k": torch.zeros(1, dtype=torch.bfloat16)}
     fp32 = {"k": torch.zeros(1)}
-    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float32, tl.float32, "ieee")
+    assert triton_decode.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float32, tl.float32, "ieee")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["fp16"]) == (tl.bfloat16, tl.bfloat16, "tf32")
-    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float16, tl.bfloat16, "tf32")
-    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["k8v4"]) == (tl.float16, tl.float16, "tf32")
-    assert triton_kv.dot_dtypes(fp32, quant.FORMATS["fp16"]) == (tl.float32, tl.float32, "ieee")
-    assert triton_kv.dot_dtypes(bf16, quant.FORMATS["int8"], torch.float32) == (tl.float32, tl.float32, "ieee")
+    assert triton_decode.dot_dtypes(bf16, quant.FORMATS["fp16"]) == (tl.bfloat16, tl.bfloat16, "tf32")
+    assert triton_decode.dot_dtypes(bf16, quant.FORMATS["int4"], torch.bfloat16) == (tl.float16, tl.bfloat16, "tf32")
+    assert triton_decode.dot_dtypes(bf16, quant.FORMATS["k8v4"]) == (tl.float16, tl.float16, "tf32")
+    assert triton_decode.dot_dtypes(fp32, quant.FORMATS["fp16"]) == (tl.float32, tl.float32, "ieee")
+    assert triton_decode.dot_dtypes(bf16, quant.FORMATS["int8"], torch.float32) == (tl.float32, tl.float32, "ieee")

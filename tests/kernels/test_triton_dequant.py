@@ -9,6 +9,8 @@ from kvchat.kernels import dispatch, quant, reference, triton_kv
 
 from test_triton import DEVICE, on_device
 
+pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
+
 BS = 16
 QUANTIZED = ["int8", "k8v4", "int4"]
 

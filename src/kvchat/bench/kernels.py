@@ -56,6 +56,7 @@ def check(device, dtype=torch.bfloat16, length: int = 1000) -> list[dict]:
     sums run in another order than torch's, so a value on a rounding edge may land one step away),
     and the largest difference of a dequantized value, in quantization steps. Decode: max |error|."""
     from kvchat.kernels import triton_kv
+    from kvchat.kernels import triton_decode
 
     rows = []
     for name in PRECISIONS:
@@ -70,7 +71,7 @@ def check(device, dtype=torch.bfloat16, length: int = 1000) -> list[dict]:
             row["write_max_steps"] = max(_steps_apart(pool, other, fmt, n, table, length) for n in ("k", "v"))
         want = reference.paged_attention(q.float(), {n: t.float() if t.dtype == dtype else t for n, t in pool.items()},
                                          fmt, table, length, 128 ** -0.5, None, rot)
-        got = triton_kv.paged_decode(q, pool, fmt, table[None].int(), torch.tensor([length], device=device,
+        got = triton_decode.paged_decode(q, pool, fmt, table[None].int(), torch.tensor([length], device=device,
                                      dtype=torch.int32), 128 ** -0.5, rot).float()
         row["decode_max_abs_err"] = (got - want).abs().max().item()
         rows.append(row)
@@ -98,20 +99,21 @@ def model(precision: str, context: int, device: dict, compiled: dict | None = No
     """The bytes-and-occupancy model of one decode call (one sequence, with the window in the
     quantized modes). ``compiled``: ``{"registers", "shared"}`` of the variant on this device's
     target (``kernels.compile_check``), else the design budget is assumed."""
-    from kvchat.kernels import compile_check, triton_kv
+    from kvchat.kernels import compile_check
+    from kvchat.kernels import triton_decode
 
     fmt = quant.FORMATS[precision]
-    tile, stages = triton_kv.decode_config(fmt)
+    tile, stages = triton_decode.decode_config(fmt)
     window = fmt.quantized
     per_token = quant.token_bytes(fmt, kv_heads, head_dim)  # K and V, scales included
     pool_tokens = max(0, context - (quant.WINDOW + quant.SINKS if window else 0))
     window_bytes = 2 * (quant.WINDOW + quant.SINKS) * kv_heads * head_dim * 2 if window else 0
     read = pool_tokens * per_token + window_bytes + context // BS * 4  # + the block ids
-    splits = triton_kv.decode_splits(device["sms"], 1, kv_heads, context)
+    splits = triton_decode.decode_splits(device["sms"], 1, kv_heads, context)
     tiles = -(-pool_tokens // tile)
     per_program = -(-tiles // splits)
     programs = kv_heads * splits
-    threads = 32 * triton_kv.DECODE_WARPS
+    threads = 32 * triton_decode.DECODE_WARPS
     regs = (compiled or {}).get("registers") or compile_check.REGISTER_BUDGET
     shared = (compiled or {}).get("shared") or 0
     cap = device["capability"]
@@ -137,7 +139,7 @@ def measure(device, precision: str, context: int) -> float:
     window in the quantized modes), so launch cost and the Python wrapper are not in it."""
     import triton.testing
 
-    from kvchat.kernels import triton_kv
+    from kvchat.kernels import triton_decode
 
     fmt = quant.FORMATS[precision]
     pool, table, rot, q, _ = build(fmt, context, device=device, **SHAPE)
@@ -151,7 +153,7 @@ def measure(device, precision: str, context: int) -> float:
         wmeta = torch.tensor([s, first, recent.ring_row(context - 1)], dtype=torch.int32, device=device)
         window = (recent.k[0], recent.v[0], recent.sinks, wmeta)
     table = table[None].int()
-    call = lambda: triton_kv.paged_decode(q, pool, fmt, table, lens, 128 ** -0.5, rot, window=window)
+    call = lambda: triton_decode.paged_decode(q, pool, fmt, table, lens, 128 ** -0.5, rot, window=window)
     call()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(call, rep=50) * 1000

@@ -8,7 +8,7 @@ Run with ``TRITON_INTERPRET`` unset or 0 (in a fresh process under the test suit
 interpreter replaces ``triton.jit`` functions with objects ``triton.compile`` cannot take.
 
 The budget: the decode kernel runs DECODE_WARPS = 4 warps (128 threads) a program and is designed
-for ``triton_kv.PROGRAMS_PER_SM`` = 4 programs an SM (the splits are sized for it). An SM has 64K
+for ``triton_decode.PROGRAMS_PER_SM`` = 4 programs an SM (the splits are sized for it). An SM has 64K
 32-bit registers, so 4 programs of 128 threads leave 128 registers a thread: ``REGISTER_BUDGET``.
 Shared memory is the pipeline's (STAGES tiles of K and V); it is reported, and the programs it
 allows per SM are part of the bytes-and-occupancy model (``bench/kernels.py``).
@@ -49,20 +49,21 @@ def _ptr(dtype: str) -> str:
 
 
 def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Variant]:
-    """The decode kernel as the engine launches it on CUDA (``triton_kv.paged_decode`` from
+    """The decode kernel as the engine launches it on CUDA (``triton_decode.paged_decode`` from
     ``dispatch``): bf16 model, fp32 rotated query, one sequence; quantized modes with and without
     the window (a prefill chunk's decode-length-1 step and a sink step run without), fp16 without
     (it has none). And the merge, for both of its outputs."""
     import triton.language as tl
 
-    from kvchat.kernels import quant, triton_kv
+    from kvchat.kernels import quant
+    from kvchat.kernels import triton_decode
 
     out = []
     group = heads // kv_heads
     for precision in PRECISIONS:
         fmt = quant.FORMATS[precision]
         data = {16: dtype, 8: "i8", 4: "u8"}
-        tile, stages = triton_kv.decode_config(fmt)
+        tile, stages = triton_decode.decode_config(fmt)
         for window in ((False, True) if fmt.quantized else (False,)):
             dot = tl.float16 if fmt.quantized else getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
             wdot = getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype]) if window else dot
@@ -75,15 +76,15 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
                    "wmeta_ptr": "*i32", "qk_scale": "fp32", "table_stride": "i32", "splits": "i32"}
             consts = dict(HEADS=heads, KV_HEADS=kv_heads, D=head_dim, BS=16, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
                           CH=min(quant.GROUP, head_dim // 2), QG=group,
-                          QG_PAD=max(triton_kv.QG_MIN, triton.next_power_of_2(group)), TILE=tile,
+                          QG_PAD=max(triton_decode.QG_MIN, triton.next_power_of_2(group)), TILE=tile,
                           STAGES=stages, DOT=dot, W_DOT=wdot, PREC="tf32", WINDOW=window,
                           W_SINKS=quant.SINKS if window else 0, W_SIZE=quant.WINDOW if window else 1)
             sig.update({k: "constexpr" for k in consts})
             out.append(Variant(f"decode {precision}{' +window' if window else ''}", "_paged_decode_kernel", sig,
-                               consts, triton_kv.DECODE_WARPS, [k for k, v in sig.items() if v.startswith("*")]))
+                               consts, triton_decode.DECODE_WARPS, [k for k, v in sig.items() if v.startswith("*")]))
     for name, out_dtype in (("merge fp32", "fp32"), (f"merge {dtype}", dtype)):
         sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": _ptr(out_dtype), "parts": "i32"}
-        consts = dict(D=head_dim, CHUNK=triton_kv.MERGE_CHUNK)
+        consts = dict(D=head_dim, CHUNK=triton_decode.MERGE_CHUNK)
         sig.update({k: "constexpr" for k in consts})
         out.append(Variant(name, "_merge_kernel", sig, consts, 4, [k for k, v in sig.items() if v.startswith("*")]))
     return out
@@ -160,11 +161,11 @@ def compile_variant(variant: Variant, capability: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from kvchat.kernels import triton_kv
+    from kvchat.kernels import triton_decode, triton_kv
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0")
-    fn = getattr(triton_kv, variant.kernel)
+    fn = getattr(triton_decode, variant.kernel, None) or getattr(triton_kv, variant.kernel)
     names = list(variant.signature)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in variant.pointers}
     start = time.perf_counter()

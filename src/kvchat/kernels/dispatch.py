@@ -22,6 +22,13 @@ def _triton_kv():
     return triton_kv
 
 
+@functools.cache
+def _triton_decode():
+    from kvchat.kernels import triton_decode
+
+    return triton_decode
+
+
 def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
     """On CUDA with Triton, for a pool whose shape the kernels take (``triton_kv.unsupported``);
     other shapes (a block of 24, a head_dim of 96) run on the reference, slower but right."""
@@ -83,8 +90,8 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
             recent, layer = window
             wmeta = wmeta if wmeta is not None else window_meta(recent, layer, context_len, query.device)
             rows = (recent.k[layer], recent.v[layer], recent.sinks, wmeta)
-        return _triton_kv().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
-                                         rotation, k_channel_scale, window=rows)
+        return _triton_decode().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
+                                             rotation, k_channel_scale, window=rows)
     rows = window[0].rows(window[1], context_len) if held is not None else None
     read_rows = _triton_kv().dequantize_rows if fmt.quantized and use_triton(query, tensors, fmt) else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
