@@ -21,9 +21,15 @@ os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or _OWN_HOME
 
 
 def _keep_built_files(home: Path) -> Path:
+    """Keyed by torch's and transformers' versions and by the code that converts and compiles, so
+    a change to it is exercised, not served from an older run (kvchat's own version stays 0.1.0,
+    and on the GPU machine kvchat runs from the source tree with no metadata at all)."""
+    import hashlib
     from importlib.metadata import version
 
-    key = "-".join(version(d) for d in ("kvchat", "torch", "transformers"))
+    src = Path(__file__).resolve().parents[1] / "src" / "kvchat" / "engine"
+    code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(src.rglob("*.py")))).hexdigest()[:12]
+    key = "-".join([version("torch"), version("transformers"), code])
     kept = Path(os.environ.get("KVCHAT_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".test-cache") / key
     for name in ("converted", "inductor"):
         (kept / name).mkdir(parents=True, exist_ok=True)
@@ -59,9 +65,8 @@ def tokenizer(starter):
 
 @pytest.fixture(scope="session")
 def engine_model(starter):
-    """One copy of the starter for every engine of the suite (an engine sets the model's attention
-    to kvchat's, so the session's ``starter`` stays stock for the parity tests). A copy a test makes
-    for itself costs 540 MB: the suite shares this one."""
+    """One copy of the starter for the suite's engines: an engine sets its model's attention to
+    kvchat's and keeps its decode step on it, and a copy a test makes for itself costs 540 MB."""
     from kvchat.core.model_source import ModelSource
     from kvchat.engine.model.loading import LoadedModel
 

@@ -105,3 +105,48 @@ def test_reconfigure_and_after_close_a_failure_signal(qtbot, bridge):
     with qtbot.waitSignal(bridge.failed, timeout=10000) as failed:
         bridge.reconfigure(512, "fp16")
     assert "shut down" in failed.args[0]
+
+
+class PausedBackend:
+    """A backend named ``model`` whose reconfigure answers only when the test sets ``answer``."""
+
+    alive = True
+
+    def __init__(self, model: str):
+        import threading
+        from concurrent.futures import Future
+
+        self.model, self.load_error, self.answer = model, None, Future()
+        self.ready = threading.Event()
+        self.ready.set()
+
+    def add_listener(self, callback, replay: bool = False) -> None:
+        from kvchat.core.events import ModelReady
+
+        if replay:
+            callback(ModelReady(self.model, {"model": self.model, "max_context": 512, "kv_precision": "fp16",
+                                             "precision": "fp16"}))
+
+    def reconfigure(self, **changes):
+        return self.answer
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_reconfigure_answered_after_a_switch_leaves_the_new_backends_settings(qtbot):
+    """The answer comes from the backend it was asked of: after a switch (to a connection, say) it
+    must not overwrite what the new backend said."""
+    from PySide6.QtCore import QCoreApplication
+
+    first, second = PausedBackend("first"), PausedBackend("second")
+    b = EngineBridge(first)
+    with qtbot.waitSignal(b.ready, timeout=5000):
+        pass
+    b.reconfigure(1024, "int8")
+    b.use_backend(second)
+    with qtbot.waitSignal(b.ready, timeout=5000):
+        pass
+    first.answer.set_result({"model": "first", "max_context": 1024, "kv_precision": "int8", "precision": "int8"})
+    QCoreApplication.processEvents()  # the answer's queued delivery
+    assert (b.settings["model"], b.settings["max_context"], b.precision) == ("second", 512, "fp16")

@@ -238,4 +238,8 @@ def generation_settings(model) -> dict:
     """What the model's authors set in its generation_config.json (``to_diff_dict``: transformers'
     own defaults, e.g. top_k 50, say nothing about this model), as plain values for the app."""
     config = getattr(model, "generation_config", None)
-    return config.to_diff_dict() if config is not None else {}
+    try:
+        return config.to_diff_dict() if config is not None else {}
+    except Exception:  # a model's odd generation config costs its defaults, never the load
+        log.exception("the model's generation config could not be read")
+        return {}

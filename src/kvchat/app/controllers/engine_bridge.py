@@ -35,6 +35,7 @@ class _RequestEvent:
 @dataclass
 class _Reconfigured:
     future: Future
+    generation: int  # the backend it was asked of: after a switch, its answer is not the new one's
 
 
 @dataclass
@@ -192,7 +193,8 @@ class EngineBridge(QObject):
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)
         future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
-        future.add_done_callback(lambda f: self._post(_Reconfigured(f)))
+        generation = self._generation
+        future.add_done_callback(lambda f: self._post(_Reconfigured(f, generation)))
 
     # -- the GUI thread: state changes here only --
 
@@ -203,7 +205,8 @@ class EngineBridge(QObject):
         elif isinstance(item, _RequestEvent):
             self._on_request_event(item.request_id, item.event)
         elif isinstance(item, _Reconfigured):
-            self._on_reconfigured(item.future)
+            if item.generation == self._generation:
+                self._on_reconfigured(item.future)
 
     def _on_backend_event(self, item) -> None:
         if isinstance(item, ModelReady):
