@@ -26,25 +26,25 @@ def tokens(starter):
 
 
 @pytest.mark.parametrize("precision", ["int8", "k8v4", "int4"])
-def test_a_prefill_chunk_attends_to_its_own_tokens_exactly(starter, tokens, precision):
+def test_a_prefill_chunk_attends_to_its_own_tokens_exactly(engine_model, tokens, precision):
     """A window prefilled as one chunk reads nothing back from the quantized pool: its
     log-probabilities are the fp16 pool's (measured: 6.9e-5 apart, fp32 rounding of the rotation;
     reading the chunk back quantized, as before, put int4 1.8 apart)."""
-    ref = [logp for logp, _ in window_logprobs(starter, tokens[:512], 256, "fp16", 256)]
-    got = [logp for logp, _ in window_logprobs(starter, tokens[:512], 256, precision, 256)]
+    ref = [logp for logp, _ in window_logprobs(engine_model, tokens[:512], 256, "fp16", 256)]
+    got = [logp for logp, _ in window_logprobs(engine_model, tokens[:512], 256, precision, 256)]
     assert max((a - b).abs().max().item() for a, b in zip(ref, got)) < 2e-4
 
 
 @pytest.mark.parametrize("precision", ["int8", "k8v4", "int4"])
-def test_next_token_distributions_stay_close_to_fp16(starter, tokens, precision):
-    result = kl_divergence(starter, tokens, 256, precision, chunk=48)
+def test_next_token_distributions_stay_close_to_fp16(engine_model, tokens, precision):
+    result = kl_divergence(engine_model, tokens, 256, precision, chunk=48)
     assert result["positions"] == 4 * 127
     assert result["kl_mean"] <= KL_BOUND[precision], result
 
 
-def test_perplexity_scores_the_second_half_of_each_window(starter, tokens):
-    fp16 = perplexity(starter, tokens, 256, "fp16")
-    int8 = perplexity(starter, tokens, 256, "int8")
+def test_perplexity_scores_the_second_half_of_each_window(engine_model, tokens):
+    fp16 = perplexity(engine_model, tokens, 256, "fp16")
+    int8 = perplexity(engine_model, tokens, 256, "int8")
     assert fp16["scored_tokens"] == 4 * 127
     assert abs(int8["ppl"] / fp16["ppl"] - 1) < 0.005
     assert int8["bytes_fraction_of_fp16"] == pytest.approx((1 + 2 / 32) / 2)
@@ -60,7 +60,7 @@ def shared_engine(lm, precision, store=None):
 PERSONA = {"role": "system", "content": "You are a meticulous archivist who answers briefly. " * 8}
 
 
-def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(engine_model, starter, tmp_path):
+def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(engine_model, tmp_path):
     messages = [PERSONA, {"role": "user", "content": "What is the capital of France?"}]
     engine = shared_engine(engine_model, "int4", PersonaStore(tmp_path))
     first = engine.generate(messages, max_new_tokens=8, temperature=0)
@@ -75,7 +75,7 @@ def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(engine_model
     assert done.stats.cached_tokens > 0 and done.token_ids == first.token_ids
 
 
-def test_precisions_never_share_cached_blocks(engine_model, starter, tmp_path):
+def test_precisions_never_share_cached_blocks(engine_model, tmp_path):
     messages = [PERSONA, {"role": "user", "content": "Hello"}]
     int8 = shared_engine(engine_model, "int8", PersonaStore(tmp_path))
     int8.generate(messages, max_new_tokens=2, temperature=0)
@@ -86,17 +86,17 @@ def test_precisions_never_share_cached_blocks(engine_model, starter, tmp_path):
     assert done.stats.cached_tokens == 0  # the int8 file on disk is for another layout
 
 
-def test_a_sequence_inside_the_window_attends_to_exact_kv(starter):
+def test_a_sequence_inside_the_window_attends_to_exact_kv(engine_model):
     """Tokens the full-precision window holds are not read quantized: a short int4 sequence, prefilled
     in two chunks and decoded one token, gives the fp16 logits."""
     from kvchat.engine.kv.manager import Sequence
     from kvchat.engine.kv.pool import KVPool
 
-    ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
+    ids = engine_model.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
                             add_special_tokens=False)["input_ids"]
     logits = {}
     for precision in ("fp16", "int4"):
-        pool = KVPool.for_tokens(starter, len(ids), precision)
+        pool = KVPool.for_tokens(engine_model, len(ids), precision)
         seq = Sequence(ids)
         pool.manager.reserve(seq, len(ids))
         pool.runner.forward(seq, 6, want_logits=False)
@@ -106,13 +106,13 @@ def test_a_sequence_inside_the_window_attends_to_exact_kv(starter):
     torch.testing.assert_close(logits["int4"], logits["fp16"], atol=2e-3, rtol=1e-3)
 
 
-def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(starter):
+def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(engine_model):
     from kvchat.engine.kv.manager import Sequence
     from kvchat.engine.kv.pool import KVPool
 
-    ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute, study, "
+    ids = engine_model.tokenizer("Free software means the users have the freedom to run, copy, distribute, study, "
                             "change and improve the software. " * 3, add_special_tokens=False)["input_ids"]
-    pool = KVPool.for_tokens(starter, 256, "int4")
+    pool = KVPool.for_tokens(engine_model, 256, "int4")
     first = Sequence(ids)
     pool.manager.reserve(first, len(ids))
     pool.runner.forward(first, len(ids), want_logits=False)
@@ -128,19 +128,19 @@ def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(starter):
     torch.testing.assert_close(k[:4], sinks[0][0])
 
 
-def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(starter):
+def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(engine_model):
     """fp16 -> int4 with a sequence in flight: its window (sinks and newest tokens) is filled from the
     fp16 pool, so a short sequence goes on exactly as if nothing had changed; int4 -> int8 keeps it."""
     from kvchat.engine.kv.manager import Sequence
     from kvchat.engine.kv.pool import KVPool
 
-    ids = starter.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
+    ids = engine_model.tokenizer("Free software means the users have the freedom to run, copy, distribute and",
                             add_special_tokens=False)["input_ids"]
-    pool = KVPool.for_tokens(starter, 64, "fp16")
+    pool = KVPool.for_tokens(engine_model, 64, "fp16")
     seq = Sequence(ids)
     pool.manager.reserve(seq, len(ids))
     pool.runner.forward(seq, len(ids) - 1, want_logits=False)
-    reference = KVPool.for_tokens(starter, 64, "fp16")
+    reference = KVPool.for_tokens(engine_model, 64, "fp16")
     ref_seq = Sequence(ids)
     reference.manager.reserve(ref_seq, len(ids))
     reference.runner.forward(ref_seq, len(ids) - 1, want_logits=False)
@@ -151,7 +151,7 @@ def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(
     torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want, atol=2e-3, rtol=1e-3)
 
 
-def test_a_persona_restored_from_disk_keeps_its_exact_sinks(engine_model, starter, tmp_path):
+def test_a_persona_restored_from_disk_keeps_its_exact_sinks(engine_model, tmp_path):
     """The persona file carries the full-precision rows of the first tokens, so a restarted app
     attends to them as exactly as a warm one, not to their int4 copies."""
     messages = [PERSONA, {"role": "user", "content": "Name a river."}]
