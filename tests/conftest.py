@@ -1,7 +1,6 @@
-import copy
-import ctypes
 import gc
 import os
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,7 +41,8 @@ if _OWN_HOME:
     _keep_built_files(Path(_OWN_HOME))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "engine"))  # tiny_models and the other helpers there
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -67,20 +67,17 @@ def tokenizer(starter):
 def engine_model(starter):
     """One copy of the starter for the suite's engines: an engine sets its model's attention to
     kvchat's and keeps its decode step on it, and a copy a test makes for itself costs 540 MB."""
-    from kvchat.core.model_source import ModelSource
-    from kvchat.engine.model.loading import LoadedModel
+    from tiny_models import as_loaded
 
-    return LoadedModel(copy.deepcopy(starter.model), starter.tokenizer, ModelSource("folder", "starter"),
-                       "test:starter", torch.device("cpu"), torch.float32)
+    return as_loaded(starter.model, starter.tokenizer, "starter")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _memory_back_after_each_module():
     """What a module's engines and windows held goes back to the system before the next module:
     the suite's peak is that of its largest module, not the sum of them all."""
+    from kvchat.engine.host import trim_heap
+
     yield
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()

@@ -1,7 +1,5 @@
 """The app's tests share a starter model in memory; each test gets a fresh window, engine and
 SQLite file."""
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,21 +10,15 @@ from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.loading import LoadedModel
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
-
-
-@pytest.fixture(scope="session")
-def shared(engine_model):
-    return engine_model
 
 
 @pytest.fixture
-def app_parts(qtbot, tmp_path, shared):
+def app_parts(qtbot, tmp_path, engine_model):
     def make_engine(settings):
         """The starter from memory (no reload per test); any other model loads for real."""
         if settings.get("model", "starter") == "starter":
             return Engine(EngineConfig(max_context=settings.get("max_context", 512)),
-                          loaded=LoadedModel(**vars(shared)), persona_store=None)
+                          loaded=LoadedModel(**vars(engine_model)), persona_store=None)
         return Engine(EngineConfig(model=settings["model"], max_context=512), persona_store=None)
 
     engine = make_engine({})

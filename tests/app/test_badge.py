@@ -11,8 +11,8 @@ from kvchat.engine.kv.persona_store import PersonaStore
 from qt_helpers import send, shown
 
 
-def window(qtbot, store, shared, kv_folder):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)),
+def window(qtbot, store, engine_model, kv_folder):
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)),
                     persona_store=PersonaStore(kv_folder))
     win = MainWindow(store, EngineBridge(engine), SamplingParams(max_new_tokens=8, temperature=0))
     qtbot.addWidget(win)
@@ -27,9 +27,9 @@ def badge(win):
     return win.persona_badge.property("state") if shown_for == win.persona_box.currentData() else None
 
 
-def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, shared):
+def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, engine_model):
     store = Store(tmp_path / "chat.db")
-    win = window(qtbot, store, shared, tmp_path / "kv")
+    win = window(qtbot, store, engine_model, tmp_path / "kv")
     try:
         win.chats.new()
         win.persona_box.setCurrentIndex(2)  # a persona longer than one block
@@ -40,7 +40,7 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
         assert win.persona_badge.text() == "warm (in memory)"
     finally:
         win.bridge.engine.close()
-    again = window(qtbot, store, shared, tmp_path / "kv")  # a restart: an empty pool, the same disk
+    again = window(qtbot, store, engine_model, tmp_path / "kv")  # a restart: an empty pool, the same disk
     try:
         chat = store.conversations()[0]["id"]
         again.chats.open(chat)

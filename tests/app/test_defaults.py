@@ -34,15 +34,15 @@ def test_sampling_defaults_come_from_the_models_generation_config():
             fallback["max_new_tokens"]) == (0.7, 0.9, 0, 1.1, 1024)
 
 
-def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtbot, tmp_path, shared):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)), persona_store=None)
+def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtbot, tmp_path, engine_model):
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), persona_store=None)
     store = Store(tmp_path / "chat.db")
     win = MainWindow(store, EngineBridge(engine))
     qtbot.addWidget(win)
     try:
         qtbot.waitUntil(lambda: win.models.config is not None, timeout=60000)
         qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)  # the planner needs the memory
-        expected = model_defaults(own(shared.model.generation_config))
+        expected = model_defaults(own(engine_model.model.generation_config))
         assert vars(win.sampling) | {"stop": [], "ignore_eos": False} == vars(SamplingParams(**expected))
         dialog = win.models.settings_dialog()
         qtbot.addWidget(dialog)
@@ -57,7 +57,7 @@ def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtb
         assert store.setting("sampling")["temperature"] == 0.2
     finally:
         engine.close()
-    again = MainWindow(store, EngineBridge(Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)),
+    again = MainWindow(store, EngineBridge(Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)),
                                                   persona_store=None)))
     qtbot.addWidget(again)
     try:

@@ -1,8 +1,6 @@
 """The bridge as one adapter: its state changes only when a queued signal is delivered on the GUI
 thread, through real signals from a real engine on the starter model."""
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -11,19 +9,13 @@ from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.loading import LoadedModel
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
 
 HELLO = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
-@pytest.fixture(scope="module")
-def shared(engine_model):
-    return engine_model
-
-
 @pytest.fixture
-def bridge(qtbot, shared):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(shared)), persona_store=None)
+def bridge(qtbot, engine_model):
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), persona_store=None)
     b = EngineBridge(engine)
     assert b.loading  # nothing delivered yet, whatever the engine thread has done meanwhile
     with qtbot.waitSignal(b.ready, timeout=60000):

@@ -430,7 +430,7 @@ def test_the_app_imports_no_torch_before_its_window_shows():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_window_works_before_the_engine_exists_and_takes_it_over(qtbot, tmp_path, shared):
+def test_the_window_works_before_the_engine_exists_and_takes_it_over(qtbot, tmp_path, engine_model):
     """The engine is made on a worker thread after the window shows: until then the window says it
     is loading, a message waits for the model, and a context change is kept for the engine."""
     import threading
@@ -446,7 +446,7 @@ def test_the_window_works_before_the_engine_exists_and_takes_it_over(qtbot, tmp_
 
     def make(config):
         assert imported.wait(60)
-        made.append(Engine(config, loaded=LoadedModel(**vars(shared)), persona_store=None))
+        made.append(Engine(config, loaded=LoadedModel(**vars(engine_model)), persona_store=None))
         return made[0]
 
     starter = EngineStarter(EngineConfig(max_context=512), make)
@@ -520,7 +520,7 @@ def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts,
     all; then the weights loaded."""
     import gguf
 
-    from kvchat.engine.model.loading import starter_path
+    from kvchat.core.model_source import starter_path
 
     win, store, bridge, _ = app_parts
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
@@ -578,7 +578,7 @@ def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_pat
     from kvchat.app.controllers.engine_bridge import EngineBridge
     from kvchat.core.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.model.loading import starter_path
+    from kvchat.core.model_source import starter_path
 
     engine = Engine(EngineConfig(max_context=512, weights="int8"), persona_store=None)
     bridge = EngineBridge(engine, lambda settings: None)

@@ -4,7 +4,7 @@ import json
 
 from PySide6.QtCore import Qt
 
-from kvchat.engine.model.loading import starter_path
+from kvchat.core.model_source import starter_path
 
 from qt_helpers import shown
 

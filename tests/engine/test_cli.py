@@ -50,7 +50,7 @@ def test_bad_input_is_one_line_and_nonzero(starter, args, message):
 
 def test_corrupt_gguf_is_one_line(tmp_path, starter):
     bad = tmp_path / "cut.gguf"
-    from kvchat.engine.model.loading import starter_path
+    from kvchat.core.model_source import starter_path
 
     bad.write_bytes(starter_path().read_bytes()[:100_000])
     r = kvchat("generate", "--model", str(bad), "--prompt", "hi")

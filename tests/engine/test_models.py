@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kvchat.engine.model import loading as models
-from kvchat.engine.model.loading import ModelError, load, resolve
+from kvchat.core.model_source import ModelError, resolve, starter_path
+from kvchat.engine.model.loading import load
 
 from tiny_models import tiny_model
 
@@ -27,19 +28,19 @@ def test_folder_loads_with_its_tokenizer(hf_folder):
 def test_starter_resolves_to_the_packaged_gguf_and_identity_is_its_hash(starter):
     src = resolve("starter")
     assert src.kind == "starter" and src.location.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert starter.identity == "gguf:" + models.file_digest(models.starter_path())
+    assert starter.identity == "gguf:" + models.file_digest(starter_path())
     assert starter.model.config.model_type == "llama"
 
 
 def test_gguf_path_loads_through_the_converted_cache(starter):
-    lm = load(str(models.starter_path()))
+    lm = load(str(starter_path()))
     assert lm.source.kind == "gguf" and lm.identity == starter.identity
     assert torch.equal(lm.model.model.embed_tokens.weight, starter.model.model.embed_tokens.weight)
 
 
 def test_truncated_gguf_is_a_one_line_error(tmp_path):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(models.starter_path().read_bytes()[:300_000])
+    bad.write_bytes(starter_path().read_bytes()[:300_000])
     with pytest.raises(ModelError, match="cannot read GGUF file") as info:
         load(str(bad))
     assert "\n" not in str(info.value)
@@ -108,7 +109,7 @@ def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch
     import gguf
 
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
-    path = models.starter_path()
+    path = starter_path()
     digest = models.file_digest(path)
     n = len(gguf.GGUFReader(path).tensors)
 

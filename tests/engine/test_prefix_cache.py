@@ -18,20 +18,14 @@ PERSONA_B = {"role": "system", "content": "You are a cheerful chef who loves sou
 GREEDY = dict(max_new_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def shared(starter):
-    """One model copy for all engines here: they run one at a time."""
-    return as_loaded(starter.model, starter.tokenizer, "starter")
-
-
-def new_engine(shared, store=None, **config):
-    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(shared)), persona_store=store)
+def new_engine(engine_model, store=None, **config):
+    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(engine_model)), persona_store=store)
     e.wait_ready()
     return e
 
 
-def cold(shared, messages):
-    e = new_engine(shared)
+def cold(engine_model, messages):
+    e = new_engine(engine_model)
     try:
         return e.generate(messages, **GREEDY)
     finally:
@@ -39,8 +33,8 @@ def cold(shared, messages):
 
 
 @pytest.fixture(scope="module")
-def warm(shared):
-    e = new_engine(shared)
+def warm(engine_model):
+    e = new_engine(engine_model)
     yield e
     e.close()
 
@@ -49,7 +43,7 @@ def reply(done):
     return {"role": "assistant", "content": done.text, "token_ids": done.token_ids}
 
 
-def test_multi_turn_reuses_the_whole_history_and_matches_cold(shared, warm):
+def test_multi_turn_reuses_the_whole_history_and_matches_cold(engine_model, warm):
     messages = [PERSONA_A, {"role": "user", "content": "What is the capital of Peru?"}]
     first = warm.generate(messages, **GREEDY)
     messages += [reply(first), {"role": "user", "content": "And of Chile?"}]
@@ -61,10 +55,10 @@ def test_multi_turn_reuses_the_whole_history_and_matches_cold(shared, warm):
     assert second.stats.cached_tokens == first.stats.prompt_tokens + len(first.token_ids) - 1
     assert second.stats.cached_tokens > len(history) // 16 * 16
     assert prompt[:len(history)] == history
-    assert second.token_ids == cold(shared, messages).token_ids
+    assert second.token_ids == cold(engine_model, messages).token_ids
 
 
-def test_persona_switch_and_back_stays_warm(shared, warm):
+def test_persona_switch_and_back_stays_warm(engine_model, warm):
     q = {"role": "user", "content": "Tell me something nice."}
     a1 = warm.generate([PERSONA_A, q], **GREEDY)
     b1 = warm.generate([PERSONA_B, q], **GREEDY)
@@ -72,20 +66,20 @@ def test_persona_switch_and_back_stays_warm(shared, warm):
     b2 = warm.generate([PERSONA_B, {"role": "user", "content": "Another thing?"}], **GREEDY)
     persona_blocks = len(warm.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
     assert a2.stats.cached_tokens >= persona_blocks * 16 and b2.stats.cached_tokens >= persona_blocks * 16
-    assert b1.token_ids == cold(shared, [PERSONA_B, q]).token_ids
-    assert a1.token_ids == cold(shared, [PERSONA_A, q]).token_ids
+    assert b1.token_ids == cold(engine_model, [PERSONA_B, q]).token_ids
+    assert a1.token_ids == cold(engine_model, [PERSONA_A, q]).token_ids
 
 
-def test_regenerate_reuses_everything_before_the_reply(shared, warm):
+def test_regenerate_reuses_everything_before_the_reply(engine_model, warm):
     messages = [PERSONA_A, {"role": "user", "content": "Name a river in Africa."}]
     first = warm.generate(messages, **GREEDY)
     again = warm.generate(messages, **GREEDY)
     # all but the last token (its logits are needed), the partly filled last block included
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
-    assert again.token_ids == first.token_ids == cold(shared, messages).token_ids
+    assert again.token_ids == first.token_ids == cold(engine_model, messages).token_ids
 
 
-def test_edit_reuses_everything_before_the_edited_message(shared, warm):
+def test_edit_reuses_everything_before_the_edited_message(engine_model, warm):
     base = [PERSONA_A, {"role": "user", "content": "Name a mountain."}]
     first = warm.generate(base, **GREEDY)
     convo = base + [reply(first), {"role": "user", "content": "How high is it?"}]
@@ -97,7 +91,7 @@ def test_edit_reuses_everything_before_the_edited_message(shared, warm):
     shared_tokens = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     # up to the first token the edit changed, in the middle of a cached block (copied) or not
     assert done.stats.cached_tokens == shared_tokens >= before_edit
-    assert done.token_ids == cold(shared, edited).token_ids
+    assert done.token_ids == cold(engine_model, edited).token_ids
 
 
 def test_persona_blocks_are_pinned_after_use(warm):
@@ -110,13 +104,13 @@ def test_persona_blocks_are_pinned_after_use(warm):
     assert all(b.id in warm.kvpool.pool.pinned_queue for b in pinned)
 
 
-def test_restart_restores_the_persona_from_disk(shared, tmp_path):
+def test_restart_restores_the_persona_from_disk(engine_model, tmp_path):
     messages = [PERSONA_A, {"role": "user", "content": "What is the longest river?"}]
-    first = new_engine(shared, PersonaStore(tmp_path))
+    first = new_engine(engine_model, PersonaStore(tmp_path))
     expected = first.generate(messages, **GREEDY)
     first.close()
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
-    restarted = new_engine(shared, PersonaStore(tmp_path))
+    restarted = new_engine(engine_model, PersonaStore(tmp_path))
     done = restarted.generate(messages, **GREEDY)
     restarted.close()
     persona = len(restarted.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)

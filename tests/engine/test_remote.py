@@ -272,7 +272,7 @@ def test_without_a_keyring_saving_a_key_says_so_and_writes_nothing(tmp_path):
 
 @pytest.mark.skipif(shutil.which("llama-server") is None, reason="llama-server is not on PATH")
 def test_llama_server_as_the_remote(tmp_path):
-    from kvchat.engine.model.loading import starter_path
+    from kvchat.core.model_source import starter_path
 
     port = free_port()
     proc = subprocess.Popen(["llama-server", "-m", str(starter_path()), "--port", str(port), "--metrics", "-c", "2048"],

@@ -5,7 +5,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from kvchat.engine.model.loading import LoadedModel, ModelSource
+from kvchat.engine.model.loading import LoadedModel
+from kvchat.core.model_source import ModelSource
 
 COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,

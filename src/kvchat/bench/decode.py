@@ -19,7 +19,8 @@ from kvchat.core.config import Precision
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool, kv_dtype
-from kvchat.engine.model.loading import LoadedModel, ModelSource, load, pick_device, pick_dtype
+from kvchat.engine.model.loading import LoadedModel, load, pick_device, pick_dtype
+from kvchat.core.model_source import ModelSource
 from kvchat.engine.model.runner import ModelRunner
 from kvchat.engine.model.weights import Int4Linear, Int8Linear, quantize_linears, weight_bytes
 

@@ -135,11 +135,8 @@ def make_config(args) -> EngineConfig:
 
 
 def make_sampling(args) -> SamplingParams:
-    from kvchat.serve.schema import greedy_if_tiny
-
-    temperature, top_p = greedy_if_tiny(args.temperature, args.top_p)
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k,
-                          top_p=top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           seed=args.seed, stop=args.stop)
 
 

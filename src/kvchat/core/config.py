@@ -22,6 +22,8 @@ KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto,
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
 BLOCK_SIZE = 16  # tokens a KV block holds
 
+GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy (dividing by it overflows the logits)
+
 WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
 DECODE_MODES = ("auto", "eager", "compiled")
 
@@ -98,7 +100,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 MODEL_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")

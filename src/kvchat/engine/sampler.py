@@ -59,6 +59,8 @@ def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p * sorted_probs.sum(), 0.0)
+        # the top token always stays: a top_p so small that top_p * sum rounds to 0 (1e-300 in
+        # float32) would otherwise mask every token and sample from NaNs
+        sorted_probs = sorted_probs.masked_fill((before >= top_p * sorted_probs.sum()) & (before > 0), 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return probs / probs.sum()

@@ -28,8 +28,9 @@ import math
 
 import torch
 
-from kvchat.kernels.layout import (FORMATS, GROUP, SINKS, WINDOW, KVFormat, element_bytes, qmax,  # noqa: F401
-                                   token_bytes, window_bytes)
+# the sizes, torch-free, live in layout.py; FORMATS and token_bytes are read through here too
+from kvchat.kernels.layout import (FORMATS, GROUP, SINKS, WINDOW, KVFormat, qmax, token_bytes,  # noqa: F401
+                                   window_bytes)
 
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16

@@ -11,19 +11,8 @@ from kvchat.core.config import ConfigError, SamplingParams
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 128  # every stop string is matched against every token's text
-GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy, and would overflow the logits
 PENALTY_RANGE = (0.01, 100.0)  # outside it a seen token's logit overflows or vanishes
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes
-
-
-def greedy_if_tiny(temperature: float, top_p: float) -> tuple[float, float]:
-    """A temperature, or a nucleus, too small to leave more than the top token is greedy: said so
-    before the sampler divides by the one or rounds the other to 0 in float32 (a 500 once)."""
-    if 0 <= temperature < GREEDY_BELOW:
-        temperature = 0.0
-    if 0 < top_p < GREEDY_BELOW and temperature >= 0:  # a bad temperature is still refused
-        temperature, top_p = 0.0, 1.0
-    return temperature, top_p
 
 
 class ApiError(Exception):
@@ -134,8 +123,9 @@ class Sampling(BaseModel):
             raise ApiError("logit_bias: not supported", param="logit_bias")
 
     def sampling(self, default_max: int) -> SamplingParams:
-        temperature, top_p = greedy_if_tiny(0.7 if self.temperature is None else self.temperature,
-                                            1.0 if self.top_p is None else self.top_p)
+        # a temperature below core.config.GREEDY_BELOW is greedy, a tiny top_p keeps the top token: both in the sampler
+        temperature = 0.7 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
             raise ApiError(f"repetition_penalty must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]:.0f}]",
@@ -211,10 +201,9 @@ class CompletionBody(Sampling):
 
 
 def parse(raw: bytes, kind: type[Sampling]) -> Sampling:
-    """Bytes to a validated body. json.loads is asked to refuse NaN and Infinity (not JSON), and
-    deep nesting, which would otherwise end in a RecursionError."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+    """Bytes (at most MAX_BODY_BYTES: the server's read_body stops there) to a validated body.
+    json.loads is asked to refuse NaN and Infinity (not JSON), and deep nesting, which would
+    otherwise end in a RecursionError."""
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

@@ -51,6 +51,10 @@ def json_only(http: HttpRequest) -> None:
                        code="unsupported_media_type", close=True)
 
 
+def too_large() -> ApiError:
+    return ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413, close=True)
+
+
 async def read_body(http: HttpRequest) -> bytes:
     """The body, refused past MAX_BODY_BYTES while it is read: on its Content-Length before a byte
     of it, a chunked one as it arrives (a 600 MiB body cost 800 MB when read whole first)."""
@@ -59,7 +63,7 @@ async def read_body(http: HttpRequest) -> bytes:
         if not length.strip().isdigit():
             raise ApiError("Content-Length is not a number", close=True)
         if int(length) > MAX_BODY_BYTES:
-            raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413, close=True)
+            raise too_large()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + BODY_DEADLINE_S
     chunks, size = [], 0
@@ -75,7 +79,7 @@ async def read_body(http: HttpRequest) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise ApiError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413, close=True)
+            raise too_large()
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -242,14 +246,19 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
             raise ApiError(f"{counters.active} requests are already waiting; try again shortly", status=429,
                            code="rate_limit_exceeded", close=True)
 
-    async def accept(http: HttpRequest, kind):
-        """The request's body, parsed, with a queue slot held for it (``run`` gives it back)."""
+    async def accept(http: HttpRequest, kind, build):
+        """The body, parsed, and the engine's Request that ``await build(body)`` makes of it, with a
+        queue slot held from the parse on: ``run`` gives it back, or this does if building fails."""
         json_only(http)
         admit()
         body = parse(await read_body(http), kind)
         admit()
         counters.active += 1
-        return body
+        try:
+            return body, await build(body)
+        except BaseException:
+            counters.active -= 1
+            raise
 
     async def tokenized(text: str) -> list[int]:
         """On the engine thread, one prompt at a time, refused on its length in characters before
@@ -318,12 +327,10 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        body = await accept(http, ChatBody)
-        try:
-            request = Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
-        except BaseException:
-            counters.active -= 1
-            raise
+        async def build(body: ChatBody) -> Request:
+            return Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+
+        body, request = await accept(http, ChatBody, build)
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def reply(done: Finished) -> dict:
@@ -337,16 +344,13 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = await accept(http, CompletionBody)
-        try:
-            prompt = body.one_prompt()
-            sampling = body.sampling(16)
+        async def build(body: CompletionBody) -> Request:
+            prompt, sampling = body.one_prompt(), body.sampling(16)
             if isinstance(prompt, str):
                 prompt = await tokenized(prompt)
-            request = Request(prompt_ids=list(prompt), sampling=sampling)
-        except BaseException:
-            counters.active -= 1
-            raise
+            return Request(prompt_ids=list(prompt), sampling=sampling)
+
+        body, request = await accept(http, CompletionBody, build)
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def reply(done: Finished) -> dict:

@@ -220,9 +220,9 @@ class ModelController(QObject):
         where = " · on the CPU" if snapshot["on_cpu"] else ""
         win.precision_label.setText(f"KV {snapshot['precision']}{where}")
         win.kv_chip.setText(f"KV {snapshot['precision']}")
-        if self.config is not None:
+        if self.config is not None:  # set with the engine's settings (ModelReady), headroom included
             p = plan(self.config, snapshot["total"] - snapshot["other_processes"], 4096,
-                     weights_size=snapshot["weights"], headroom=int(self.engine_settings()["headroom_gib"] * GiB),
+                     weights_size=snapshot["weights"], headroom=self.bridge.settings.get("headroom_bytes", GiB),
                      kv_full_bytes=4 if snapshot["on_cpu"] else 2)
             win.memory_panel.show_contexts(p.max_context, trained_context(self.config))
 

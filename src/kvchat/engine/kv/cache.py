@@ -6,7 +6,7 @@ import torch
 from kvchat.kernels import dispatch, quant
 
 from kvchat.core.config import Precision
-from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape  # noqa: F401
+from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape
 
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -9,8 +9,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.core.model_source import (STARTER_FILE, STARTER_PACKAGE, SUPPORTED, ModelError,  # noqa: F401
-                                      ModelSource, download, resolve, starter_path)
+from kvchat.core.model_source import SUPPORTED, ModelError, ModelSource, download, resolve
 from kvchat.core.errors import first_line
 from kvchat.core.paths import cache_dir
 from kvchat.engine.model.weights import quantize_linears
