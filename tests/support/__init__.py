@@ -1,0 +1,1 @@
+"""What the tests share across layers: the fake backend (fake_backend.py) the GUI's tests run on."""
