@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import httpcore
 import httpx
+from httpx_sse import connect_sse
 
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Request, RequestHandle, Stats, TokenDelta
 from kvchat.remote.metrics import ServerMemory, server_memory
@@ -261,11 +262,12 @@ class RemoteBackend:
         try:
             with httpx.Client(transport=transport, headers=_headers(self.api_key),
                               timeout=httpx.Timeout(READ_S, connect=CONNECT_S)) as client:
-                with client.stream("POST", self.base_url + "/chat/completions", json=self.body(handle.request)) as r:
-                    if r.status_code != 200:
-                        raise EngineError(server_error(r))
-                    for line in r.iter_lines():
-                        if handle.cancelled or self._read_line(line, handle, stats, text, state):
+                with connect_sse(client, "POST", self.base_url + "/chat/completions",
+                                 json=self.body(handle.request)) as source:
+                    if source.response.status_code != 200:
+                        raise EngineError(server_error(source.response))
+                    for sse in source.iter_sse():  # SSEError (an httpx error) if it is not text/event-stream
+                        if handle.cancelled or self._read_event(sse.data, handle, stats, text, state):
                             break
         except EngineError as e:
             if not handle.cancelled:
@@ -277,13 +279,14 @@ class RemoteBackend:
             handle.sockets.shut()
         _put(handle, self._finished(handle, stats, text, state))
 
-    def _read_line(self, line: str, handle, stats: RemoteStats, text: list, state: dict) -> bool:
-        """One SSE line; True at the end of the stream."""
-        if not line.startswith("data:"):
-            return False
-        data = line[len("data:"):].strip()
+    def _read_event(self, data: str, handle, stats: RemoteStats, text: list, state: dict) -> bool:
+        """One server-sent event's data (httpx-sse splits the stream on CR and LF only, as the SSE
+        spec says; httpx's iter_lines also splits on U+2028 and U+0085, which vLLM and llama-server
+        send raw inside a token); True at the end of the stream."""
         if data == "[DONE]":
             return True
+        if not data:  # an event of other fields only (retry:, id:)
+            return False
         chunk = json.loads(data)
         if not isinstance(chunk, dict):
             raise ValueError("a chunk that is not a JSON object")

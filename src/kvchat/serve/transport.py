@@ -5,8 +5,10 @@ uvicorn alone, not a proxy in front: a proxy is a second program for a desktop u
 and run. uvicorn has a keep-alive timeout (after a response), ``limit_concurrency`` (a 503 once
 that many connections or requests are open) and h11's cap on a request head's size; it has no
 deadline for a request head, so a client that connects and sends nothing, or half a head, was
-held for ever (3,000 of them for 90 s in a probe). The protocol below adds that deadline; the
-body's is the app's (``server.read_body``), where the bytes are counted."""
+held for ever (3,000 of them for 90 s in a probe), nor for a client that stops reading a reply.
+The protocol below adds those two deadlines; the body's is the app's (``server.read_body``),
+where the bytes are counted. On Ctrl-C uvicorn waited for every reply in flight to end (a long
+stream: minutes); it now cancels them after SHUTDOWN_S."""
 import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -15,6 +17,8 @@ KEEP_ALIVE_S = 5.0  # an idle connection between requests (uvicorn's default, sa
 HEAD_TIMEOUT_S = KEEP_ALIVE_S  # from connecting, or from the last response, to a complete request head
 MAX_CONNECTIONS = 512  # open at once; past it a new connection is closed at once
 MAX_HEAD_BYTES = 64 << 10  # h11's cap on an unfinished request head
+SHUTDOWN_S = 2.0  # on Ctrl-C, what a reply in flight gets to finish before it is cancelled
+STALL_S = 30.0  # a peer that drains less than asyncio's 48 KiB (high - low water) in this long is dropped
 
 log = logging.getLogger("kvchat.serve")
 
@@ -67,6 +71,19 @@ class DeadlineProtocol(H11Protocol):
         if not self.transport.is_closing():
             self._head_deadline()
 
+    def pause_writing(self) -> None:
+        """The write buffer is full. A peer that leaves it so for STALL_S has stopped reading: it is
+        dropped, and the app sees a disconnect. Without this, a streamed reply to it waited for ever
+        and held its queue slot (32 such clients: every other request a 429)."""
+        super().pause_writing()
+        self.paused_at = paused_at = self.loop.time()
+        self.loop.call_later(STALL_S, lambda: self.flow.write_paused and self.paused_at == paused_at
+                             and self._stalled())
+
+    def _stalled(self) -> None:
+        incident(f"a client stopped reading its reply (write buffer full for {STALL_S:g} s): dropped")
+        self.transport.abort()
+
     def _head_deadline(self) -> None:
         # A new request replaces self.cycle; the same cycle at the deadline means no head came.
         self.loop.call_later(HEAD_TIMEOUT_S, self._head_late, self.cycle)
@@ -82,4 +99,5 @@ def server_config(app, host: str, port: int, log_level: str = "warning"):
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=DeadlineProtocol,
                           timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=MAX_CONNECTIONS,
+                          timeout_graceful_shutdown=SHUTDOWN_S,
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws="none", lifespan="off")
