@@ -1,17 +1,17 @@
 """The compiled (CPU) and captured (CUDA) decode step against the eager one: same logits within
 1e-4 in fp32, same greedy tokens, in every KV precision and across a downshift."""
 import copy
-import time
+import threading
 
 import pytest
 import torch
 
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.bench.decode import IdTokenizer
-from kvchat.core.config import EngineConfig, Precision
+from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.engine.model.decode_step import DecodeStep
 from kvchat.engine.engine import Engine
-from kvchat.core.events import Notice
+from kvchat.core.events import Notice, Request, TokenDelta
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.model.runner import ModelRunner
@@ -37,6 +37,8 @@ def decode(lm, mode: str, precision: str, prompt: list[int], steps: int, downshi
     """Greedy tokens and the logits of each step, through a pool of ``precision``."""
     pool = KVPool.for_tokens(lm, len(prompt) + steps + 1, Precision(precision))
     pool.runner = ModelRunner(lm.model, pool.kv, pool.manager, mode)
+    if mode == "compiled":
+        compiled_now(lm)
     seq = Sequence(list(prompt))
     pool.manager.reserve(seq, len(prompt))
     logits = pool.runner.forward(seq, len(prompt), want_logits=True)
@@ -51,6 +53,15 @@ def decode(lm, mode: str, precision: str, prompt: list[int], steps: int, downshi
         logits = pool.runner.forward(seq, len(seq), want_logits=True)
         rows.append(logits.cpu())
     return tokens, torch.stack(rows), pool.runner.step
+
+
+def compiled_now(lm) -> None:
+    """The model's compiled step ready for both kinds of pool (a downshift crosses from one to the
+    other), so that every step after it runs compiled; the engine compiles them in the background."""
+    step = ModelRunner(lm.model, KVPool.for_tokens(lm, 64, Precision.FP16).kv, None, "compiled").step
+    for precision in (Precision.FP16, Precision.INT4):
+        step.prepare(KVPool.for_tokens(lm, 64, precision).kv)
+    assert step.background.wait(900) and step.fallback is None, step.fallback
 
 
 def prompt_ids(n=40, vocab=512, seed=0):
@@ -153,50 +164,80 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
     hello = [{"role": "user", "content": "Hello"}]
     first = engine.generate(hello, max_new_tokens=8, temperature=0)
     second = engine.generate(hello, max_new_tokens=8, temperature=0)
+    assert wait_for(lambda: len(notices) == 2)  # the failure is told between tokens or in an idle second
     engine.close()
     assert first.token_ids == second.token_ids and len(first.token_ids) == 8
     assert [n.kind for n in notices] == ["warm-up", "eager"]  # preparing, then why not: no "ready"
     assert "preparing fast decoding" in notices[0].message and "no C++ compiler found" in notices[1].message
 
 
-def test_the_engine_on_the_starter_says_it_prepares_fast_decoding_and_when_it_is_ready(starter, monkeypatch):
-    """The notices only: compiling itself is tested above (a stand-in warm-up that takes 42 s of
-    the host's clock)."""
-    from kvchat.engine import host
+def held_compiles(monkeypatch) -> threading.Event:
+    """Background compiles wait for the returned event before they start."""
+    gate = threading.Event()
+    compile_now = DecodeStep._compile
 
-    clock = [1000.0]
-    monkeypatch.setattr(host, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: clock.__setitem__(0, clock[0] + 42))
-    lm = copy.copy(starter)
-    lm.model = copy.deepcopy(starter.model)  # the engine sets its attention: other tests share the starter
-    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, persona_store=False)
-    notices = []
-    engine.add_listener(lambda e: notices.append(e) if isinstance(e, Notice) else None)
-    engine.wait_ready(60)
-    assert wait_for(lambda: len(notices) == 2)
-    engine.close()
-    assert [n.kind for n in notices] == ["warm-up", "warm-up"]
-    assert "preparing fast decoding" in notices[0].message and notices[1].message == "fast decoding ready (42 s)"
+    def held(step, kind, layers):
+        assert gate.wait(120)
+        compile_now(step, kind, layers)
+
+    monkeypatch.setattr(DecodeStep, "_compile", held)
+    return gate
 
 
-def test_a_new_kv_precision_on_the_starter_warms_up_again_before_the_next_reply(starter, monkeypatch):
-    """Another pool is another compiled step: it compiles in the next idle second, said as at
-    load, not silently at the next reply's second token (37 s stalled, a new user saw)."""
-    warmed = []
-    monkeypatch.setattr(DecodeStep, "warm_up", lambda step, kv: warmed.append(kv.format.name) or time.sleep(0.3))
-    lm = copy.copy(starter)
-    lm.model = copy.deepcopy(starter.model)
-    engine = Engine(EngineConfig(decode="compiled", max_context=512, kv_precision="fp16"), loaded=lm,
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE == "cuda", reason="CUDA captures on the engine thread: no background compile")
+def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_two_tokens(monkeypatch):
+    """The first reply of a first start no longer waits for the compile (90-350 s a new user saw):
+    it decodes eagerly, and from the token after the compile ends it runs compiled, with the same
+    greedy tokens as a reply decoded eagerly throughout; the switch is said once. A context change
+    then needs no compile (the pool's size is a dynamic dimension: a recompile would raise here),
+    and a quantized precision compiles its own graph in the background again."""
+    prompt = prompt_ids(30, seed=9)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    eager = Engine(EngineConfig(decode="eager", max_context=256, kv_precision="fp16"),
+                   loaded=as_loaded(tiny_model("llama", seed=11), IdTokenizer(512), "llama"), persona_store=False)
+    want = eager.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
+    assert eager.close()
+
+    gate = held_compiles(monkeypatch)
+    lm = as_loaded(tiny_model("llama", seed=11), IdTokenizer(512), "llama")
+    engine = Engine(EngineConfig(decode="compiled", max_context=256, kv_precision="fp16"), loaded=lm,
                     persona_store=False)
     notices = []
     engine.add_listener(lambda e: notices.append(e.message) if isinstance(e, Notice) and e.kind == "warm-up" else None)
     engine.wait_ready(60)
-    assert wait_for(lambda: len(notices) == 2)
-    engine.reconfigure(kv_precision="int4").result(30)
-    assert wait_for(lambda: len(notices) == 4)
-    engine.close()
-    assert len(warmed) == 2 and warmed[1] != warmed[0]
-    assert "preparing fast decoding" in notices[2] and notices[3].startswith("fast decoding ready")
+    step = engine.kvpool.runner.step
+    events = []
+
+    def listener(event):  # on the engine thread, between two tokens
+        events.append(event)
+        if sum(isinstance(e, TokenDelta) for e in events) == 4 and not gate.is_set():
+            gate.set()
+            assert step.background.wait(600)
+
+    got = engine.submit(Request(prompt_ids=prompt, sampling=sampling), listener).result()
+    assert got.token_ids == want.token_ids
+    assert step.replays == 20  # 23 decode steps: the 3 before the compile ended eager, the rest compiled
+    assert len(notices) == 2 and notices[0].startswith("preparing fast decoding")
+    deltas = [i for i, e in enumerate(events) if isinstance(e, TokenDelta)]
+    ready = [i for i, e in enumerate(events) if isinstance(e, Notice)]
+    assert len(ready) == 1 and deltas[3] < ready[0] < deltas[4]  # said once, where the switch is
+    assert events[ready[0]].message == notices[1] and notices[1].startswith("fast decoding ready")
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    assert engine.reconfigure(max_context=128).result(60)["max_context"] == 128
+    again = engine.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
+    cached_to_last = again.stats.cached_tokens == len(prompt) - 1  # the prompt's last token is then a decode step
+    assert again.token_ids == want.token_ids and step.replays == 20 + 23 + cached_to_last
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
+
+    engine.reconfigure(kv_precision="int8").result(60)
+    assert wait_for(lambda: len(notices) == 4, timeout=600)
+    assert notices[2].startswith("preparing fast decoding") and notices[3].startswith("fast decoding ready")
+    replays = step.replays
+    third = engine.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
+    assert step.replays - replays == 23 + (third.stats.cached_tokens == len(prompt) - 1)
+    assert engine.close()
 
 
 def test_the_step_block_table_holds_exactly_the_ids_it_was_given():

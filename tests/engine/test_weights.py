@@ -53,8 +53,14 @@ def test_int8_eager_paths_run_compiled_for_every_shape_and_equal_the_dequantized
         assert isinstance(weights.fused(fn), weights._FirstCallGuard) and weights.fused(fn).compiled is not None
 
 
-def test_int8_falls_back_to_eager_once_when_compiling_fails(monkeypatch, caplog):
+def test_int8_compiles_only_in_the_warm_up_and_falls_back_to_eager_once_when_that_fails(monkeypatch, caplog):
+    """The engine thread never waits for the int8 twins' compile: before the warm-up (on the
+    decode step's compile thread) the layer runs plain torch; a failed compile is said once per
+    twin, and the layer goes on eagerly."""
+    tried = []
+
     def broken(*args):
+        tried.append(args[0].shape)
         raise RuntimeError("no compiler today")
 
     weights.fused.cache_clear()  # compiled twins made by other tests
@@ -62,11 +68,16 @@ def test_int8_falls_back_to_eager_once_when_compiling_fails(monkeypatch, caplog)
     q = Int8Linear(linear(seed=3))
     x = torch.randn(4, 128)
     try:
+        torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
+        assert tried == []
+        weights.warm_up(nn.Sequential(q, nn.LayerNorm(128)))  # the norm: a parameter to take the dtype from
         for _ in range(2):
             torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(q(x[:1]), x[:1] @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
     finally:
         weights.fused.cache_clear()  # later tests compile again, with the real compiler
-    assert [r.getMessage() for r in caplog.records] == ["int8 weights without compilation (RuntimeError: no compiler today)"]
+    assert len(tried) == 2  # the chunk's twin and the row's, once each
+    assert [r.getMessage() for r in caplog.records] == ["int8 weights without compilation (RuntimeError: no compiler today)"] * 2
 
 
 def test_int4_holds_q4_1_values_up_to_its_bf16_scale_and_zero():

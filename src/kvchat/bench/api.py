@@ -24,6 +24,7 @@ def _local_server(model: str, decode: str | None):
     """The API on a free port in a daemon thread; returns its base URL."""
     import uvicorn
 
+    from kvchat.bench.engine import at_full_speed
     from kvchat.core.config import EngineConfig
     from kvchat.engine.engine import Engine
     from kvchat.serve.server import create_app
@@ -32,9 +33,7 @@ def _local_server(model: str, decode: str | None):
     config = EngineConfig(model=model, **({"decode": decode} if decode else {}))
     engine = Engine(config)
     engine.wait_ready()
-    # the engine compiles its decode step in its first idle second; a request sent sooner would be
-    # decoded eagerly, and a busy bench never leaves it idle
-    time.sleep(1.5)
+    at_full_speed(engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

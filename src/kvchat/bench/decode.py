@@ -184,6 +184,10 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
         if path != "transformers":
             pool = KVPool.for_tokens(lm, prompt_len + new_tokens + 1, precision)
             runner = ModelRunner(lm.model, pool.kv, pool.manager, path)
+            started = time.perf_counter()
+            runner.step.prepare(pool.kv)  # the engine compiles in the background; a bench waits for it
+            runner.step.background.wait()
+            result.setdefault("prepare_s", {})[path] = round(time.perf_counter() - started, 2)
         for r in range(repeats + 1):  # round 0 warms up (compiles, captures) and is not counted
             prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=torch.Generator().manual_seed(r)).tolist()
             if path == "transformers":

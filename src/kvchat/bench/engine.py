@@ -18,6 +18,14 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
+def at_full_speed(engine: Engine, timeout: float = 900) -> None:
+    """Until the decode step runs compiled for the pool (it compiles in the background while
+    replies decode eagerly), or is known not to: a bench times what a user gets once it is ready."""
+    pool = engine.kvpool
+    pool.runner.step.prepare(pool.kv)
+    pool.runner.step.background.wait(timeout)
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
@@ -83,6 +91,7 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     store_dir = Path(tempfile.mkdtemp(prefix="kvchat-bench-"))
     engine = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
     engine.wait_ready()
+    at_full_speed(engine)
     tok = engine.loaded.tokenizer
     persona = {"role": "system", "content": persona_text(tok)}
     engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
@@ -113,6 +122,7 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
 
     restarted = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
     restarted.wait_ready()
+    at_full_speed(restarted)
     restarted.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
     again, third = _ttft(restarted, [persona, {"role": "user", "content": question}])
     restarted.close()
@@ -207,6 +217,7 @@ def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 12
         engine = Engine(EngineConfig(model=model, kv_precision=precision, max_context=prompt_len + new_tokens + 64),
                         loaded=lm, persona_store=None)
         engine.wait_ready()
+        at_full_speed(engine)
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         speeds = []
         for r in range(repeats + 1):
@@ -320,8 +331,8 @@ def bench_switch(model: str = "starter") -> dict:
     config = EngineConfig(model=model)
     engine = Engine(config, persona_store=None)
     engine.wait_ready()
+    at_full_speed(engine)
     engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=4, temperature=0)
-    time.sleep(1.5)
     steady = proc.memory_info().rss
     samples, stop = [], threading.Event()
 

@@ -79,10 +79,11 @@ def parser() -> argparse.ArgumentParser:
                        help="a browser origin allowed to call the API (repeatable); none by default")
     serve.add_argument("--max-queue", type=int, default=32, help="requests waiting at once before 429")
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
-                            "kernels: Triton vs reference on CUDA; switch: memory during a model switch")
+                            "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
+                            "startup: what a new user waits for, from fresh and from warm dirs")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compile", action="store_true",
@@ -278,6 +279,10 @@ def cmd_bench(args) -> int:
                                            prompts)
         bench_capped.report(result, args.json)
         return 0 if all(p["ok"] for p in result["phases"]) else 1  # out of memory: the check failed
+    elif args.which == "startup":
+        from kvchat.bench import startup as bench_startup
+
+        bench_startup.report(bench_startup.bench_startup(args.model), args.json)
     elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
     elif args.which == "memory":

@@ -2,6 +2,7 @@
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -114,6 +115,7 @@ class RequestHandle:
         self.events: queue.Queue = queue.Queue()
         self.future: Future = Future()
         self.listener = listener
+        self.sent = time.perf_counter()  # TTFT counts from here: a wait in the queue is the user's wait too
         self._cancel = threading.Event()
 
     def put(self, event, refused: bool = False) -> None:

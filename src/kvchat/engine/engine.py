@@ -167,7 +167,7 @@ class Engine:
                 try:
                     command = self._commands.get(timeout=SNAPSHOT_PERIOD)
                 except queue.Empty:
-                    self.host.warm_decode()
+                    self.host.prepare_decode()
                     self.governor.tick()
                     continue
                 if isinstance(command, Shutdown):
@@ -194,9 +194,8 @@ class Engine:
             return self.requests.tokenize(command)
         try:
             if isinstance(command, Submit):
-                self.host.warm_decode()  # a first request before an idle second: warned the same
+                self.host.prepare_decode()  # a first request before an idle second
                 self.requests.serve(command.handle)
-                self.host.report_fallback()
             else:
                 self.governor.control(command)
         except Exception as e:  # _serve and _control resolve their own; this is a last resort

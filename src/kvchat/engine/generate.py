@@ -33,10 +33,9 @@ class RequestRunner:
             if handle.cancelled or e.switching():  # cancelled while queued: not even tokenized
                 last = Finished("", [], "cancelled", Stats(kv_precision=e.precision.value))
             else:
-                taken = time.perf_counter()  # TTFT counts the prompt's encoding, as the user waits for it
                 prompt, persona_len, trimmed = self.prompt_ids(handle.request)
                 seq = Sequence(list(prompt))
-                last = self.generate(handle, seq, len(prompt), persona_len, taken)
+                last = self.generate(handle, seq, len(prompt), persona_len, handle.sent)
                 last.stats.trimmed_messages = trimmed
         except (ChatError, ConfigError, PoolExhausted, EngineError) as error:
             last = Error(str(error))
@@ -173,6 +172,7 @@ class RequestRunner:
                 reason = "cancelled"
                 break
             e.governor.tick([seq])
+            e.host.report_decode()  # a background compile that ended: the next token runs compiled
             self.reserve(seq, len(seq))
             logits = kvpool.runner.forward(seq, len(seq), want_logits=True)
             kvpool.manager.commit(seq)

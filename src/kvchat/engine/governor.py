@@ -123,7 +123,7 @@ class MemoryGovernor:
             return command.future.set_exception(EngineError(f"reconfigure failed: {error}"))
         command.future.set_result(settings)
         e.emit(Reconfigured(settings))
-        e.host.warmed = False  # another pool is another compiled step: in the next idle second, said, not mid-reply
+        e.host.warmed = False  # CUDA: another pool is another captured graph; the CPU's graph serves any pool size
 
     def reconfigure(self, max_context, kv_precision, headroom_bytes) -> dict:
         """Apply new settings, or leave config and pool exactly as they were."""

@@ -1,12 +1,11 @@
 """The model host: loading a model and building its pool, dropping them, bringing the previous model
-back after a failed switch, and warming the decode step up. It runs on the engine thread and keeps
+back after a failed switch, and preparing the decode step. It runs on the engine thread and keeps
 what it loads on the Engine (config, loaded, kvpool and what follows from them)."""
 import ctypes
 import gc
 import logging
 import weakref
 from dataclasses import replace
-from time import perf_counter
 
 import torch
 
@@ -21,7 +20,6 @@ from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.memory_probe import MemoryProbe
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
-from kvchat.engine.model.weights import warm_up as warm_weights
 
 log = logging.getLogger("kvchat.engine")
 
@@ -31,7 +29,7 @@ class ModelHost:
         self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
         self.store_arg, self.given_probe = persona_store, probe
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
-        self.warmed = self.fallback_told = False  # the decode step compiled once; its fallback told once
+        self.warmed = self.fallback_told = False  # CUDA's smallest graph captured for this pool; a fallback told once
 
     # -- loading and dropping --
 
@@ -176,28 +174,35 @@ class ModelHost:
 
     # -- the decode step --
 
-    def warm_decode(self) -> None:
-        """Compile (or capture) the decode step in the first idle second, not in the first reply."""
+    def prepare_decode(self) -> None:
+        """Have the decode step prepared for the pool without making anything wait for it: on the
+        CPU it compiles on a thread of its own (a minute or two the first time, the seconds of a
+        disk-cache hit after) while replies decode eagerly; on CUDA the smallest graph is captured
+        now, in an idle second (a second)."""
         e = self.engine
-        if e.kvpool is None or self.warmed:
+        if e.kvpool is None:
             return
-        self.warmed = True
-        started = perf_counter()
         step = e.kvpool.runner.step
-        # compiling on the CPU takes a minute or more the first time: a message sent meanwhile
-        # waits, and the user should know why (a CUDA capture takes a second)
-        told = step.captured and e.loaded.device.type == "cpu"
-        if told:
-            e.notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
-        try:
-            step.warm_up(e.kvpool.kv)
-            warm_weights(e.loaded.model)
-        except Exception:
-            log.exception("warming up the decode step failed")
-        elapsed = perf_counter() - started
-        log.info("decode step ready (%s) in %.1f s", step.mode, elapsed)
-        if told and step.captured:
-            e.notice("warm-up", f"fast decoding ready ({elapsed:.0f} s)")
+        if step.prepare(e.kvpool.kv):
+            e.notice("warm-up", "preparing fast decoding in the background: replies start at once, faster when it is ready")
+        if step.device.type == "cuda" and not self.warmed:
+            self.warmed = True
+            try:
+                step.warm_up(e.kvpool.kv)
+            except Exception:
+                log.exception("capturing the decode step failed")
+        self.report_decode()
+
+    def report_decode(self) -> None:
+        """Say when a background compile has ended, between two tokens or in an idle second: the
+        next token is the first at full speed."""
+        e = self.engine
+        if e.kvpool is None:
+            return
+        for job, seconds in e.kvpool.runner.step.background.take_finished():
+            log.info("%s compiled in %.1f s", job, seconds)
+            if job != "weights":
+                e.notice("warm-up", f"fast decoding ready ({seconds:.0f} s)")
         self.report_fallback()
 
     def report_fallback(self) -> None:

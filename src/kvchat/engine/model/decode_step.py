@@ -3,9 +3,11 @@
 Per token, an eager transformers forward costs more in Python and kernel launches than the weights
 cost to read. So the step's inputs live in tensors allocated once and updated in place, the paged
 attention is one custom op (``attention.paged_attention``), and the forward is
-- on the CPU, compiled by inductor (artefacts cached on disk, so a second start does not compile),
-  with an fp16 pool's attention as plain torch ops (``kernels.traced``) that inductor fuses into
-  the step's loops, reading the step's slot, block table and length from tensors;
+- on the CPU, compiled by inductor on a thread of its own (``background_compile``) while the step
+  runs eagerly, then used from the next token on (artefacts cached on disk, so a second start
+  compiles in seconds), with an fp16 pool's attention as plain torch ops (``kernels.traced``) that
+  inductor fuses into the step's loops, reading the step's slot, block table and length from
+  tensors. One graph per kind of pool (fp16: traced; quantized: the op), whatever its size;
 - on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
   without Python, so attention reads the length, the padded block table and the window's bounds
   from tensors this step updates; the window's Python bookkeeping is done here around the replay.
@@ -21,6 +23,8 @@ from kvchat.kernels import traced
 from kvchat.kernels.reference import consecutive_start
 
 from kvchat.engine.model.attention import StepMeta, running
+from kvchat.engine.model.background_compile import BackgroundCompile, graph_kind, run_on_stand_ins
+from kvchat.engine.model.weights import warm_up as warm_weights
 from kvchat.core.config import DECODE_MODES
 from kvchat.core.kv_sizes import config_value
 from kvchat.core.errors import first_line
@@ -57,7 +61,7 @@ class DecodeStep:
         self.lens = torch.ones(1, dtype=torch.int32, device=dev)
         self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
-        self._compiled_ran = False  # once it has run, an error is the step's, not the compiler's
+        self.background = BackgroundCompile(self._fall_back)
         self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
         # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
         self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
@@ -96,23 +100,32 @@ class DecodeStep:
         if self.captured and self._replayable(window, position):
             if self.device.type == "cuda":
                 return self._replay(kv, window, token, position, slot, block_ids)
-            try:
-                if traced.supports(kv.format):
-                    logits = self._compiled_forward()(self.ids, self.positions, self.traced_inputs(kv, block_ids))[0]
-                else:
-                    with running(self._meta(kv, window, block_ids, position)):
-                        logits = self._compiled_forward()(self.ids, self.positions)[0]
-                self._compiled_ran = True
-                self.replays += 1
+            logits = self._compiled_step(kv, window, block_ids, position)
+            if logits is not None:
                 return logits
-            except NotImplementedError:  # the op refusing this step, compiled or not
-                raise
-            except Exception as e:  # no C++ compiler, an op inductor cannot lower: eager still works
-                if self._compiled_ran:
-                    raise
-                self._fall_back(e)
         with running(self._meta(kv, window, block_ids, position)):
             return self.forward(self.ids, self.positions)[0]
+
+    def _compiled_step(self, kv, window, block_ids: list[int], position: int) -> torch.Tensor | None:
+        """The CPU's compiled step, or None (run eagerly) until its graph is ready."""
+        if graph_kind(kv) not in self.background.ready:
+            self.prepare(kv)
+            return None
+        try:
+            if traced.supports(kv.format):
+                logits = self._compiled_forward()(self.ids, self.positions, self.traced_inputs(kv, block_ids))[0]
+            else:
+                with running(self._meta(kv, window, block_ids, position)):
+                    logits = self._compiled_forward()(self.ids, self.positions)[0]
+        except NotImplementedError:  # the op refusing this step, compiled or not
+            raise
+        except Exception as e:  # the graph compiled but cannot run here: eager still works
+            if self.replays:
+                raise
+            self._fall_back(e)
+            return None
+        self.replays += 1
+        return logits
 
     def _set(self, token: int, position: int, slot: int) -> None:
         self.ids.fill_(token)
@@ -134,10 +147,10 @@ class DecodeStep:
     def traced_inputs(self, kv, block_ids: list[int]) -> dict:
         """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
         the slot, the block table (a view of a buffer, at least 2 long so that its length is never
-        specialized as 1) and the length. The table's length is dynamic, so one graph serves every
-        context; the pool's size is not (a pool of another size compiles again): with every
-        layer's pool tensors dynamic too, the first compile of the starter took 103 s and a warm
-        start 13.3 s, against 89 s and 11.4 s (the op's graph: 47 s and 9.7 s)."""
+        specialized as 1) and the length. The table's length and the pool's size are dynamic
+        dimensions of the graph (``run_on_stand_ins``), so one graph serves every context and every pool:
+        a context change compiles nothing. Dynamic pool tensors cost the starter's first compile
+        103 s against 89 s, and a warm start 13.3 s against 11.4 s, both now off the reply's path."""
         self._traced_table.hold(block_ids)
         table = self._traced_table.buffer[:max(len(block_ids), 2)]
         torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -149,10 +162,27 @@ class DecodeStep:
             return False
         return window is None or position >= window.sinks
 
+    def prepare(self, kv) -> bool:
+        """Start compiling, in the background, what decoding on ``kv`` needs: the int8 weights'
+        eager paths, then (CPU, compiled mode) the step's graph for this kind of pool. True when
+        the graph's compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
+        self.background.want("weights", lambda: warm_weights(self.model))
+        if not self.captured or self.device.type == "cuda":
+            return False
+        kind = graph_kind(kv)
+        if self.background.known(kind):
+            return False
+        layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
+        return self.background.want(kind, lambda: self._compile(kind, layers))
+
+    def _compile(self, kind: str, layers: list[dict]) -> None:
+        """On the compile thread, while the engine thread decodes eagerly (``running`` is per thread)."""
+        run_on_stand_ins(self._compiled_forward(), kind, layers, self.device)
+
     def warm_up(self, kv) -> None:
-        """Compile now (on CUDA: capture the smallest bucket), on a step that writes nowhere (slot
-        -1) and reads block 0, so the first reply does not wait for it."""
-        if not self.captured or (self.device.type == "cuda" and kv.format.quantized):
+        """On CUDA, capture the smallest bucket now, on a step that writes nowhere (slot -1) and
+        reads block 0, so the first reply does not wait for it."""
+        if not self.captured or self.device.type != "cuda" or kv.format.quantized:
             return  # a quantized pool's graph holds a sequence's window: captured at that sequence's first step
         with torch.inference_mode():
             self(kv, None, 0, 0, -1, [0])

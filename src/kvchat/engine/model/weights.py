@@ -8,6 +8,7 @@ it is (a lookup reads one row); the output head gets its own quantized copy.
 """
 import functools
 import logging
+import threading
 
 import torch
 from torch import nn
@@ -65,9 +66,17 @@ def _row_product(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
     return (row * _dequantized(qweight, scales, row.dtype)).sum(-1)
 
 
+_warming = threading.local()  # set on the thread that runs warm_up: it may compile
+
+
 def _run(fn, *args):
-    """Inside a compiled step ``fn`` is traced into the step's own code; eagerly, its compiled twin runs."""
-    return (fn if torch.compiler.is_compiling() else fused(fn))(*args)
+    """Inside a compiled step ``fn`` is traced into the step's own code; eagerly, its compiled twin
+    runs once ``warm_up`` compiled it (on the decode step's compile thread), ``fn`` until then: the
+    engine thread never waits for a compile."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    twin = fused(fn)
+    return (twin if twin.ready or getattr(_warming, "on", False) else fn)(*args)
 
 
 @functools.cache
@@ -78,7 +87,7 @@ def fused(fn):
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
     if cpu_compile_missing() is not None:
-        return fn
+        return _FirstCallGuard(fn, None)
     use_disk_cache()
     return _FirstCallGuard(fn, torch.compile(fn, dynamic=True))
 
@@ -92,9 +101,15 @@ def warm_up(model: nn.Module) -> None:
         if isinstance(module, Int8Linear):
             shapes.setdefault(module.qweight.shape, module)
     dtype = next(model.parameters()).dtype
-    for module in shapes.values():
-        for rows in (2, 1):
-            module(torch.zeros(rows, module.in_features, dtype=dtype, device=module.qweight.device))
+    _warming.on = True
+    try:
+        for module in shapes.values():
+            for rows in (2, 1):
+                module(torch.zeros(rows, module.in_features, dtype=dtype, device=module.qweight.device))
+    finally:
+        _warming.on = False
+    if shapes:
+        fused(_row_product).ready = fused(_dequantized).ready = True
 
 
 class _FirstCallGuard:
@@ -103,6 +118,7 @@ class _FirstCallGuard:
 
     def __init__(self, fn, compiled):
         self.fn, self.compiled = fn, compiled
+        self.ready = compiled is None  # compiled for the model's shapes (warm_up): nothing to wait for
 
     def __call__(self, *args):
         if self.compiled is None:

@@ -1,0 +1,127 @@
+"""Compiling on a thread of its own, so that no reply waits for a compile.
+
+The decode step decodes eagerly until the graph its pool needs is ready, then moves to it between
+two tokens. A new user's first reply waited 90 s (quiet machine) to 350 s (busy) for the compile
+before; now it starts at eager speed at once. The jobs are named (``"weights"``, a graph's kind):
+each runs once, in the order asked; a failure ends the queue (``failed``), and the step then stays
+eager and says why.
+"""
+import threading
+from collections import deque
+from time import perf_counter
+
+import torch
+
+from kvchat.kernels import traced
+
+from kvchat.engine.model.attention import StepMeta, running
+
+STAND_IN_BLOCKS = 4  # the pool a background compile traces on: its size is a dynamic dimension
+
+
+class BackgroundCompile:
+    def __init__(self, on_failure):
+        self.on_failure = on_failure  # called with the exception, on the compile thread
+        self.ready: set[str] = set()
+        self.failed: Exception | None = None
+        self._lock = threading.RLock()
+        self._pending: list[tuple[str, object]] = []
+        self._thread: threading.Thread | None = None
+        self._finished: deque[tuple[str, float]] = deque()  # (job, seconds), not yet told
+
+    def known(self, name: str) -> bool:
+        """Ran, queued, or never to run (an earlier job failed)."""
+        with self._lock:
+            return self.failed is not None or name in self.ready or any(n == name for n, _ in self._pending)
+
+    def want(self, name: str, job) -> bool:
+        """Queue ``job()`` under ``name`` unless it is known; True when it was queued now."""
+        with self._lock:
+            if self.known(name):
+                return False
+            self._pending.append((name, job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="kvchat-compile", daemon=True)
+                self._thread.start()
+            return True
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def take_finished(self) -> list[tuple[str, float]]:
+        """The jobs that ended since the last call, with their seconds: for the engine to tell."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the queue is empty (benchmarks and tests); True when it is."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.busy()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+                name, job = self._pending[0]
+            started = perf_counter()
+            try:
+                job()
+            except Exception as error:  # no compiler, an op inductor cannot lower: eager still works
+                with self._lock:
+                    self.failed = error
+                    self._pending.clear()
+                    self._thread = None
+                self.on_failure(error)
+                return
+            with self._lock:
+                self._pending.pop(0)
+                self.ready.add(name)
+            self._finished.append((name, perf_counter() - started))
+
+
+def graph_kind(kv) -> str:
+    """Which compiled graph decodes on ``kv``: fp16 pools trace their attention, quantized ones call the op."""
+    return "traced" if traced.supports(kv.format) else "op"
+
+
+@torch.inference_mode()
+def run_on_stand_ins(forward, kind: str, layers: list[dict], device) -> None:
+    """Compile the decode step's graph of ``kind`` by running ``forward`` once on inputs of its
+    own: a stand-in pool of ``STAND_IN_BLOCKS`` blocks shaped like ``layers`` (``{name: (shape
+    after the block dim, dtype)}`` per layer), its size marked dynamic so the graph serves every
+    pool; or, for the op, a pool that is never read. The model's weights are only read."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    positions = torch.zeros(1, 1, dtype=torch.long, device=device)
+    slot = torch.full((1,), -1, dtype=torch.long, device=device)
+    length = torch.ones(1, dtype=torch.int32, device=device)
+    if kind == "traced":
+        pool = [{name: torch.zeros(STAND_IN_BLOCKS, *shape, dtype=dtype, device=device)
+                 for name, (shape, dtype) in layer.items()} for layer in layers]
+        for t in (t for layer in pool for t in layer.values()):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        table = torch.zeros(2, dtype=torch.long, device=device)
+        torch._dynamo.maybe_mark_dynamic(table, 0)
+        forward(ids, positions, {"layers": pool, "slot": slot, "table": table, "length": length})
+        return
+    meta = StepMeta(kv=_UnreadPool(), slots=slot, block_table=torch.zeros(1, dtype=torch.int32, device=device),
+                    context_len=1, context_lens=length)
+    with running(meta):
+        forward(ids, positions)
+
+
+class _UnreadPool:
+    """The pool of the op's stand-in run: it takes no K/V and gives zeros."""
+
+    def write(self, *args):
+        return None
+
+    def attend(self, layer, query, *args):
+        return torch.zeros_like(query)
