@@ -1,7 +1,7 @@
 """Driving the window as a user would: clicks on chats and QML items, answers to modal dialogs."""
 from contextlib import contextmanager
 
-from PySide6.QtCore import QPointF, Qt, QTimer
+from PySide6.QtCore import QObject, QPointF, Qt, QTimer, Slot
 from PySide6.QtWidgets import QApplication
 
 
@@ -93,3 +93,29 @@ def last_stats(win):
     return [i.property("tip") for i in win.chat_view.items() if i.objectName() == "stats" and i.isVisible()]
 
 
+
+
+class _Relay(QObject):
+    def __init__(self, bridge):
+        super().__init__(bridge)
+        self.bridge = bridge
+
+    @Slot()
+    def give(self) -> None:
+        pace = getattr(self.bridge.engine, "pace", None)  # a fake backend's (tests/support)
+        if pace is not None:
+            pace.ack(self.bridge.handle)
+
+
+def lockstep(bridge) -> None:
+    """The fake backend streams a reply's next token once the window has taken the last one: a
+    queued call, so it runs after every slot of ``bridge.token``, a Stop clicked in one included."""
+    relay = _Relay(bridge)
+    bridge.token.connect(relay.give, Qt.QueuedConnection)
+
+
+def settled(bridge) -> None:
+    """Every command the fake backend was given has run and every event it gave is delivered."""
+    bridge.engine.flush().result(30)
+    for _ in range(3):  # the bridge's slots may queue calls of their own
+        QApplication.processEvents()

@@ -1,6 +1,6 @@
 """The QML chat view (issue 10, deliverables 1 and 2): one row updates while a reply streams, the view
 follows only a reader at the bottom, hover actions, the empty state, themes, the sidebar's dates,
-the top bar's chips and the memory panel. On the starter model, through the real items."""
+the top bar's chips and the memory panel. On the fake backend (tests/support), through the real items."""
 import time
 
 from PySide6.QtCore import QPoint, Qt
@@ -33,13 +33,19 @@ def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
     changed, resets = [], []
     model.dataChanged.connect(lambda first, last, roles: changed.append((first.row(), last.row())))
     win.sampling = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
+    pace = bridge.engine.pace
+    pace.hold()
     win.input.setPlainText("Tell me a story.")
+    pace.give(1)
     with qtbot.waitSignal(bridge.token, timeout=60000):
         qtbot.keyClick(win.input, Qt.Key_Return)
     model.modelReset.connect(lambda: resets.append(1))
-    qtbot.waitUntil(lambda: len(changed) >= 3, timeout=60000)
+    for n in range(1, 4):  # a token at a time, each drawn before the next comes
+        qtbot.waitUntil(lambda: len(changed) >= n, timeout=10000)
+        pace.give(1)
     reply_row = model.rowCount() - 1
     assert set(changed) == {(reply_row, reply_row)} and not resets  # never the whole conversation
+    pace.free()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
     final = store.messages(win.conversation_id)[-1].content
     assert model.data(model.index(reply_row), ROLE_IDS["content"]) == final
@@ -54,13 +60,16 @@ def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_pa
     view = win.chat_view.list_view()
     qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # a chat opens at its newest message
     win.sampling = LONG
+    pace = bridge.engine.pace
+    pace.hold()
+    pace.give(1)
     win.input.setPlainText("Write a very long story.")
     with qtbot.waitSignal(bridge.token, timeout=60000):
         qtbot.keyClick(win.input, Qt.Key_Return)
     qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
     centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
     for _ in range(5):  # the reader turns the wheel up
-        qtbot.wait(30)
+        QApplication.processEvents()
         wheel(win.chat_view, centre, 120)
     qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
     held = view.property("contentY")
@@ -68,18 +77,17 @@ def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_pa
     assert not view.property("follow") and jump.isVisible()
     model = win.chat_view.model
     grown = len(model.rows[-1]["content"])
-    qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 120, timeout=60000)  # the reply grew
-    qtbot.wait(200)  # its last frame
+    pace.give(40)  # the reply grows by forty words
+    qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 120, timeout=60000)
+    qtbot.waitUntil(lambda: model.rows[-1]["content"] == win.replies.text and len(win.replies.ids) == 41, timeout=5000)
+    QApplication.processEvents()  # the view's reaction to its last row's new height
     assert abs(view.property("contentY") - held) < 1 and not view.property("atYEnd")  # not pulled down
     qml_click(qtbot, win, jump)
     qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
     assert not jump.isVisible()
     grown = len(model.rows[-1]["content"])
-    try:
-        qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 60, timeout=60000)
-    except Exception:
-        raise AssertionError(f"reply stopped growing: {len(model.rows[-1]['content'])} chars, busy {bridge.busy}, "
-                             f"{store.messages(win.conversation_id)[-1].token_ids and len(store.messages(win.conversation_id)[-1].token_ids)} tokens")
+    pace.give(20)
+    qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 60, timeout=60000)
     qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # following again
     win.stop_button.click()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)

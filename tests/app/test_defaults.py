@@ -11,11 +11,11 @@ from kvchat.app.views.main_window import MainWindow
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.store import Store
 from kvchat.core.config import EngineConfig, SamplingParams
-from kvchat.engine.engine import Engine
 from kvchat.engine.host import generation_settings
-from kvchat.engine.model.loading import LoadedModel
 
 from qt_helpers import last_stats
+from support.fake_backend import FakeBackend
+from support.fake_model import STARTER_GENERATION
 
 
 def own(generation_config) -> dict:
@@ -34,15 +34,15 @@ def test_sampling_defaults_come_from_the_models_generation_config():
             fallback["max_new_tokens"]) == (0.7, 0.9, 0, 1.1, 1024)
 
 
-def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtbot, tmp_path, engine_model):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), persona_store=None)
+def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtbot, tmp_path):
+    engine = FakeBackend(EngineConfig(max_context=512))
     store = Store(tmp_path / "chat.db")
     win = MainWindow(store, EngineBridge(engine))
     qtbot.addWidget(win)
     try:
         qtbot.waitUntil(lambda: win.models.config is not None, timeout=60000)
         qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)  # the planner needs the memory
-        expected = model_defaults(own(engine_model.model.generation_config))
+        expected = model_defaults(STARTER_GENERATION)
         assert vars(win.sampling) | {"stop": [], "ignore_eos": False} == vars(SamplingParams(**expected))
         dialog = win.models.settings_dialog()
         qtbot.addWidget(dialog)
@@ -57,8 +57,7 @@ def test_a_new_window_uses_the_starters_defaults_until_the_user_changes_them(qtb
         assert store.setting("sampling")["temperature"] == 0.2
     finally:
         engine.close()
-    again = MainWindow(store, EngineBridge(Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)),
-                                                  persona_store=None)))
+    again = MainWindow(store, EngineBridge(FakeBackend(EngineConfig(max_context=512))))
     qtbot.addWidget(again)
     try:
         qtbot.waitUntil(lambda: again.models.config is not None, timeout=60000)

@@ -1,22 +1,24 @@
 """The bridge as one adapter: its state changes only when a queued signal is delivered on the GUI
-thread, through real signals from a real engine on the starter model."""
-import time
-
+thread, through real signals from the fake backend (tests/support), which gives the engine's events
+in the engine's order from its own thread."""
 import pytest
 
 from kvchat.app.controllers.engine_bridge import EngineBridge
 from kvchat.core.config import EngineConfig, SamplingParams
-from kvchat.engine.engine import Engine
-from kvchat.engine.model.loading import LoadedModel
+
+from qt_helpers import lockstep, settled
+from support.fake_backend import FakeBackend
 
 
 HELLO = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 @pytest.fixture
-def bridge(qtbot, engine_model):
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), persona_store=None)
+def bridge(qtbot):
+    engine = FakeBackend(EngineConfig(max_context=512))
+    engine.pace.lockstep()
     b = EngineBridge(engine)
+    lockstep(b)
     assert b.loading  # nothing delivered yet, whatever the engine thread has done meanwhile
     with qtbot.waitSignal(b.ready, timeout=60000):
         pass
@@ -25,7 +27,7 @@ def bridge(qtbot, engine_model):
 
 
 def test_the_first_load_arrives_as_a_signal_however_fast_it_failed(qtbot):
-    engine = Engine(EngineConfig(model="/no/such/model.gguf"), persona_store=None)
+    engine = FakeBackend(EngineConfig(model="/no/such/model.gguf"))
     engine.ready.wait(60)  # the failure is over before the bridge exists
     b = EngineBridge(engine)
     with qtbot.waitSignal(b.load_failed, timeout=10000) as failed:
@@ -37,11 +39,13 @@ def test_the_first_load_arrives_as_a_signal_however_fast_it_failed(qtbot):
 def test_busy_ends_when_finished_is_delivered_not_before(qtbot, bridge):
     ends = []
     bridge.finished.connect(lambda done: ends.append(bridge.busy))
-    bridge.send(HELLO, SamplingParams(max_new_tokens=6, temperature=0))
+    bridge.engine.pace.free()  # the reply runs to its end with no event delivered
+    bridge.send(HELLO, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     assert bridge.busy
+    bridge.handle.future.result(30)  # the engine has finished; without delivery nothing changes
+    assert bridge.busy and not ends
     with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
         pass
-    time.sleep(0.3)  # the engine has long finished; without delivery nothing changes
     assert ends == [False] and done.args[0]["finish_reason"] == "length" and not bridge.busy
 
 
@@ -64,7 +68,7 @@ def test_two_switches_in_a_row_end_in_one_ready_with_the_second_settings(qtbot, 
     bridge.switch_model({"model": "starter", "max_context": 384, "kv_precision": "int8"})
     assert bridge.loading
     qtbot.waitUntil(lambda: bool(readies), timeout=120000)
-    qtbot.wait(300)
+    settled(bridge)  # whatever else the engine had to say has been delivered
     assert failures == [] and len(readies) == 1 and readies[0]["max_context"] == 384
     assert bridge.precision == "int8" and not bridge.loading
 

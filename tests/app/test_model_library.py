@@ -1,8 +1,10 @@
 """The model library (issue 10, deliverable 3): models on disk with what they are and whether they fit
-here, before loading; one click loads one, and it is saved only once it has loaded."""
+here, before loading; one click loads one, and it is saved only once it has loaded; the load bar.
+The fake backend (tests/support) loads them, but for the hub model, loaded end to end by a real engine."""
 import json
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtWidgets import QApplication
 
 from kvchat.core.model_source import starter_path
 
@@ -45,18 +47,18 @@ def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts,
     qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == path, timeout=10000)
 
 
-def hub_snapshot(tmp_path, tokenizer, chunks: int, pause: float = 0.0):
+def hub_snapshot(tmp_path, tokenizer, chunks: int, after_first=None):
     """huggingface_hub's snapshot_download without the network: byte progress through the tqdm class
-    it is given, then a tiny qwen2 model in the hub cache's layout (models--org--tiny/snapshots/...)."""
-    import time
-
+    it is given, then a tiny qwen2 model in the hub cache's layout (models--org--tiny/snapshots/...).
+    ``after_first``: an event the download waits for after its first chunk (a slow network)."""
     from tiny_models import tiny_model
 
     def snapshot(repo_id, allow_patterns=None, tqdm_class=None, **kw):
         bar = tqdm_class(total=chunks * 10 ** 7, unit="B", disable=True)
-        for _ in range(chunks):
-            time.sleep(pause)
+        for i in range(chunks):
             bar.update(10 ** 7)
+            if i == 0 and after_first is not None:
+                assert after_first.wait(60)
         folder = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "abc123"
         tiny_model("qwen2").save_pretrained(folder)
         tokenizer.save_pretrained(folder)
@@ -65,12 +67,13 @@ def hub_snapshot(tmp_path, tokenizer, chunks: int, pause: float = 0.0):
     return snapshot
 
 
-def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, app_parts, tmp_path, tokenizer,
+def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, engine_parts, tmp_path, tokenizer,
                                                                   monkeypatch):
+    """End to end: the real engine switches to the downloaded model."""
     import huggingface_hub
 
-    win, store, bridge, _ = app_parts
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_snapshot(tmp_path, tokenizer, chunks=5, pause=0.2))
+    win, store, bridge, _ = engine_parts
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_snapshot(tmp_path, tokenizer, chunks=5))
     library = win.models.library(roots=[(tmp_path / "empty", "hub cache")])
     qtbot.addWidget(library)
     shown(qtbot, library)
@@ -95,12 +98,15 @@ def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, app_pa
 
 
 def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path, tokenizer, monkeypatch):
+    import threading
+
     import huggingface_hub
 
     from kvchat.app.views.model_library import ModelLibrary
 
     calls = []
-    slow = hub_snapshot(tmp_path, tokenizer, chunks=300, pause=0.05)
+    clicked = threading.Event()
+    slow = hub_snapshot(tmp_path, tokenizer, chunks=300, after_first=clicked)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: calls.append(a) or slow(*a, **kw))
     library = ModelLibrary(None, [], None, False, roots=[])
     qtbot.addWidget(library)
@@ -115,6 +121,7 @@ def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path
     qtbot.waitUntil(lambda: library.download_bar.value() > 0, timeout=30000)
     assert "/ 3.00 GB" in library.download_bar.format()
     qtbot.mouseClick(library.cancel_download_button, Qt.LeftButton)
+    clicked.set()
     qtbot.waitUntil(lambda: library.download_bar.isHidden(), timeout=10000)
     assert library.status.text() == "download of org/large cancelled" and library.table.rowCount() == 0
     assert library.download_button.isEnabled() and len(calls) == 1
@@ -132,3 +139,50 @@ def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
     text = library.status.text()
     assert "Qwen/Qwen2.5-0.5B-Instruct" in text and "unreachable" in text and "\n" not in text
     assert library.download_bar.isHidden()
+
+
+def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
+    """A fresh cache: while there is no count (reading the file, making the tokenizer and the
+    model) the bar is busy and the label beside it says which; then it counts the tensors up to
+    all; then the weights loaded."""
+    import gguf
+
+    from kvchat.core.model_source import starter_path
+
+    win, store, bridge, _ = app_parts
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "fresh"))
+    model = tmp_path / "smollm2.gguf"
+    model.symlink_to(starter_path())
+    n = len(gguf.GGUFReader(model).tensors)
+    seen = []  # what the user sees after each progress event (the window's slot runs first)
+    bridge.load_progress.connect(lambda *_: seen.append((win.load_bar.value(), win.load_bar.maximum(),
+                                                         win.load_bar.text(), win.precision_label.text())))
+    win.models.load_model({"model": str(model)}, previous=None)
+    qtbot.waitUntil(lambda: not bridge.switching, timeout=150000)
+    assert bridge.load_error is None
+    busy = [label for _, maximum, text, label in seen if maximum == 0]
+    assert busy == ["reading GGUF file…", "converting GGUF: the tokenizer…", "converting GGUF: building the model…"]
+    assert all(not text for _, maximum, text, _ in seen[:3])  # a busy bar draws no text: the label has it
+    converting = [s for s in seen if s[2].startswith("converting")]
+    counted = [value for value, maximum, _, _ in converting if maximum == n]
+    assert counted == sorted(counted) and counted[-1] == n and len(set(counted)) > n // 2
+    assert f"tensor {n} of {n}" in converting[-1][2] and converting[-1][3] == "converting GGUF…"
+    loading = seen[3 + len(converting):]  # then the weights, each tensor of the converted model
+    assert loading and all(s[2].startswith("loading weights") for s in loading)
+    assert [s[0] for s in loading] == sorted(s[0] for s in loading) and loading[-1][0] == loading[-1][1] > 0
+    assert win.load_bar.isHidden() and win.precision_label.text().startswith("KV ")  # ready
+
+
+def test_the_load_bar_stays_put_while_the_stage_beside_it_changes(qtbot, app_parts):
+    """The stage label's text grows and shrinks from stage to stage; the bar must not jump sideways."""
+    win, _, bridge, _ = app_parts
+    win.show()
+    win.models.set_loading(True)
+    edges = []
+    for done, total, stage in ((0, 0, "read"), (0, 0, "tokenizer"), (0, 0, "model"), (5, 272, "convert"),
+                               (272, 272, "convert"), (9, 272, "weights")):
+        bridge.load_progress.emit(done, total, stage)
+        QApplication.processEvents()  # the layout request, posted by the label's new text
+        left = win.load_bar.mapTo(win, QPoint(0, 0)).x()
+        edges.append((left, left + win.load_bar.width()))
+    assert len(set(edges)) == 1, edges

@@ -2,11 +2,12 @@
 same reasons for a model that cannot be found), read from its config alone, with the engine's
 progress events (engine/model/loading.py): a hub model's download in bytes; a GGUF's first
 conversion ("read", "tokenizer", "model" with no count, then its tensors); then the weights."""
+import functools
 import json
 from pathlib import Path
 
 from kvchat.core.events import LoadProgress
-from kvchat.core.model_library import describe_gguf
+from kvchat.core.model_library import GGUF_KEYS, field_value
 from kvchat.core.model_source import SUPPORTED, ModelError, download, resolve
 
 from support.fake_model import STARTER_CONFIG, STARTER_GENERATION, STARTER_LABEL, FakeModel
@@ -25,6 +26,7 @@ def load(fake, spec: str, seq: int | None) -> FakeModel:
         return FakeModel(STARTER_LABEL, STARTER_CONFIG, STARTER_GENERATION)
     if source.kind == "gguf":
         config, tensors = gguf_config(Path(source.location))
+        config = dict(config)
         if source.location not in fake.converted:  # converted once, then loaded from the cache
             for stage in ("read", "tokenizer", "model"):
                 progress(0, 0, stage)
@@ -49,11 +51,20 @@ def load(fake, spec: str, seq: int | None) -> FakeModel:
     return FakeModel(source.label, config, json.loads(generation.read_text()) if generation.is_file() else {})
 
 
+@functools.lru_cache(maxsize=8)
 def gguf_config(path: Path) -> tuple[dict, int]:
-    try:
-        described = describe_gguf(path, "picked")
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+    """The config a GGUF's header gives (as the model library reads it) and its tensor count; read
+    once per file in a session (the starter's header takes seconds to parse)."""
     from gguf import GGUFReader
 
-    return described.config, len(GGUFReader(path).tensors)
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+    meta = {name: field_value(f) for name, f in reader.fields.items()}
+    arch = meta.get("general.architecture", "?")
+    config = {key: meta.get(f"{arch}.{gguf_key}") for key, gguf_key in GGUF_KEYS.items()}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    config.update(model_type=arch, vocab_size=len(tokens.data) if tokens is not None else None,
+                  tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors})
+    return config, len(reader.tensors)

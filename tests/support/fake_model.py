@@ -17,7 +17,8 @@ from kvchat.core.memory import PREFIX_RESERVE, MemorySnapshot, activations_bytes
 STARTER_CONFIG = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                   "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
                   "max_position_embeddings": 8192, "tie_word_embeddings": True}
-STARTER_GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+STARTER_GENERATION = {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+                      "use_cache": True}
 STARTER_LABEL = "starter (SmolLM2-135M-Instruct)"
 EOS = 2
 MACHINE_RAM = 24 << 30  # the fake machine: a CPU with 24 GiB, 2 GiB of it taken by other programs
