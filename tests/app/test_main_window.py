@@ -63,6 +63,23 @@ def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot
     assert messages[-1].content and not messages[-1].interrupted and not qml_items(win, "note")
 
 
+def test_a_decode_step_compiled_in_the_background_keeps_no_reply_waiting_note(qtbot, app_parts):
+    """On the CPU the step compiles on a thread of its own while the reply decodes eagerly: the chat
+    must not say the reply starts after it."""
+    win, store, bridge, _ = app_parts
+    bridge.engine.warm_up(background=True)
+    bridge.engine.pace.hold()  # the reply's first token is the test's to give
+    notices = []
+    bridge.notice.connect(lambda kind, message: notices.append(kind))
+    win.input.setPlainText("Hello")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: notices == ["warm-up"], timeout=5000)
+    assert bridge.busy and not win.chat_view.model.rows[-1].get("note") and not qml_items(win, "note")
+    bridge.engine.pace.free()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
+    assert store.messages(win.conversation_id)[-1].content == "Hello! How can I help you today?"
+
+
 def test_new_chat_twice_makes_one_empty_chat(qtbot, app_parts):
     win, store, _, _ = app_parts
     qtbot.mouseClick(win.new_button, Qt.LeftButton)

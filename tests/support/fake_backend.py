@@ -10,17 +10,14 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Shutdown, Submit, Tokenize, refuse
-from kvchat.core.config import ConfigError, EngineConfig, Precision, SamplingParams
-from kvchat.core.errors import first_line
-from kvchat.core.events import (EngineError, Finished, LoadFailed, ModelReady, Notice, Reconfigured, Refused,
-                                Request, RequestHandle)
-from kvchat.core.model_source import ModelError
+from kvchat.core.config import EngineConfig, Precision, SamplingParams
+from kvchat.core.events import (EngineError, Finished, Notice, Request, RequestHandle)
 
-from support.fake_loading import load as load_model_files
-from support.fake_model import PersonaDisk, PrefixCache, layout, persona_ids, snapshot
+from support import fake_host
+from support.fake_model import PersonaDisk, PrefixCache, persona_ids, snapshot
 from support.fake_request import serve
 from support.pace import Pace
 
@@ -38,7 +35,8 @@ class FakeBackend:
         self.disk = disk
         self.converted = converted if converted is not None else set()  # GGUF files converted once already
         self.pace = Pace()
-        self.compiled: threading.Event | None = None  # set: a decode step to compile before the next reply
+        self.compiled: threading.Event | None = None  # set: a decode step to prepare before the next reply
+        self.background = False
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.handle: RequestHandle | None = None
@@ -49,7 +47,7 @@ class FakeBackend:
         self._lock = threading.Lock()
         self._closed = False
         self._stopping = threading.Event()
-        self._good: EngineConfig | None = None
+        self.good: EngineConfig | None = None
         self._load_seq = self._cancelled_load = self._model_seq = 0
         self.load_model(self.config)
         self._thread = threading.Thread(target=self._main, name="fake-engine", daemon=True)
@@ -115,10 +113,11 @@ class FakeBackend:
         handed to the listeners (a test then processes Qt's queue to see them all delivered)."""
         return self._put(Cancel(RequestHandle(Request())))
 
-    def warm_up(self) -> threading.Event:
-        """The next reply (or idle moment) first compiles the decode step, as after a start; it ends
-        when the test sets the event returned."""
-        self.compiled = threading.Event()
+    def warm_up(self, background: bool = False) -> threading.Event:
+        """The next reply first prepares the decode step, as after a start: captured on CUDA, which
+        the reply waits for until the test sets the event returned; or (``background``) compiled on
+        the CPU's thread of its own, which no reply waits for (engine/host.py prepare_decode)."""
+        self.compiled, self.background = threading.Event(), background
         return self.compiled
 
     def shutdown(self) -> Future:
@@ -187,7 +186,7 @@ class FakeBackend:
         if self._stopping.is_set():
             return refuse(command, "the engine is shutting down")
         if isinstance(command, LoadModel):
-            self._load(command)
+            fake_host.load(self, command)
             return self._snapshot()
         if isinstance(command, Cancel):
             command.handle.cancel()
@@ -200,7 +199,7 @@ class FakeBackend:
             self._warm_decode()
             serve(self, command.handle)
         else:
-            self._reconfigure(command)
+            fake_host.reconfigure(self, command)
         self._snapshot()
 
     def _refuse_queued(self, reason: str) -> None:
@@ -211,13 +210,26 @@ class FakeBackend:
                 return
 
     def _warm_decode(self) -> None:
-        if self.compiled is not None:
-            self.notice("warm-up", "preparing fast decoding (a minute or two the first time, seconds after)")
+        if self.compiled is not None and self.background:
+            self.compiled = None
+            self.notice("warm-up", "preparing fast decoding in the background: replies start at once, faster "
+                                   "when it is ready")
+        elif self.compiled is not None:
+            self.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")
             self.compiled.wait()
             self.compiled = None
             self.notice("warm-up", "fast decoding ready (4 s)")
 
-    # -- loading: engine/host.py's steps and events --
+    # -- loading (support/fake_host.py): which LoadModel is the newest --
+
+    def superseded(self, seq: int) -> bool:
+        return seq < self._load_seq
+
+    def loaded_seq(self, seq: int) -> None:
+        """The load ``seq`` has ended: unless a newer one is on its way, the fake is ready."""
+        if not self.superseded(seq):
+            self._model_seq = seq
+            self.ready.set()
 
     def switching(self) -> bool:
         return self._stopping.is_set() or self._load_seq > self._model_seq
@@ -231,104 +243,24 @@ class FakeBackend:
             return "loading cancelled"
         return None
 
-    def _load(self, command: LoadModel) -> None:
-        if command.seq < self._load_seq:
-            return refuse(command, "replaced by a later model choice")
-        self.ready.clear()
-        try:
-            self.model, self.handle = None, None
-            self.cache.clear()
-            try:
-                self._start(command.config, command.seq)
-            except (ModelError, ConfigError, EngineError) as error:
-                return self._failed(command, str(error))
-            self._good, self.load_error = self.config, None
-            settings = self.settings()
-            command.future.set_result(settings)
-            self._announce(ModelReady(self.model.label, settings, self.model.config, dict(self.model.generation)))
-        finally:
-            if command.seq >= self._load_seq:
-                self._model_seq = command.seq
-                self.ready.set()
-
-    def _failed(self, command: LoadModel, reason: str) -> None:
-        self.model = None
-        if command.seq < self._load_seq:
-            return refuse(command, "replaced by a later model choice")
-        restored = False
-        if self._good is not None:
-            try:
-                self._start(self._good, None)
-                restored = True
-            except (ModelError, ConfigError, EngineError) as error:
-                self.model, self._good = None, None
-                self.notice("load", f"the previous model could not be loaded again: {error}")
-        message = reason + ("; the previous model is back" if restored else "")
-        self.load_error = None if restored else reason
-        command.future.set_exception(EngineError(message))
-        self._announce(LoadFailed(message, self.settings() if restored else None))
-
-    def _start(self, config: EngineConfig, seq: int | None) -> None:
-        self.config = config
-        model = load_model_files(self, config.model, seq)
-        if self.stop_loading(seq):
-            raise ModelError(self.stop_loading(seq))
-        self.model = model
-        self.config = config = self._capped(config)
-        self.precision = layout(model, config)
-
-    def _capped(self, config: EngineConfig) -> EngineConfig:
-        trained = self.model.trained
-        if not trained or config.max_context <= trained:
-            return config
-        if config.allow_long_context:
-            self.notice("context", f"{config.max_context:,} tokens is longer than the {trained:,} the model was "
-                                   "trained for: expect worse answers past that")
-            return config
-        self.notice("context", f"{config.max_context:,} tokens capped at {trained:,}, the length the model "
-                               "was trained for")
-        return replace(config, max_context=trained)
-
-    # -- settings: engine/governor.py's reconfigure --
-
-    def _reconfigure(self, command: Reconfigure) -> None:
-        old = self.config
-        try:
-            new = replace(old, max_context=command.max_context or old.max_context,
-                          kv_precision=command.kv_precision or old.kv_precision,
-                          headroom_bytes=old.headroom_bytes if command.headroom_bytes is None else command.headroom_bytes)
-            new = self._capped(new)
-            precision = layout(self.model, new)
-        except (ConfigError, ValueError) as error:
-            return command.future.set_exception(ConfigError(first_line(error)))
-        except Refused as error:
-            self.notice("rebuild", f"settings not applied: {error}")
-            return command.future.set_exception(error)
-        if [*Precision].index(precision) < [*Precision].index(self.precision):
-            self.cache.clear()  # lossy blocks must not pass for full-precision ones
-        self.config, self.precision = new, precision
-        settings = {**self.settings(), "kv_budget": snapshot(self.model, new, precision, 0, 0).kv_total}
-        command.future.set_result(settings)
-        self._emit(Reconfigured(settings))
-
     # -- events --
 
     def notice(self, kind: str, message: str) -> None:
         notice = Notice(kind, message)
         if self.handle is not None:
             self.handle.put(notice)
-        self._emit(notice)
+        self.emit(notice)
 
     def _snapshot(self, in_use: int = 0) -> None:
         if self.model is not None:
-            self._emit(snapshot(self.model, self.config, self.precision, self.cache.tokens(), in_use))
+            self.emit(snapshot(self.model, self.config, self.precision, self.cache.tokens(), in_use))
 
-    def _announce(self, status) -> None:
+    def announce(self, status) -> None:
         with self._lock:
             self._status = status
-        self._emit(status)
+        self.emit(status)
 
-    def _emit(self, event) -> None:
+    def emit(self, event) -> None:
         for callback in list(self._listeners):
             try:
                 callback(event)

@@ -19,7 +19,7 @@ def load(fake, spec: str, seq: int | None) -> FakeModel:
         why = fake.stop_loading(seq)
         if why:
             raise ModelError(why)
-        fake._emit(LoadProgress(done, total, stage))
+        fake.emit(LoadProgress(done, total, stage))
 
     source = resolve(spec)
     if source.kind == "starter":
