@@ -1,20 +1,16 @@
 """What compiling the decode step needs on this machine, and where its caches go."""
 import os
-import shutil
-import sysconfig
-from pathlib import Path
 
 from kvchat.core.paths import cache_dir
+from kvchat.engine import toolchain
 
 
 def cpu_compile_missing() -> str | None:
-    """Why inductor cannot compile for the CPU here (it builds C++ against Python's headers), or None.
-    A packaged app on a machine without a compiler decodes eagerly, and says so once."""
-    if not (shutil.which("g++") or shutil.which("c++")):
-        return "decoding without compilation: no C++ compiler (g++) found"
-    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
-        return "decoding without compilation: Python's headers (Python.h) are missing"
-    return None
+    """Why inductor cannot compile for the CPU here, or None. It builds C++ against Python's
+    headers: the system's compiler when there is one, else the one that travels with kvchat
+    (toolchain.py), which this call sets inductor and Triton to use. A packaged app with neither
+    decodes eagerly, and says so once."""
+    return toolchain.configure()[1]
 
 
 def use_disk_cache() -> None:

@@ -1,0 +1,189 @@
+"""The C/C++ compiler that inductor (the CPU's compiled decode step) and Triton (its launchers on
+CUDA) build with.
+
+The system's g++/gcc when the machine has one and Python's headers are where the interpreter says;
+otherwise the toolchain that travels with kvchat: zig's clang (the ``ziglang`` wheel: a compiler,
+linker, libc++ and glibc's headers in one binary), LLVM's OpenMP runtime (``cmeel-libomp``: clang's
+OpenMP code calls ``__kmpc_*``, which torch's own libgomp lacks; without OpenMP the int8 step
+decodes at 0.69x), and Python's headers (python_headers.py). Two shell wrappers in kvchat's cache
+dir turn them into one ``clang``/``clang++`` path each, which is what inductor's config and
+Triton's ``CC`` take: a single executable, named so that inductor passes clang's flags.
+"""
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shlex
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchat.core.paths import cache_dir
+from kvchat.engine import python_headers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    cc: str
+    cxx: str
+    bundled: bool  # kvchat's own (zig), not the system's
+    python_include: Path
+    libomp: Path | None = None
+
+
+def _package_dir(name: str) -> Path | None:
+    """An installed package's folder; in a packaged app, the folder PyInstaller put its data in."""
+    if getattr(sys, "frozen", False):
+        path = Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)) / name
+        if path.is_dir():
+            return path
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def zig_binary() -> Path | None:
+    folder = _package_dir("ziglang")
+    binary = folder / "zig" if folder else None
+    return binary if binary and os.access(binary, os.X_OK) else None
+
+
+def libomp_prefix() -> Path | None:
+    """cmeel-libomp installs a prefix (lib/libomp.so, include/omp.h) beside the site-packages'
+    modules, not as a package; the packaged app carries it under the same name."""
+    roots = [Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent))] if getattr(sys, "frozen", False) else []
+    roots += [Path(p) for p in sys.path if p]
+    for root in roots:
+        prefix = root / "cmeel.prefix"
+        if (prefix / "lib" / "libomp.so").is_file() and (prefix / "include" / "omp.h").is_file():
+            return prefix
+    return None
+
+
+def system_compiler() -> tuple[str, str] | None:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    return (cc, cxx) if cc and cxx else None
+
+
+def _write(path: Path, text: str) -> None:
+    if path.is_file() and path.read_text() == text:
+        return
+    staging = path.with_name(path.name + f".{os.getpid()}")
+    staging.write_text(text)
+    staging.chmod(0o755)
+    staging.replace(path)  # atomic: another kvchat process may be running this wrapper
+
+
+def _wrappers(zig: Path, omp: Path, include: Path) -> tuple[str, str]:
+    """clang/clang++ scripts that run zig with OpenMP's and Python's headers, libomp to link
+    (inductor asks clang for -lgomp: a libgomp.so link to libomp answers it), and zig's cache in
+    kvchat's. Keyed by the paths they name, so a moved app writes new ones."""
+    key = hashlib.sha256(f"{zig}|{omp}|{include}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "toolchain" / key
+    (folder / "lib").mkdir(parents=True, exist_ok=True)
+    link = folder / "lib" / "libgomp.so"
+    if not link.is_symlink() or os.readlink(link) != str(omp / "lib" / "libomp.so"):
+        link.unlink(missing_ok=True)
+        link.symlink_to(omp / "lib" / "libomp.so")
+    zig_cache = cache_dir() / "zig"
+    flags = " ".join(shlex.quote(f) for f in [
+        "-isystem", str(omp / "include"), "-isystem", str(include), f"-L{folder / 'lib'}",
+        f"-Wl,-rpath,{omp / 'lib'}"])
+    for name, mode in (("clang", "cc"), ("clang++", "c++")):
+        _write(folder / name, "#!/bin/sh\n# written by kvchat (engine/toolchain.py): zig's clang with OpenMP and "
+               "Python's headers\n"
+               f"ZIG_GLOBAL_CACHE_DIR=${{ZIG_GLOBAL_CACHE_DIR:-{shlex.quote(str(zig_cache))}}}\n"
+               "export ZIG_GLOBAL_CACHE_DIR\n"
+               f'exec {shlex.quote(str(zig))} {mode} {flags} "$@"\n')
+    return str(folder / "clang"), str(folder / "clang++")
+
+
+def _with_headers(compiler: str, include: Path, name: str) -> str:
+    """The system's compiler, told where the headers kvchat found are (they are not where the
+    interpreter says, or the system's compiler would be used as it is)."""
+    folder = cache_dir() / "toolchain" / hashlib.sha256(f"{compiler}|{include}".encode()).hexdigest()[:12]
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(folder / name, "#!/bin/sh\n# written by kvchat (engine/toolchain.py)\n"
+           f'exec {shlex.quote(compiler)} -isystem {shlex.quote(str(include))} "$@"\n')
+    return str(folder / name)
+
+
+def find() -> tuple[Toolchain | None, str | None]:
+    """The toolchain to compile with, or None and why there is none."""
+    include = python_headers.find()
+    if include is None:
+        return None, "decoding without compilation: Python's headers (Python.h) are missing"
+    system = system_compiler()
+    own = Path(python_headers.candidates()[0])
+    if system and include == own:
+        return Toolchain(system[0], system[1], False, include), None
+    zig, omp = zig_binary(), libomp_prefix()
+    if zig and omp:
+        cc, cxx = _wrappers(zig, omp, include)
+        return Toolchain(cc, cxx, True, include, omp / "lib" / "libomp.so"), None
+    if system:
+        return Toolchain(_with_headers(system[0], include, "gcc"), _with_headers(system[1], include, "g++"),
+                         False, include), None
+    return None, "decoding without compilation: no C++ compiler (g++) found, and no bundled one (ziglang)"
+
+
+def launcher_builder(cc: str):
+    """Triton's ``knobs.build.impl``: its launcher's C file compiled by ``cc`` (our wrapper, which
+    knows where Python's headers are), as Triton's own build would with a system compiler."""
+    import sysconfig
+
+    def build(name, src, srcdir, library_dirs, include_dirs, libraries):
+        import subprocess
+
+        so = os.path.join(srcdir, f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}")
+        cmd = [cc, src, "-O3", "-shared", "-fPIC", "-o", so, f"-I{srcdir}"]
+        cmd += [f"-I{d}" for d in include_dirs if d]
+        cmd += [f"-L{d}" for d in library_dirs] + [f"-Wl,-rpath,{d}" for d in library_dirs]
+        cmd += [f"-l:{lib}" if ".so" in lib else f"-l{lib}" for lib in libraries]
+        subprocess.check_call(cmd, stdout=subprocess.DEVNULL)
+        return so
+
+    return build
+
+
+@functools.cache
+def configure() -> tuple[Toolchain | None, str | None]:
+    """Finds the toolchain once a process and points inductor (and Triton, where it is installed)
+    at it. Returns find()'s answer."""
+    chain, why = find()
+    if chain is None or not (chain.bundled or chain.cxx.startswith(str(cache_dir()))):
+        return chain, why  # the system's compiler, found by inductor and Triton themselves
+    if chain.libomp is not None:
+        # compiled kernels name libomp.so; loaded here, a kernel cached by an app since moved
+        # still finds it (a loaded library answers for its soname)
+        try:
+            ctypes.CDLL(str(chain.libomp))
+        except OSError as e:
+            return None, f"decoding without compilation: LLVM's OpenMP runtime does not load ({e})"
+    os.environ["CXX"], os.environ["CC"] = chain.cxx, chain.cc  # read by inductor's subprocesses
+    # inductor still names the interpreter's include dir (absent here) and warns at every build;
+    # the wrapper passes the headers kvchat found
+    warnings.filterwarnings("ignore", message="Can't find Python.h")
+    from torch._inductor import config
+
+    config.cpp.cxx = (chain.cxx,)
+    if importlib.util.find_spec("triton") is not None:
+        try:
+            from triton import knobs
+
+            knobs.build.impl = launcher_builder(chain.cc)
+        except (ImportError, AttributeError) as e:  # a Triton before knobs reads CC, set above
+            log.info("Triton's build.impl not set (%s); it uses CC", e)
+    log.info("compiling with kvchat's own toolchain: %s", chain.cxx)
+    return chain, None
