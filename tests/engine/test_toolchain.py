@@ -1,0 +1,118 @@
+"""The toolchain that travels with kvchat (engine/toolchain.py), on a machine made to have no
+compiler and no Python headers: packaging/without_compilers.sh runs each check in a mount namespace
+where gcc, g++, cc, c++ and clang are /dev/null and Python's include dirs are empty. Python's
+headers come from the copy kvchat's set-up puts in its cache dir, as `make run` does."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HIDE = REPO / "packaging" / "without_compilers.sh"
+# zig builds libc++ and glibc's stubs once (about a minute on two cores): kept across runs
+ZIG_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE") or REPO / ".test-cache") / "zig"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="hiding the compilers needs root (unshare -m and bind mounts)"),
+    pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux's unshare is not installed"),
+]
+
+
+@pytest.fixture
+def bare_home(tmp_path):
+    """A KVCHAT_HOME whose cache holds Python's headers, copied from this interpreter's include dir
+    (what python_headers.ensure() leaves there on a machine without python3-dev)."""
+    home = tmp_path / "home"
+    code = ("import sysconfig; from pathlib import Path; from kvchat.engine import python_headers as h; "
+            "h.copy_tree(Path(sysconfig.get_paths()['include']), h.cached_dir())")
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_HOME": str(home)}, check=True)
+    return home
+
+
+def run_hidden(script: str, home: Path, tmp_path: Path) -> dict:
+    """Runs ``script`` with the compilers and headers hidden; it prints one JSON line last."""
+    ZIG_CACHE.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "KVCHAT_HOME": str(home), "ZIG_GLOBAL_CACHE_DIR": str(ZIG_CACHE),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("CC", None), env.pop("CXX", None)
+    proc = subprocess.run([str(HIDE), "--python", sys.executable, sys.executable, "-c", textwrap.dedent(script)],
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_nothing_is_left_to_find():
+    """The hiding is real, or the other tests prove nothing."""
+    proc = subprocess.run([str(HIDE), "--python", sys.executable, "--verify"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(sysconfig.get_paths()["include"], "Python.h").is_file()  # outside, untouched
+
+
+def test_without_headers_anywhere_compiling_is_refused(tmp_path):
+    """No headers in the cache either: eager decoding, with the reason."""
+    out = run_hidden("""
+        import json
+        from kvchat.engine.compile_env import cpu_compile_missing
+        print(json.dumps({"missing": cpu_compile_missing()}))
+    """, tmp_path / "empty-home", tmp_path)
+    assert "Python.h" in out["missing"]
+
+
+def test_triton_launcher_builds_with_the_bundled_toolchain(bare_home, tmp_path):
+    """Triton's launcher build path (triton.runtime.build, through knobs.build.impl) compiles a C
+    extension that includes Python.h, and the module it loads runs."""
+    pytest.importorskip("triton")
+    out = run_hidden("""
+        import json, shutil
+        from kvchat.engine import toolchain
+        chain, why = toolchain.configure()
+        from triton import knobs
+        from triton.runtime import build
+        src = '''
+        #include <Python.h>
+        static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(6 * 7); }
+        static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+        static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kvchat_probe", NULL, -1, methods};
+        PyMODINIT_FUNC PyInit_kvchat_probe(void) { return PyModule_Create(&mod); }
+        '''
+        module = build.compile_module_from_src(src, "kvchat_probe")
+        print(json.dumps({"why": why, "bundled": chain.bundled, "impl": knobs.build.impl is not None,
+                          "gcc": shutil.which("gcc"), "answer": module.answer()}))
+    """, bare_home, tmp_path)
+    assert out == {"why": None, "bundled": True, "impl": True, "gcc": None, "answer": 42}
+
+
+def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
+    """A function inductor parallelizes (a reduction over 4M elements, two threads) compiles with
+    g++ hidden; the result equals eager, and the kernel calls LLVM's OpenMP runtime (so the threads'
+    split is the runtime's, not a serial fallback)."""
+    out = run_hidden("""
+        import json, glob, os, subprocess
+        import torch
+        from kvchat.engine.compile_env import cpu_compile_missing
+        from kvchat.engine import toolchain
+        why = cpu_compile_missing()
+        torch.set_num_threads(2)
+        torch.manual_seed(0)
+        x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        def f(x, y):
+            return (x.sin() * y + 1).sum(-1) + x.cos().amax(0).sum()
+        got = torch.compile(f, fullgraph=True)(x, y)
+        want = f(x, y)
+        libs = glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.so"), recursive=True)
+        symbols = " ".join(subprocess.run(["nm", "-uD", so], capture_output=True, text=True).stdout for so in libs)
+        print(json.dumps({"why": why, "cxx": toolchain.configure()[0].cxx,
+                          "max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                          "kmpc": "__kmpc_fork_call" in symbols}))
+    """, bare_home, tmp_path)
+    assert out["why"] is None
+    assert out["cxx"].startswith(str(bare_home)) and out["cxx"].endswith("clang++")
+    assert out["max_diff"] <= 1e-5 * out["scale"] + 1e-4, out
+    assert out["kmpc"], "no kernel calls __kmpc_fork_call: compiled without OpenMP"
