@@ -6,12 +6,11 @@ run kvchat, with fresh HOME and XDG data/config/cache dirs.
 2. The GUI, under Xvfb, shows its window; a message typed with xdotool (then Return) is answered and
    the reply is in the SQLite file; the window is closed as a window manager's close button does
    (WM_DELETE_WINDOW) and the process exits with status 0.
+3. With --hide-compilers (root): both run with no system compiler or Python headers, and must not
+   decode eagerly; --bench-against APP then runs bench decode from both (check_toolchain.py).
 
 Any failure exits non-zero with the reason, the app's log tail and, for the GUI, a screenshot.
 Standard library only; needs Xvfb and xdotool (`make package-check` installs them when missing).
-
-    python packaging/check.py [--app dist/kvchat/kvchat] [--keep DIR] [--json]
-
 ``--app`` also takes the venv's ``.venv/bin/kvchat``, for the same figures from the venv.
 """
 import argparse
@@ -29,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_toolchain  # noqa: E402  (beside this script; standard library only)
+
 PROMPT = "What is the capital of France? Answer in one sentence."
 GUI_MESSAGE = "Name three colours."
 GENERATE_TIMEOUT = 150  # s: conversion of the starter GGUF plus a short answer, on two slow cores
@@ -43,6 +45,16 @@ INPUT_X, INPUT_FROM_BOTTOM = 700, 185
 
 class CheckFailed(Exception):
     pass
+
+
+HEADERS_FOR = None  # with --hide-compilers: the app whose fresh cache gets Python's headers (a venv's)
+
+
+def app_env(root: Path) -> dict:
+    env = fresh_env(root)
+    if HEADERS_FOR is not None:
+        check_toolchain.set_up_headers(HEADERS_FOR, env)
+    return env
 
 
 def fresh_env(root: Path) -> dict:
@@ -70,7 +82,7 @@ def tail(path: Path, lines: int = 25) -> str:
 
 
 def check_generate(app: list[str], root: Path, log: Path) -> dict:
-    env = fresh_env(root)
+    env = app_env(root)
     start = time.monotonic()
     with open(log, "wb") as err:
         try:
@@ -225,7 +237,7 @@ def db_rows(db: Path) -> list[tuple]:
 
 
 def check_gui(app: list[str], root: Path, log: Path) -> dict:
-    env = fresh_env(root)
+    env = app_env(root)
     db = root / "data" / "kvchat" / "chat.db"
     figures: dict = {}
     xvfb = Xvfb(root)
@@ -329,6 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--only", choices=["generate", "gui", "desktop"], help="run one of the checks")
     p.add_argument("--desktop", help="also check this install.sh: it adds and removes the menu entry")
+    p.add_argument("--hide-compilers", action="store_true", help="no system compiler or Python headers (root)")
+    p.add_argument("--bench-against", metavar="APP", help="with --hide-compilers: bench decode it beside --app")
     args = p.parse_args(argv)
     app = shlex.split(args.app)
     app[0] = str(Path(app[0]).resolve()) if os.sep in app[0] else app[0]
@@ -340,10 +354,16 @@ def main(argv=None) -> int:
     start = time.monotonic()
     results = {"app": args.app}
     failed = None
+    plain = app
     try:
         print(f"package-check: {args.app}, fresh dirs under {root}", flush=True)
+        if args.hide_compilers:
+            check_toolchain.verify_hidden(app)  # says why when it cannot hide them
+            app = check_toolchain.hidden(app)
+            global HEADERS_FOR
+            HEADERS_FOR = plain
         if args.desktop and args.only in (None, "desktop"):
-            results["desktop"] = check_desktop(Path(args.desktop).resolve(), app, root / "desktop")
+            results["desktop"] = check_desktop(Path(args.desktop).resolve(), plain, root / "desktop")
             print(f"  desktop entry: valid, Exec={results['desktop']['exec']}, removed again", flush=True)
         if args.only in (None, "generate"):
             results["generate"] = check_generate(app, root / "generate", root / "generate.log")
@@ -354,7 +374,14 @@ def main(argv=None) -> int:
             print(f"  gui (fresh dirs): window {g['window_s']} s, message stored {g['message_stored_s']} s, "
                   f"first reply text {g['first_reply_text_s']} s, answer complete {g['answer_s']} s, "
                   f"exit {g['exit_s']} s after close: {g['reply'][:80]!r}", flush=True)
-    except CheckFailed as e:
+            eager = check_toolchain.log_says_eager(root / "gui.log")
+            if args.hide_compilers and eager:
+                raise CheckFailed(f"gui: the decode step did not compile: {eager}")
+        if args.hide_compilers and args.bench_against:
+            other = [str(Path(shlex.split(args.bench_against)[0]).resolve())] + shlex.split(args.bench_against)[1:]
+            results["bench"] = b = check_toolchain.compare({"packaged": plain, "venv": other}, fresh_env, root)
+            print("  bench decode, compilers and headers hidden, fresh dirs:\n" + check_toolchain.table(b), flush=True)
+    except (CheckFailed, check_toolchain.CompileCheckFailed) as e:
         failed = str(e)
     results["seconds"] = round(time.monotonic() - start, 1)
     if args.json:
