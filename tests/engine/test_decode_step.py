@@ -184,13 +184,24 @@ def held_compiles(monkeypatch) -> threading.Event:
     return gate
 
 
+@pytest.fixture
+def compiled_on():
+    """The thread of every compile dynamo starts while the test runs."""
+    threads = []
+    on_start = lambda args: threads.append(threading.current_thread().name)
+    torch._dynamo.callback.callback_handler.register_start_callback(on_start)
+    yield threads
+    torch._dynamo.callback.callback_handler.remove_start_callback(on_start)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE == "cuda", reason="CUDA captures on the engine thread: no background compile")
-def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_two_tokens(monkeypatch):
+def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_two_tokens(monkeypatch, compiled_on):
     """The first reply of a first start no longer waits for the compile (90-350 s a new user saw):
     it decodes eagerly, and from the token after the compile ends it runs compiled, with the same
     greedy tokens as a reply decoded eagerly throughout; the switch is said once. A context change
-    then needs no compile (the pool's size is a dynamic dimension: a recompile would raise here),
+    then needs no compile (the pool's size is a dynamic dimension; every compile dynamo starts is
+    on the compile thread, none on the engine's),
     and a quantized precision compiles its own graph in the background again."""
     prompt = prompt_ids(30, seed=9)
     sampling = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -224,12 +235,10 @@ def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_
     assert len(ready) == 1 and deltas[3] < ready[0] < deltas[4]  # said once, where the switch is
     assert events[ready[0]].message == notices[1] and notices[1].startswith("fast decoding ready")
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     assert engine.reconfigure(max_context=128).result(60)["max_context"] == 128
     again = engine.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
     cached_to_last = again.stats.cached_tokens == len(prompt) - 1  # the prompt's last token is then a decode step
     assert again.token_ids == want.token_ids and step.replays == 20 + 23 + cached_to_last
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
 
     engine.reconfigure(kv_precision="int8").result(60)
     assert wait_for(lambda: len(notices) == 4, timeout=600)
@@ -238,6 +247,7 @@ def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_
     third = engine.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
     assert step.replays - replays == 23 + (third.stats.cached_tokens == len(prompt) - 1)
     assert engine.close()
+    assert compiled_on and set(compiled_on) == {"kvchat-compile"}, compiled_on
 
 
 def test_the_step_block_table_holds_exactly_the_ids_it_was_given():

@@ -6,6 +6,7 @@ import gc
 import logging
 import weakref
 from dataclasses import replace
+from time import perf_counter
 
 import torch
 
@@ -185,12 +186,16 @@ class ModelHost:
         step = e.kvpool.runner.step
         if step.prepare(e.kvpool.kv):
             e.notice("warm-up", "preparing fast decoding in the background: replies start at once, faster when it is ready")
-        if step.device.type == "cuda" and not self.warmed:
+        if step.device.type == "cuda" and step.captured and not self.warmed:
             self.warmed = True
+            e.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")
+            started = perf_counter()
             try:
                 step.warm_up(e.kvpool.kv)
             except Exception:
                 log.exception("capturing the decode step failed")
+            if step.captured:
+                e.notice("warm-up", f"fast decoding ready ({perf_counter() - started:.0f} s)")
         self.report_decode()
 
     def report_decode(self) -> None:

@@ -25,6 +25,7 @@
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
 import math
+import weakref
 
 import torch
 
@@ -85,7 +86,13 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, dtype=torch.f
 
 def layer_tensors(fmt: KVFormat, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """One layer's share of the pool, every tensor indexed by block id first."""
+    """One layer's share of the pool, every tensor indexed by block id first. Plain tensors even
+    when made in inference mode (a conversion): the compiled decode step's guards tell the two apart."""
+    with torch.inference_mode(False):
+        return _layer_tensors(fmt, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+
+
+def _layer_tensors(fmt, num_blocks, block_size, kv_heads, head_dim, dtype, device) -> dict[str, torch.Tensor]:
     out = {}
     for name, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
         lead = (num_blocks, block_size, kv_heads)
@@ -167,21 +174,41 @@ def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, firs
     return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)
 
 
+class WindowStorage:
+    """The rows of a window, ``[layers, sinks + size, kv_heads, D]`` for K and V, which windows
+    take in turn (``RecentWindow(storage=...)``): a captured CUDA graph reads these tensors, so a
+    window made on the same storage replays the graphs an earlier one captured. ``holder`` is the
+    window whose rows they are now; any other window on them is stale."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(layers, rows, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.holder = lambda: None  # a weak reference to the window that holds the rows
+
+
 class RecentWindow:
     """One sequence's tokens kept in full precision, per layer, transformed but not quantized: its
     first ``sinks`` positions (attention sinks: most queries look at them) in rows ``[0, sinks)``,
     and its newest ``size`` in a ring after them, indexed by position. ``start``/``end`` per layer
-    bound the positions written to the ring since the last gap."""
+    bound the positions written to the ring since the last gap. On a shared ``storage`` the new
+    window takes the rows over (``take``; a capture that writes nothing borrows them without)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, size: int = WINDOW,
-                 sinks: int = SINKS):
+                 sinks: int = SINKS, storage: WindowStorage | None = None, take: bool = True):
         self.size, self.sinks = size, sinks
-        self.k = torch.zeros(layers, sinks + size, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.storage = storage or WindowStorage(layers, sinks + size, kv_heads, head_dim, dtype, device)
+        if take:
+            self.storage.holder = weakref.ref(self)
+        self.k, self.v = self.storage.k, self.storage.v
         self.start = [0] * layers
         self.end = [0] * layers
         self.sink_len = [0] * layers
         self._last_index = (None, None)
+
+    @property
+    def current(self) -> bool:
+        """Its rows are still its own: no later window took the storage."""
+        return self.storage.holder() is self
 
     @classmethod
     def nbytes(cls, layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,

@@ -20,6 +20,9 @@ class KVCache:
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
         self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
         self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
+        # the full-precision rows each new sequence's window takes over (one sequence decodes at a
+        # time): a captured CUDA graph reads them, so a new reply replays the graphs it has
+        self.window_storage: quant.WindowStorage | None = None
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +55,7 @@ class KVCache:
                                                self.shape.head_dim, self.dtype, device)
         new.layers = [None if release else allocate() for _ in self.layers]
         # every quantized mode transforms keys alike, so sinks carry over between them
+        new.window_storage = self.window_storage  # the same rows: the live windows and the graphs read them
         new.sink_cache = self.sink_cache.copy() if self.format.quantized and new.format.quantized else OrderedDict()
         keep_slots = min(num_blocks, self.num_blocks) * self.block_size
         for i in range(len(new.layers)):
@@ -119,13 +123,17 @@ class KVCache:
                 index = torch.tensor(block_ids, device=t.device)
                 t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
 
-    def new_window(self, precision: Precision | None = None) -> quant.RecentWindow | None:
-        """A sequence's full-precision window of newest tokens; the fp16 mode needs none."""
+    def new_window(self, precision: Precision | None = None, take: bool = True) -> quant.RecentWindow | None:
+        """A sequence's full-precision window of newest tokens, on the pool's window storage (it
+        takes the rows over unless told not to: a capture borrows them); the fp16 mode needs none."""
         if not quant.FORMATS[Precision(precision or self.precision).value].quantized:
             return None
-        device = next(iter(self.layers[0].values())).device
+        if self.window_storage is None:
+            device = next(iter(self.layers[0].values())).device
+            self.window_storage = quant.WindowStorage(self.shape.num_layers, quant.SINKS + quant.WINDOW,
+                                                      self.shape.num_kv_heads, self.shape.head_dim, self.dtype, device)
         return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
-                                  device)
+                                  None, storage=self.window_storage, take=take)
 
     def move_blocks(self, moves: dict[int, int]) -> None:
         """Copy blocks to new ids (a compaction before a shrink): ``{old id: new id}``."""

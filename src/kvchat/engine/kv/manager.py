@@ -67,7 +67,7 @@ class KVCacheManager:
             return
         tokens, window = last
         n = seq.num_computed
-        if 0 < n <= len(tokens) and tokens[:n] == seq.token_ids[:n]:
+        if 0 < n <= len(tokens) and tokens[:n] == seq.token_ids[:n] and window.current:
             window.rewind(n)
             seq.window = window
 

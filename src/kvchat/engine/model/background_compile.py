@@ -92,12 +92,13 @@ def graph_kind(kv) -> str:
     return "traced" if traced.supports(kv.format) else "op"
 
 
-@torch.inference_mode()
 def run_on_stand_ins(forward, kind: str, layers: list[dict], device) -> None:
     """Compile the decode step's graph of ``kind`` by running ``forward`` once on inputs of its
     own: a stand-in pool of ``STAND_IN_BLOCKS`` blocks shaped like ``layers`` (``{name: (shape
     after the block dim, dtype)}`` per layer), its size marked dynamic so the graph serves every
-    pool; or, for the op, a pool that is never read. The model's weights are only read."""
+    pool; or, for the op, a pool that is never read. The model's weights are only read. Plain
+    tensors run in inference mode, as the engine runs its step: an inference tensor where the step
+    has a plain one fails a guard (its dispatch keys), and the engine thread compiled again."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     positions = torch.zeros(1, 1, dtype=torch.long, device=device)
     slot = torch.full((1,), -1, dtype=torch.long, device=device)
@@ -109,11 +110,12 @@ def run_on_stand_ins(forward, kind: str, layers: list[dict], device) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         table = torch.zeros(2, dtype=torch.long, device=device)
         torch._dynamo.maybe_mark_dynamic(table, 0)
-        forward(ids, positions, {"layers": pool, "slot": slot, "table": table, "length": length})
+        with torch.inference_mode():
+            forward(ids, positions, {"layers": pool, "slot": slot, "table": table, "length": length})
         return
     meta = StepMeta(kv=_UnreadPool(), slots=slot, block_table=torch.zeros(1, dtype=torch.int32, device=device),
                     context_len=1, context_lens=length)
-    with running(meta):
+    with running(meta), torch.inference_mode():
         forward(ids, positions)
 
 

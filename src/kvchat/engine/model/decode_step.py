@@ -11,7 +11,8 @@ attention is one custom op (``attention.paged_attention``), and the forward is
 - on CUDA, captured as a CUDA graph per block-table bucket and replayed. The graph replays
   without Python, so attention reads the length, the padded block table and the window's bounds
   from tensors this step updates; the window's Python bookkeeping is done here around the replay.
-  A graph holds a window's tensors, so a new sequence (a new reply) captures again.
+  A graph reads the window's rows, which the pool owns and every new sequence takes over, so a
+  new reply replays the graphs the last one captured.
 When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
 """
 import inspect
@@ -31,7 +32,9 @@ from kvchat.core.errors import first_line
 from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
 log = logging.getLogger("kvchat.decode")
-BUCKETS = (32, 128, 512, 2048, 8192, 32768)  # block-table lengths (blocks) of the captured graphs
+# block-table lengths (blocks) of the captured graphs, doubling: a table padded to its bucket reads
+# at most twice its blocks' ids (quadrupling put 32k tokens in the 8,192-block bucket: 6,144 idle)
+BUCKETS = tuple(32 << i for i in range(11))
 
 
 def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
@@ -55,11 +58,15 @@ class DecodeStep:
             mode, self.fallback = "compiled", None if self.device.type == "cuda" else cpu_compile_missing()
         self.mode = mode
         dev = self.device
-        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
-        self.lens = torch.ones(1, dtype=torch.int32, device=dev)
-        self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
+        # plain tensors, never inference ones, wherever the step is made: a graph compiled on the
+        # stand-ins (plain) would not match inference tensors (another dispatch key set) and
+        # would compile again on the engine thread
+        with torch.inference_mode(False):
+            self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
+            self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
+            self.lens = torch.ones(1, dtype=torch.int32, device=dev)
+            self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
         self.background = BackgroundCompile(self._fall_back)
         self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
@@ -72,7 +79,7 @@ class DecodeStep:
         self._wmeta_turn = 0
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
         self._graph_kv = None  # the pool the graphs were captured on
-        self._graph_window = None  # and the window
+        self._graph_storage = None  # and the window's rows (every sequence's window uses the pool's in turn)
         self.replays = 0
         # a captured graph never re-runs the op's Python, so the op cannot refuse a context longer
         # than a sliding window there: such steps go eager, where it does
@@ -180,12 +187,15 @@ class DecodeStep:
         run_on_stand_ins(self._compiled_forward(), kind, layers, self.device)
 
     def warm_up(self, kv) -> None:
-        """On CUDA, capture the smallest bucket now, on a step that writes nowhere (slot -1) and
-        reads block 0, so the first reply does not wait for it."""
-        if not self.captured or self.device.type != "cuda" or kv.format.quantized:
-            return  # a quantized pool's graph holds a sequence's window: captured at that sequence's first step
+        """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the
+        quantized window variant's kernels took 35 s to compile for sm_89): on a step that writes
+        nowhere (slot -1, ring row -1), reads block 0, and borrows the pool's window rows."""
+        if not self.captured or self.device.type != "cuda":
+            return
+        window = kv.new_window(take=False)
         with torch.inference_mode():
-            self(kv, None, 0, 0, -1, [0])
+            self._device_table([0])
+            self._graph(kv, window, 1, window.sinks if window is not None else 0)
 
     def _fall_back(self, error: Exception) -> None:
         self.fallback = f"decoding without compilation ({type(error).__name__}: {first_line(error)})"
@@ -213,23 +223,13 @@ class DecodeStep:
     # -- CUDA graphs --
 
     def _replay(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
-        if self._graph_kv is not kv or self._graph_window is not window:  # other tensors now
-            self._graphs.clear()
-            self._graph_kv, self._graph_window = kv, window
-        bucket = next((b for b in BUCKETS if b >= len(block_ids)), None)
-        if bucket is None:
+        self._device_table(block_ids)
+        captured = self._graph(kv, window, len(block_ids), position)
+        if captured is None:
             with running(self._meta(kv, window, block_ids, position)):
                 return self.forward(self.ids, self.positions)[0]
-        self._device_table(block_ids)
-        if bucket not in self._graphs:
-            try:
-                self._graphs[bucket] = self._capture(kv, window, position, bucket)
-            except Exception as e:
-                self._fall_back(e)
-                with running(self._meta(kv, window, block_ids, position)):
-                    return self.forward(self.ids, self.positions)[0]
-            self._set(token, position, slot)  # capturing wrote its own
-        graph, logits = self._graphs[bucket]
+        self._set(token, position, slot)  # a capture writes its own
+        graph, logits = captured
         if window is not None:  # what the op's write and attend would do in Python, done here
             for layer in range(len(window.end)):
                 window.note(layer, position, 1)
@@ -238,6 +238,24 @@ class DecodeStep:
         graph.replay()
         self.replays += 1
         return logits[0].clone()
+
+    def _graph(self, kv, window, blocks: int, position: int) -> tuple | None:
+        """The graph for a table of ``blocks`` on these tensors, captured now if need be; None:
+        run eagerly (past the last bucket, or the capture failed)."""
+        storage = window.storage if window is not None else None
+        if self._graph_kv is not kv or self._graph_storage is not storage:  # other tensors now
+            self._graphs.clear()
+            self._graph_kv, self._graph_storage = kv, storage
+        bucket = next((b for b in BUCKETS if b >= blocks), None)
+        if bucket is None:
+            return None
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = self._capture(kv, window, position, bucket)
+            except Exception as e:
+                self._fall_back(e)
+                return None
+        return self._graphs[bucket]
 
     def _copy_bounds(self, bounds: tuple) -> None:
         """``bounds`` into ``wmeta`` without waiting for the GPU: through a pinned buffer, the
@@ -297,7 +315,8 @@ class IdBuffer:
         n, old = len(block_ids), self.ids
         made = self.buffer is None or n > self.buffer.numel()
         if made:
-            self.buffer = torch.zeros(max(2 * n, self.min_size), dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):  # plain, as the step's other tensors (DecodeStep.__init__)
+                self.buffer = torch.zeros(max(2 * n, self.min_size), dtype=self.dtype, device=self.device)
             old = []
         if old[:n] != block_ids:
             same = next((i for i, (a, b) in enumerate(zip(old, block_ids)) if a != b), min(len(old), n))

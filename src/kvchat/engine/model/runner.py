@@ -26,7 +26,7 @@ class ModelRunner:
         start = seq.num_computed
         dev = self.device
         block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
-        if seq.window is None:
+        if seq.window is None or not seq.window.current:  # a stale window's rows were taken by a newer one
             seq.window = self.kv.window_for(seq.token_ids, start)
         if end == start + 1 and want_logits is True:
             logits = self.step(self.kv, seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids)
