@@ -248,3 +248,21 @@ def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figur
     assert notice.kind == "pressure" and "MiB are free" in notice.message
     assert e.kvpool.kv is kv and e.kvpool.budget == budget
     e.close()
+
+
+def test_the_persona_badges_question_is_answered_on_the_engine_thread(engine, monkeypatch):
+    """The badge asked from a thread of its own and read the pool's dicts there, mid-rebuild too;
+    now the engine thread answers, between requests."""
+    from kvchat.engine import engine as engine_module
+
+    threads = []
+    answer = engine_module.answer_persona_query
+    monkeypatch.setattr(engine_module, "answer_persona_query",
+                        lambda e, command: threads.append(threading.current_thread().name) or answer(e, command))
+    persona = "You are Marlowe, a patient reference librarian in a small harbour town. Answer in full sentences."
+    assert engine.persona_state(persona, 30) == "cold"
+    engine.generate([{"role": "system", "content": persona}, {"role": "user", "content": "Hello"}],
+                    max_new_tokens=2, temperature=0)
+    assert engine.persona_state(persona, 30) == "warm"
+    assert engine.persona_state("Be brief.", 30) == "short"
+    assert threads == ["kvchat-engine"] * 3

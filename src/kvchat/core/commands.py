@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from kvchat.core.config import EngineConfig
 from kvchat.core.events import Refused, RequestHandle
 
-__all__ = ["Cancel", "Command", "LoadModel", "Reconfigure", "Refused", "Shutdown", "Submit", "Tokenize", "refuse"]
+__all__ = ["Cancel", "Command", "LoadModel", "PersonaQuery", "Reconfigure", "Refused", "Shutdown", "Submit", "Tokenize",
+           "refuse"]
 
 
 @dataclass
@@ -50,11 +51,19 @@ class Tokenize:
 
 
 @dataclass
+class PersonaQuery:
+    """Is this persona's prefix warm (the badge's question)? Answered on the engine thread between
+    requests, so the pool it reads is never one being rebuilt or switched."""
+    system_prompt: str
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
 class Shutdown:
     future: Future = field(default_factory=Future)
 
 
-Command = Submit | Cancel | Reconfigure | LoadModel | Tokenize | Shutdown
+Command = Submit | Cancel | Reconfigure | LoadModel | Tokenize | PersonaQuery | Shutdown
 
 
 def refuse(command: Command, reason: str) -> None:

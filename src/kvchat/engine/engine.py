@@ -1,6 +1,6 @@
 """The Engine: one long-lived actor. Its thread owns the model, the KV pool and every change to
-them, and takes typed commands (Submit, Tokenize, Cancel, Reconfigure, LoadModel, Shutdown) from one
-queue; each command's future always resolves. The work is delegated: loading to the model host
+them, and takes typed commands (Submit, Tokenize, PersonaQuery, Cancel, Reconfigure, LoadModel,
+Shutdown) from one queue; each command's future always resolves. The work is delegated: loading to the model host
 (host.py), memory to the governor (governor.py), a request's life to the runner (generate.py)."""
 import logging
 import queue
@@ -8,12 +8,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import asdict
 
-from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Shutdown, Submit, Tokenize, refuse
+from kvchat.core.commands import Cancel, Command, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit, Tokenize, refuse
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Notice, Request, RequestHandle
 from kvchat.engine.generate import RequestRunner
 from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
 from kvchat.engine.host import ModelHost
+from kvchat.engine.kv.persona_probe import answer_persona_query
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.model.loading import LoadedModel
@@ -89,12 +90,10 @@ class Engine:
         self._cancel_running()
         return self._put(command)
 
-    def persona_state(self, system_prompt: str) -> str:
+    def persona_state(self, system_prompt: str, timeout: float | None = None) -> str:
         """Is this persona's prefix warm (``persona_probe``): the badge's question, asked off the
-        engine thread."""
-        from kvchat.engine.kv.persona_probe import engine_persona_state
-
-        return engine_persona_state(self, system_prompt)
+        engine thread and answered on it, between requests."""
+        return self._put(PersonaQuery(system_prompt)).result(timeout)
 
     def cancel_load(self) -> None:
         """Stop the model load under way or queued (a download stops at its next chunk); the
@@ -188,6 +187,8 @@ class Engine:
         if isinstance(command, Cancel):
             command.handle.cancel()
             return command.future.set_result(True)
+        if isinstance(command, PersonaQuery):
+            return answer_persona_query(self, command)
         if self.kvpool is None:
             return refuse(command, self.load_error or "no model is loaded")
         if isinstance(command, Tokenize):

@@ -23,9 +23,11 @@ def persona_state(formatter, manager, store, system_prompt: str) -> str:
     return "cold"
 
 
-def engine_persona_state(engine, system_prompt: str) -> str:
-    """For a loaded engine; the lookups only read dicts (atomic under the GIL), so another thread
-    may ask while the engine thread works."""
-    if engine.load_error or not engine.ready.is_set():
-        return "cold"
-    return persona_state(engine.formatter, engine.kvpool.manager, engine.kvpool.personas.store, system_prompt)
+def answer_persona_query(engine, command) -> None:
+    """A ``PersonaQuery``, on the engine thread: "cold" while no model is loaded."""
+    try:
+        state = "cold" if engine.kvpool is None else persona_state(
+            engine.formatter, engine.kvpool.manager, engine.kvpool.personas.store, command.system_prompt)
+    except Exception as error:  # the future resolves whatever happens
+        return command.future.set_exception(error)
+    command.future.set_result(state)
