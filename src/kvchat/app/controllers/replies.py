@@ -12,7 +12,7 @@ SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted 
 RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
 EDITING_NOTICE = "editing: Resend replaces the message and the replies after it; Escape cancels"
-WARMING_NOTE = "Preparing fast decoding for this model (a minute or two the first time): the reply starts after it."
+WARMING_NOTE = "Preparing fast decoding for this model (up to a minute the first time): the reply starts after it."
 
 
 class ReplyController(QObject):
@@ -26,7 +26,7 @@ class ReplyController(QObject):
         self.text, self.ids, self.last_save = "", [], 0.0
         self.loop_guard, self.loop_stopped = LoopGuard(), False
         self.waiting: int | None = None  # a chat whose last message waits for the model to load
-        self.warming = False  # the engine compiles its decode step (warm-up notices): a reply waits for it
+        self.warming = False  # the engine captures its decode step (CUDA's warm-up notices): a reply waits for it
         self.editing: int | None = None  # the position of the user message being edited in the box
         self.render_timer = QTimer(win, singleShot=True, interval=RENDER_EVERY_MS)
         self.render_timer.timeout.connect(self.show_stream)
@@ -183,7 +183,9 @@ class ReplyController(QObject):
 
     def on_notice(self, kind: str, message: str) -> None:
         if kind in ("warm-up", "eager"):  # eager: the compile failed, so it is over too
-            self.warming = kind == "warm-up" and message.startswith("preparing")
+            # a compile in the background (the CPU) keeps replies decoding eagerly: nothing waits;
+            # a CUDA capture holds the reply for its seconds
+            self.warming = kind == "warm-up" and message.startswith("preparing") and "background" not in message
             self.note_warming()
 
     def note_warming(self) -> None:
