@@ -90,12 +90,13 @@ def test_triton_launcher_builds_with_the_bundled_toolchain(bare_home, tmp_path):
 
 
 def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
-    """A function inductor parallelizes (a reduction over 4M elements, two threads) compiles with
-    g++ hidden; the result equals eager, and the kernel calls LLVM's OpenMP runtime (so the threads'
+    """A function inductor parallelizes (a reduction over 4M elements, two threads) compiles, on
+    another thread than the one that configured it, with g++ hidden; the result equals eager, and the kernel calls LLVM's OpenMP runtime (so the threads'
     split is the runtime's, not a serial fallback)."""
     out = run_hidden("""
         import json, glob, os, subprocess
         import torch
+        import torch._inductor.config  # already imported when the engine configures (its default read CXX)
         from kvchat.engine.compile_env import cpu_compile_missing
         from kvchat.engine import toolchain
         why = cpu_compile_missing()
@@ -104,7 +105,12 @@ def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
         x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
         def f(x, y):
             return (x.sin() * y + 1).sum(-1) + x.cos().amax(0).sum()
-        got = torch.compile(f, fullgraph=True)(x, y)
+        import threading
+        result = {}
+        # on a thread of its own, as the engine compiles: torch's config overrides do not cross threads
+        worker = threading.Thread(target=lambda: result.update(got=torch.compile(f, fullgraph=True)(x, y)))
+        worker.start(); worker.join()
+        got = result["got"]
         want = f(x, y)
         libs = glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.so"), recursive=True)
         symbols = " ".join(subprocess.run(["nm", "-uD", so], capture_output=True, text=True).stdout for so in libs)

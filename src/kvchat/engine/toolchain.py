@@ -177,6 +177,12 @@ def configure() -> tuple[Toolchain | None, str | None]:
     warnings.filterwarnings("ignore", message="Can't find Python.h")
     from torch._inductor import config
 
+    # torch's config overrides are context variables: set here, a compile on another thread (the
+    # engine compiles on its own) would still see the default g++. The default is what every
+    # thread reads when nothing overrides it.
+    entry = getattr(config, "_config", {}).get("cpp.cxx")
+    if entry is not None and hasattr(entry, "default"):
+        entry.default = (chain.cxx,)
     config.cpp.cxx = (chain.cxx,)
     if importlib.util.find_spec("triton") is not None:
         try:
