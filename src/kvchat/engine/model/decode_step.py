@@ -58,10 +58,7 @@ class DecodeStep:
             mode, self.fallback = "compiled", None if self.device.type == "cuda" else cpu_compile_missing()
         self.mode = mode
         dev = self.device
-        # plain tensors, never inference ones, wherever the step is made: a graph compiled on the
-        # stand-ins (plain) would not match inference tensors (another dispatch key set) and
-        # would compile again on the engine thread
-        with torch.inference_mode(False):
+        with torch.inference_mode(False):  # plain, as the stand-ins the graph compiles on (run_on_stand_ins)
             self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
             self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
             self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
