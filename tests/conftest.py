@@ -3,6 +3,7 @@ import os
 import sys
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 # Before anything imports torch, transformers, triton or Qt.
@@ -70,6 +71,18 @@ def engine_model(starter):
     from tiny_models import as_loaded
 
     return as_loaded(starter.model, starter.tokenizer, "starter")
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_left_running():
+    """A background compile a test started (the int8 weights' twins of an engine it made, a decode
+    step's graph) ends before the next test begins: compiling imports modules on its thread, and
+    the next test's pytest-qt hook, iterating a dict as they came, failed ("dictionary changed
+    size during iteration")."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name == "kvchat-compile":
+            thread.join(600)
 
 
 @pytest.fixture(scope="module", autouse=True)
