@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 ROWS = (
     ("window", "window shown"),
@@ -39,7 +38,7 @@ PATIENCE_S = 900  # how long a run waits for full speed before it gives up on th
 
 def bench_startup(model: str = "starter", home: str | None = None) -> dict:
     home = home or tempfile.mkdtemp(prefix="kvchat-startup-")
-    out = {"model": model, "home": home, "decode": os.environ.get("KVCHAT_DECODE", "auto")}
+    out = {"model": model, "home": home}
     for run in ("fresh", "warm"):
         window_home = tempfile.mkdtemp(prefix="kvchat-window-") if run == "fresh" else home
         out[run] = {"window": window_seconds(window_home), **child_run(model, home)}
@@ -85,7 +84,7 @@ class Watch:
     """The engine's events, timestamped as they arrive on the engine thread."""
 
     def __init__(self, engine):
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
         self.ready_at = self.full_at = None
         self.preparing = False
         engine.add_listener(self.on_event)
