@@ -21,6 +21,7 @@ LADDER = (Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4)
 KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
 BLOCK_SIZE = 16  # tokens a KV block holds
+DISK_CACHE_BYTES = 4 << 30  # the disk tier's default cap
 
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy (dividing by it overflows the logits)
 
@@ -45,6 +46,10 @@ class EngineConfig:
     prefill_chunk: int = 512
     threads: int | None = None
     allow_long_context: bool = False  # a context past the model's trained length (warned), else capped
+    # the KV tiers under the pool: host RAM (None: a quarter of the RAM free at start; 0: off) and
+    # disk, in kvchat's cache dir (0: off)
+    ram_cache_bytes: int | None = None
+    disk_cache_bytes: int = DISK_CACHE_BYTES
 
     def __post_init__(self):
         try:
@@ -61,6 +66,10 @@ class EngineConfig:
         for name in ("block_size", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        for name in ("ram_cache_bytes", "disk_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(f"threads must be a positive integer, not {self.threads!r}")
 

@@ -26,6 +26,12 @@ class Stats:
     decode_tok_s: float = 0.0
     kv_precision: str = "fp16"
     trimmed_messages: int = 0  # oldest messages left out so the conversation fits the context
+    ram_tokens: int = 0  # of cached_tokens, those restored from the host-RAM tier
+    disk_tokens: int = 0  # and from the disk tier; the rest were in the pool
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.cached_tokens - self.ram_tokens - self.disk_tokens
 
     @property
     def computed_tokens(self) -> int:

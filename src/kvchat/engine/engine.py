@@ -25,7 +25,7 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 persona_store: PersonaStore | None | bool = True, probe=None):
+                 persona_store: PersonaStore | None | bool = True, probe=None, disk_tier=None):
         # what the model host loads, and what the governor and the runner work on
         self.config = config or EngineConfig()
         self.loaded: LoadedModel | None = None
@@ -38,7 +38,7 @@ class Engine:
         self.ready = threading.Event()  # set while no load is under way
         self.load_error: str | None = None  # why no model is loaded, when none is
         self.handle: RequestHandle | None = None  # the request running now
-        self.host = ModelHost(self, persona_store, probe)
+        self.host = ModelHost(self, persona_store, probe, disk_tier)  # disk_tier None: on where persona_store is True
         self.governor = MemoryGovernor(self)
         self.requests = RequestRunner(self)
         # the actor's own bookkeeping

@@ -59,6 +59,7 @@ class RequestRunner:
             kvpool.personas.remember(seq, persona_len)
         except Exception:
             log.exception("could not remember the persona")
+        kvpool.tiers.persist(seq)  # the turn's new full blocks on disk: a restart resumes the chat
         kvpool.manager.free(seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def tokenize(self, command: Tokenize) -> None:
@@ -132,12 +133,9 @@ class RequestRunner:
                  start: float) -> Finished:
         e = self.engine
         kvpool, cfg, sp = e.kvpool, e.config, handle.request.sampling
-        manager = kvpool.manager
         stats = Stats(prompt_tokens=prompt_len)
         limit = self.context_limit()
-        manager.match_prefix(seq)
-        kvpool.personas.restore(seq, persona_len)
-        manager.match_tail(seq, copy=lambda src, dst: kvpool.kv.move_blocks({src: dst}))
+        stats.ram_tokens, stats.disk_tokens = kvpool.match(seq, persona_len)  # pool, RAM, disk
         stats.cached_tokens = seq.num_computed
         logits = None
         while seq.num_computed < prompt_len:

@@ -17,6 +17,7 @@ from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
 from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
 from kvchat.engine.chat import ChatFormatter
+from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.memory_probe import MemoryProbe
@@ -26,9 +27,11 @@ log = logging.getLogger("kvchat.engine")
 
 
 class ModelHost:
-    def __init__(self, engine, persona_store: PersonaStore | None | bool, probe):
+    def __init__(self, engine, persona_store: PersonaStore | None | bool, probe, disk_tier=None):
         self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
         self.store_arg, self.given_probe = persona_store, probe
+        # the disk tier: as given, or True (kvchat's cache dir) where personas go to disk too
+        self.disk = (persona_store is True) if disk_tier is None else disk_tier
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
         self.warmed = self.fallback_told = False  # CUDA's smallest graph captured for this pool; a fallback told once
 
@@ -99,9 +102,16 @@ class ModelHost:
         e.auto = cfg.kv_precision == Precision.AUTO
         store = PersonaStore() if self.store_arg is True else (self.store_arg or None)
         precision, budget = self.layout(cfg)
-        e.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode)
+        e.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode, cfg.ram_cache_bytes,
+                          self.disk_tier(cfg), e.notice)
         self.warmed = self.fallback_told = False
         e.governor.next_snapshot = 0.0
+
+    def disk_tier(self, cfg: EngineConfig) -> DiskTier | None:
+        """The engine's disk tier (made once: the cache dir outlives models), or None when off."""
+        if self.disk is True:
+            self.disk = DiskTier(cap_bytes=cfg.disk_cache_bytes) if cfg.disk_cache_bytes else None
+        return self.disk or None
 
     def drop(self, check: bool = True) -> None:
         """Let go of the model and the pool and give their memory back before anything new loads.

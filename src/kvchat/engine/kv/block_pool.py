@@ -41,6 +41,7 @@ class BlockPool:
         self.pinned_queue: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[bytes, Block] = {}
         self.evictions = 0
+        self.on_evict = None  # called with a cached block about to be reused: the lower tiers keep its bytes
 
     @property
     def num_blocks(self) -> int:
@@ -68,6 +69,8 @@ class BlockPool:
             if not queue:
                 raise PoolExhausted("KV cache is full")
             _, block = queue.popitem(last=False)
+            if block.hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._forget(block)
         block.ref_cnt = 1
         return block

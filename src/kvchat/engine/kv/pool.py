@@ -9,8 +9,11 @@ from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
 from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token
+from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.kv.personas import PersonaCache
+from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
 
 log = logging.getLogger("kvchat.kv_pool")
@@ -23,7 +26,8 @@ def kv_dtype(lm) -> torch.dtype:
 
 
 class KVPool:
-    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store, decode: str = "eager"):
+    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store, decode: str = "eager",
+                 host_cap: int = 0, disk: DiskTier | None = None, notice=None):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
@@ -36,6 +40,9 @@ class KVPool:
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager, self.kv, store)
+        self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
+        if host_cap or disk is not None:
+            self.pool.on_evict = self.tiers.evicted
 
     @classmethod
     def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
@@ -118,6 +125,15 @@ class KVPool:
                 fill = (window, [b.id for b in seq.blocks], seq.num_computed) if window is not None else None
                 out.append((seq, window, fill))
         return out
+
+    def match(self, seq: Sequence, persona_len: int) -> tuple[int, int]:
+        """A new request's cached prefix: the pool's blocks, then RAM's and disk's (loaded back),
+        a persona from disk, a partly filled block. Returns the tokens restored from RAM and disk."""
+        self.manager.match_prefix(seq)
+        ram, disk = self.tiers.restore(seq)
+        disk += self.personas.restore(seq, persona_len)
+        self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
+        return ram, disk
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""

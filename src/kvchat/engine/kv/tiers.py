@@ -1,0 +1,164 @@
+"""The pool's two lower tiers working as one: a block evicted from the pool is copied to host RAM,
+a block leaving RAM goes to disk, and a request's prefix is matched pool -> RAM -> disk, what is
+found loaded back into pool blocks so that only the rest is computed.
+
+Every tier is keyed by the prefix cache's chained block hash, so a hit is a whole prefix and a
+block restored is the bytes that were evicted: greedy tokens are those of a pool that never
+evicted. A chain's first block of a quantized pool carries its full-precision sink rows."""
+import logging
+import weakref
+
+import torch
+
+from kvchat.kernels.quant import SINKS
+
+from kvchat.engine.kv.block_pool import Block, PoolExhausted
+from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_out
+from kvchat.engine.kv.manager import Sequence
+
+log = logging.getLogger("kvchat.tiers")
+
+
+class KVTiers:
+    def __init__(self, kvpool, host: HostTier, disk: DiskTier | None, notice=None):
+        self.kvpool = weakref.proxy(kvpool)  # the pool owns this
+        self.host, self.disk = host, disk
+        self.notice = notice or (lambda kind, message: log.warning("%s: %s", kind, message))
+        self.host_hits = 0  # blocks restored from each tier
+        self.disk_hits = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.kvpool.block_size
+
+    # -- down: pool -> RAM -> disk --
+
+    def evicted(self, block: Block) -> None:
+        """The pool's hook: ``block`` is about to be reused. Its bytes go to RAM (a full block
+        only: a partly filled tail is never matched by hash)."""
+        if len(block.token_ids) != self.block_size or self.host.cap_bytes == 0 and self.disk is None:
+            return
+        try:
+            if block.hash in self.host:
+                return self.host.touch(block.hash)
+            self._spill(self.host.put(block.hash, self._stored(block.id, block.token_ids, block.parent)))
+        except Exception:  # a tier must never cost the request its allocation
+            log.exception("could not keep an evicted block")
+
+    def _stored(self, block_id: int, token_ids, parent: bytes | None) -> StoredBlock:
+        kv = self.kvpool.kv
+        tensors, event = copy_out(kv.layers, block_id)
+        sinks = None
+        if parent is None and kv.format.quantized:
+            sinks = kv.sink_cache.get(tuple(token_ids[:SINKS]))
+            sinks = tuple(t.to("cpu", copy=True) for t in sinks) if sinks is not None else None
+        return StoredBlock(tuple(token_ids), parent, tensors, sinks, event)
+
+    def _spill(self, blocks: list[tuple[bytes, StoredBlock]]) -> None:
+        """Blocks leaving RAM go to disk, unless a finished turn already wrote them there."""
+        if self.disk is None:
+            return
+        for hash_, block in blocks:
+            if not self.disk.has(hash_):
+                self._save(hash_, block)
+        if blocks:
+            self.disk.trim()
+
+    def _save(self, hash_: bytes, block: StoredBlock, pinned: bool = False) -> None:
+        was_full = self.disk.full
+        try:
+            self.disk.save(hash_, self.kvpool.manager.extra_key, block, pinned)
+        except OSError as e:
+            log.warning("could not write a KV block to %s: %s", self.disk.folder, e)
+        if self.disk.full and not was_full:
+            self.notice("disk-full", f"the disk is full: conversations are no longer saved to {self.disk.folder} "
+                                     "(chats go on; clear cached conversations or free space)")
+
+    def persist(self, seq: Sequence) -> None:
+        """A finished turn: its full blocks that the disk does not hold yet are written there."""
+        if self.disk is None or self.disk.full:
+            return
+        parents = [None] + seq.hashes[:-1]
+        new = [i for i, h in enumerate(seq.hashes) if not self.disk.has(h)]
+        for i in new:
+            bs = self.block_size
+            block = self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i])
+            self._save(seq.hashes[i], block)
+            if self.disk.full:
+                break
+        if new:
+            self.disk.trim()
+
+    # -- up: RAM, disk -> pool --
+
+    def restore(self, seq: Sequence) -> tuple[int, int]:
+        """After the pool's own match: the chain's next blocks from RAM, then disk, loaded into
+        pool blocks and published. Returns the tokens restored from RAM and from disk."""
+        if not self.host.entries and self.disk is None:
+            return 0, 0
+        manager, bs = self.kvpool.manager, self.block_size
+        have = len(seq.blocks)
+        if have != len(seq.hashes) or seq.num_computed != have * bs:
+            return 0, 0
+        found, sources = [], []
+        for i, (chunk, h) in enumerate(manager.chain(seq.token_ids, (len(seq) - 1) // bs)):
+            if i < have:
+                continue
+            block = self.host.get(h, chunk)
+            source = "host"
+            if block is None and self.disk is not None:
+                block, source = self.disk.load(h, manager.extra_key, chunk), "disk"
+            if block is None:
+                break
+            found.append(block)
+            sources.append(source)
+        if not found:
+            return 0, 0
+        try:
+            manager.reserve(seq, (have + len(found)) * bs)
+        except PoolExhausted:
+            return 0, 0
+        if not self._write(seq, have, found):
+            return 0, 0
+        seq.num_computed = (have + len(found)) * bs
+        manager.commit(seq)
+        ram = sources.count("host")
+        self.host_hits += ram
+        self.disk_hits += len(found) - ram
+        return ram * bs, (len(found) - ram) * bs
+
+    def _write(self, seq: Sequence, have: int, found: list[StoredBlock]) -> bool:
+        kv = self.kvpool.kv
+        names = found[0].tensors.keys()
+        try:
+            tensors = {n: torch.cat([b.tensors[n] for b in found], dim=1) for n in names}
+            kv.write_blocks([b.id for b in seq.blocks[have:have + len(found)]], tensors)
+        except (ValueError, KeyError, RuntimeError) as e:  # stored for another layout: a miss
+            log.warning("stored KV blocks do not fit this pool: %s", e)
+            return False
+        if have == 0 and found[0].sinks is not None:
+            kv.keep_sinks(seq.token_ids, *found[0].sinks)
+        return True
+
+    # -- privacy --
+
+    def forget(self, hashes) -> int:
+        """Delete these blocks from RAM and disk (the pool's own copies are the caller's)."""
+        gone = 0
+        for h in hashes:
+            gone += self.host.discard(h)
+            if self.disk is not None:
+                gone += self.disk.discard(h)
+        return gone
+
+    def clear(self) -> None:
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def usage(self) -> dict:
+        disk = self.disk
+        return {"ram_used": self.host.used, "ram_capacity": self.host.cap_bytes, "ram_hits": self.host_hits,
+                "disk_used": disk.used if disk else 0, "disk_capacity": disk.cap_bytes if disk else 0,
+                "disk_hits": self.disk_hits}
