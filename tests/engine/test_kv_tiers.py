@@ -1,16 +1,25 @@
 """The KV tiers under the pool (host RAM, disk) on the starter: a conversation pushed out of the
 pool, or out of a closed engine, comes back from them with the greedy tokens of a pool that never
 lost it, in every precision."""
+import errno
+import os
 import random
+import signal
+import stat
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 from kvchat.core.config import EngineConfig
-from kvchat.core.events import Request
+from kvchat.core.events import Notice, Request
 from kvchat.core.config import SamplingParams
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.host_tier import StoredBlock
 from kvchat.engine.model.loading import LoadedModel
 
 GEN = 16
@@ -43,18 +52,35 @@ def script(e: Engine, others=OTHERS):
     return ask(e, A + first.token_ids + QUESTION)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
-def test_a_conversation_pushed_out_of_the_pool_comes_back_from_ram(engine_model, precision):
-    reference = engine(engine_model, precision, 4096, ram=0)  # nothing evicted: the pool holds it all
+@pytest.mark.parametrize("precision", ["fp16"] + [pytest.param(p, marks=pytest.mark.slow) for p in ("int8", "k8v4", "int4")])
+def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(engine_model, tmp_path, precision):
+    """Pushed out of a small pool by two other chats, the conversation comes back from RAM; after a
+    restart, from disk (with the full-precision sinks a quantized pool needs: the new engine has
+    none of its own). Both times the next turn's greedy tokens are the reference's, whose pool
+    never evicted it."""
+    reference = engine(engine_model, precision, 4096, ram=0)
     tiered = engine(engine_model, precision, 384, ram=1 << 30)  # 24 blocks: the others evict the conversation
     try:
-        want, got = script(reference), script(tiered)
+        want, from_ram = script(reference), script(tiered)
     finally:
         reference.close()
         tiered.close()
+    first = engine(engine_model, precision, 4096, ram=0, disk=DiskTier(tmp_path))
+    try:
+        generated = ask(first, A).token_ids
+    finally:
+        first.close()
+    assert len(list(tmp_path.glob("*.kvb"))) == 16
+    restarted = engine(engine_model, precision, 4096, ram=0, disk=DiskTier(tmp_path))
+    try:
+        from_disk = ask(restarted, A + generated + QUESTION)
+    finally:
+        restarted.close()
     assert want.stats.cached_tokens == want.stats.pool_tokens == 256
-    assert got.stats.cached_tokens == 256 and got.stats.ram_tokens > 0 and got.stats.disk_tokens == 0
-    assert got.token_ids == want.token_ids
+    assert from_ram.stats.cached_tokens == 256 and from_ram.stats.ram_tokens > 0 and from_ram.stats.disk_tokens == 0
+    assert from_disk.stats.cached_tokens == from_disk.stats.disk_tokens == 256
+    assert from_ram.token_ids == want.token_ids
+    assert from_disk.token_ids == want.token_ids
 
 
 def test_without_tiers_the_same_conversation_is_computed_again(engine_model):
@@ -65,3 +91,134 @@ def test_without_tiers_the_same_conversation_is_computed_again(engine_model):
     finally:
         e.close()
     assert done.stats.cached_tokens == 0
+
+
+# -- the disk tier's files, without a model --
+
+KEY = "test:model|fp16|torch.float32"
+
+
+def block(seed: int = 0, tokens=tuple(range(16)), parent=None) -> StoredBlock:
+    gen = torch.Generator().manual_seed(seed)
+    return StoredBlock(tuple(tokens), parent, {"k": torch.randn(2, 1, 16, 2, 8, generator=gen),
+                                                "v": torch.randn(2, 1, 16, 2, 8, generator=gen)})
+
+
+def same(a: StoredBlock, b: StoredBlock) -> bool:
+    return a.token_ids == b.token_ids and a.parent == b.parent and a.tensors.keys() == b.tensors.keys() and all(
+        torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+def test_a_block_file_reads_back_exactly_and_is_the_users_only(tmp_path):
+    tier = DiskTier(tmp_path / "blocks")
+    stored = block(1, parent=b"p" * 16)
+    stored.sinks = (torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8))
+    assert tier.save(b"h" * 16, KEY, stored)
+    path = tier.path(b"h" * 16)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(tier.folder.stat().st_mode) == 0o700
+    back = DiskTier(tmp_path / "blocks").load(b"h" * 16, KEY, range(16))
+    assert same(back, stored) and all(torch.equal(a, b) for a, b in zip(back.sinks, stored.sinks))
+    assert tier.used == path.stat().st_size
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "other tokens", "empty"])
+def test_a_damaged_truncated_or_foreign_file_is_a_miss_and_is_deleted(tmp_path, damage):
+    tier = DiskTier(tmp_path)
+    tier.save(b"h" * 16, KEY, block())
+    path = tier.path(b"h" * 16)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 1
+    elif damage == "truncate":
+        data = data[:len(data) - 100]
+    elif damage == "empty":
+        data = b""
+    path.write_bytes(data)
+    key, tokens = ("other:model|fp16|torch.float32", range(16)) if damage == "foreign" else (KEY, range(16))
+    if damage == "other tokens":
+        tokens = range(1, 17)
+    assert tier.load(b"h" * 16, key, tokens) is None
+    assert not path.exists()
+
+
+def test_the_cap_drops_the_least_recently_used_and_pinned_blocks_last(tmp_path):
+    tier = DiskTier(tmp_path)
+    for i in range(3):
+        tier.save(bytes([i]) * 16, KEY, block(i))
+    size = tier.path(bytes(16)).stat().st_size
+    tier.pin(bytes([0]) * 16)  # the oldest, but a persona's
+    now = time.time()
+    for i, age in enumerate((300, 200, 100)):  # mtimes a second apart at least, oldest first
+        os.utime(tier.find(bytes([i]) * 16), (now - age, now - age))
+    assert tier.load(bytes([1]) * 16, KEY, range(16)) is not None  # used now: the newest
+    tier.cap_bytes = 2 * size
+    tier.trim()
+    assert [tier.has(bytes([i]) * 16) for i in range(3)] == [True, True, False]
+    assert tier.used == 2 * size
+    tier.cap_bytes = size
+    tier.trim()
+    assert [tier.has(bytes([i]) * 16) for i in range(3)] == [True, False, False]
+
+
+def test_a_full_disk_stops_the_writes_with_one_notice_and_the_chat_goes_on(engine_model, tmp_path, monkeypatch):
+    class Full:
+        def __init__(self, path):
+            self.f = open(path, "xb")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvchat.engine.kv.disk_tier._create", Full)
+    e = engine(engine_model, "fp16", 4096, ram=0, disk=DiskTier(tmp_path))
+    notices = []
+    e.add_listener(lambda event: notices.append(event) if isinstance(event, Notice) else None)
+    try:
+        first = ask(e, A)
+        second = ask(e, A + first.token_ids + QUESTION)
+    finally:
+        e.close()
+    assert first.finish_reason == second.finish_reason == "length" and len(second.token_ids) == GEN
+    assert second.stats.pool_tokens == 256
+    assert [n.kind for n in notices if n.kind == "disk-full"] == ["disk-full"]
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # no block, no temp file left
+
+
+WRITER = """
+import sys, torch
+from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.host_tier import StoredBlock
+from kvchat.engine.kv.host_tier import StoredBlock
+tier = DiskTier(sys.argv[1])
+for i in range(1000):
+    g = torch.Generator().manual_seed(i)
+    tier.save(i.to_bytes(16, "little"), "k", StoredBlock(tuple(range(16)), None, {"k": torch.randn(4 << 20, generator=g)}))
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_mid_write_loses_nothing_written_and_leaves_no_half_file(tmp_path):
+    """A writer killed at any point: every block it finished reads back exactly, no file under a
+    block's name is partial, and the next start ignores (and later removes) the temp file."""
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    done = [int(child.stdout.readline()) for _ in range(3)]
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    tier = DiskTier(tmp_path)
+    names = sorted(p.name for p in tmp_path.glob("*.kvb"))
+    assert len(names) >= len(done)
+    for name in names:
+        i = int.from_bytes(bytes.fromhex(name.removesuffix(".kvb")), "little")
+        back = tier.load(i.to_bytes(16, "little"), "k", range(16))
+        assert back is not None and torch.equal(back.tensors["k"], torch.randn(4 << 20, generator=torch.Generator().manual_seed(i)))
+    assert all(tier.has(i.to_bytes(16, "little")) for i in done)
+    for tmp in tmp_path.glob("*.tmp"):  # the write it was killed in, if it was in one
+        assert not tier.has(bytes.fromhex(tmp.name.split(".")[0]))
+        os.utime(tmp, (0, 0))
+    tier.trim()
+    assert list(tmp_path.glob("*.tmp")) == []

@@ -86,8 +86,7 @@ class DiskTier:
             crc = zlib.crc32(p, crc)
         tmp = self.folder / f"{hash_.hex()}.{os.getpid()}.{time.monotonic_ns()}{TMP}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            with _create(tmp) as f:
                 f.write(head)
                 for p in parts:
                     f.write(p)
@@ -228,6 +227,11 @@ class DiskTier:
 
     def _lock(self):
         return _FolderLock(self.folder / ".lock")
+
+
+def _create(path: Path):
+    """A new file readable by the user only (the mode is set at creation: never readable by others)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
 
 class _FolderLock:
