@@ -1,9 +1,10 @@
-"""The model library (issue 10, deliverable 3): models on disk with what they are and whether they fit
-here, before loading; one click loads one, and it is saved only once it has loaded; the load bar.
-The fake backend (tests/support) loads them, but for the hub model, loaded end to end by a real engine."""
+"""The model library (issues 10 and 29): the models on this machine, the loaded one first, each with
+what it is and the planner's badge for this machine, in a QML view; its Load button loads one, with
+the window's staged load bar, and it is saved only once it has loaded. The fake backend (tests/support)
+loads them, but for the hub model, loaded end to end by a real engine."""
 import json
 
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtWidgets import QApplication
 
 from kvchat.core.model_source import starter_path
@@ -15,32 +16,75 @@ HUGE = {"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
         "max_position_embeddings": 131072}  # a 405B shape: no machine here holds it
 
 
-def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts, tmp_path):
+def click(qtbot, library, item):
+    """A click on a QML item of the library, as the pointer gives it."""
+    point = item.mapToScene(QPointF(item.width() / 2, item.height() / 2)).toPoint()
+    qtbot.mouseClick(library.view, Qt.LeftButton, pos=point)
+
+
+def cards(library, key="modelName") -> dict:
+    """Each card's name (or ``key``): its details line, its badge, its tooltip, and its Load button."""
+    out = {}
+    for card in library.items("modelCard"):
+        inner = {}
+        stack = list(card.childItems())
+        while stack:
+            item = stack.pop()
+            inner.setdefault(item.objectName(), item)
+            stack.extend(item.childItems())
+        out[card.property(key)] = (inner["modelDetails"].property("text"), inner["fitBadge"].property("label"),
+                                           inner["fitBadge"].property("tip"), inner["loadModel"])
+    return out
+
+
+def open_library(qtbot, win, monkeypatch, roots):
+    monkeypatch.setattr("kvchat.core.model_library.default_roots", lambda: roots)
+    qtbot.mouseClick(win.library_button, Qt.LeftButton)
+    library = win.models.library_dialog
+    qtbot.waitUntil(lambda: library.isVisible() and not library.status.startswith("Looking"), timeout=30000)
+    return library
+
+
+def test_the_library_shows_the_loaded_starter_first_with_its_verdict(qtbot, app_parts, tmp_path, monkeypatch):
+    """Issue 29: it said "No models found" while the starter was loaded."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)
+    library = open_library(qtbot, win, monkeypatch, [(tmp_path / "empty", "hub cache")])
+    names = [c.property("modelName") for c in library.items("modelCard")]
+    assert len(names) == 1 and "No models found" not in library.status
+    details, badge, tip, load = cards(library)[names[0]]
+    assert details == "llama · 135M parameters · Q4_1 · 94 MiB · 8,192-token context"
+    assert badge == "fits · 8k"
+    assert "KV fp16: 8,192 tokens (the model's trained limit)" in tip and "KV int4:" in tip
+    assert library.items("loadedTag") and load.property("text") == "Loaded" and not load.property("enabled")
+
+
+def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts, tmp_path, monkeypatch):
     win, store, bridge, _ = app_parts
     shown(qtbot, win)
     qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)
     lm_studio = tmp_path / "lmstudio" / "HuggingFaceTB" / "SmolLM2"
     lm_studio.mkdir(parents=True)
-    (lm_studio / "smollm2.gguf").symlink_to(starter_path())
+    (lm_studio / "smollm2.gguf").write_bytes(starter_path().read_bytes())  # a copy: the starter's own file is listed too
     hub = tmp_path / "hub" / "models--org--huge" / "snapshots" / "abc123"
     hub.mkdir(parents=True)
-    (hub / "config.json").write_text(json.dumps(HUGE))
+    (hub / "config.json").write_text(json.dumps({**HUGE, "torch_dtype": "bfloat16"}))
     (hub / "model.safetensors").write_bytes(b"\0" * 1024)
-    library = win.models.library(roots=[(tmp_path / "hub", "hub cache"), (tmp_path / "lmstudio", "LM Studio")])
-    qtbot.addWidget(library)
-    library.show()
-    qtbot.waitUntil(lambda: library.table.rowCount() == 2, timeout=30000)
-    table = library.table
-    rows = {table.item(r, 1).text(): [table.item(r, c).text() for c in range(table.columnCount())]
-            for r in range(2)}
-    name, source, arch, params, size, trained, fits = rows["LM Studio"]
-    assert (arch, params, trained) == ("llama", "135M", "8,192") and size == "0.09 GiB"
-    assert fits.startswith("fits 8k tokens at")  # capped at the trained context
-    assert rows["hub cache"][0] == "org/huge" and rows["hub cache"][3] == "405.9B" and rows["hub cache"][6] == "too large"
-    row = next(r for r in range(2) if table.item(r, 1).text() == "LM Studio")
-    qtbot.mouseClick(table.viewport(), Qt.LeftButton, pos=table.visualItemRect(table.item(row, 0)).center())
+    library = open_library(qtbot, win, monkeypatch, [(tmp_path / "hub", "hub cache"), (tmp_path / "lmstudio", "LM Studio")])
+    qtbot.waitUntil(lambda: len(library.items("modelCard")) == 3, timeout=30000)
+    listed = [c.property("modelName") for c in library.items("modelCard")]
+    by_path = cards(library, "modelPath")
+    first = library.items("modelCard")[0].property("modelPath")
+    assert first == str(starter_path()) and by_path[first][3].property("text") == "Loaded"
+    assert listed[0] == listed[2] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the copy: same model, another file
+    details, badge, _, load = cards(library)["org/huge"]
+    assert details.startswith("llama · 405.9B parameters · bf16 · ") and badge == "too large"
+    assert not load.property("enabled")
+    assert len(library.items("loadedTag")) == 1  # the copy in LM Studio's folder is another file
     path = str(lm_studio / "smollm2.gguf")
-    qtbot.mouseClick(library.load_button, Qt.LeftButton)
+    click(qtbot, library, cards(library, "modelPath")[path][3])
+    assert win.load_bar.isVisible()  # the window's staged load bar
     qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set()
                     and bridge.engine.config.model == path, timeout=150000)
     assert bridge.engine.load_error is None
@@ -67,6 +111,13 @@ def hub_snapshot(tmp_path, tokenizer, chunks: int, after_first=None):
     return snapshot
 
 
+def type_hub_id(qtbot, library, text):
+    field = library.item("hubId")
+    field.setProperty("text", "")
+    click(qtbot, library, field)
+    qtbot.keyClicks(library.view, text)
+
+
 def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, engine_parts, tmp_path, tokenizer,
                                                                   monkeypatch):
     """End to end: the real engine switches to the downloaded model."""
@@ -74,24 +125,20 @@ def test_a_hub_id_downloads_with_progress_joins_the_list_and_loads(qtbot, engine
 
     win, store, bridge, _ = engine_parts
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_snapshot(tmp_path, tokenizer, chunks=5))
-    library = win.models.library(roots=[(tmp_path / "empty", "hub cache")])
-    qtbot.addWidget(library)
-    shown(qtbot, library)
-    qtbot.waitUntil(lambda: "No models found" in library.status.text(), timeout=30000)
+    library = open_library(qtbot, win, monkeypatch, [(tmp_path / "empty", "hub cache")])
+    before = len(library.items("modelCard"))  # the starter
     seen = []
-    library.downloader.progress.connect(lambda *_: seen.append((library.download_bar.value(),
-                                                                 library.download_bar.format())))
-    qtbot.keyClicks(library.hub_id, "org/tiny")
-    qtbot.keyClick(library.hub_id, Qt.Key_Return)
-    assert library.download_bar.isVisible() and not library.download_button.isEnabled()
-    qtbot.waitUntil(lambda: library.table.rowCount() == 1, timeout=30000)
-    assert [value for value, _ in seen] == [200, 400, 600, 800, 1000] and seen[-1][1] == "org/tiny: 0.05 / 0.05 GB"
-    assert library.download_bar.isHidden() and "downloaded" in library.status.text()
-    cells = [library.table.item(0, c).text() for c in range(library.table.columnCount())]
-    assert cells[:3] == ["org/tiny", "hub cache", "qwen2"]
-    assert library.table.selectionModel().selectedRows()[0].row() == 0  # selected: Load uses it
-    path = library.models[0].path
-    qtbot.mouseClick(library.load_button, Qt.LeftButton)
+    library.downloader.progress.connect(lambda *_: seen.append((round(library.progress, 2), library.progressText)))
+    type_hub_id(qtbot, library, "org/tiny")
+    qtbot.keyClick(library.view, Qt.Key_Return)
+    assert library.isDownloading and library.item("downloadBar").isVisible()
+    qtbot.waitUntil(lambda: len(library.items("modelCard")) == before + 1, timeout=30000)
+    assert [value for value, _ in seen] == [0.2, 0.4, 0.6, 0.8, 1.0] and seen[-1][1] == "org/tiny: 0.05 / 0.05 GB"
+    assert not library.isDownloading and "downloaded" in library.status
+    details, _, _, load = cards(library)["org/tiny"]
+    assert details.startswith("qwen2 · ")
+    path = library.models[-1].path
+    click(qtbot, library, load)
     qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.config.model == path, timeout=60000)
     assert bridge.load_error is None
     qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == path, timeout=10000)
@@ -111,20 +158,22 @@ def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path
     library = ModelLibrary(None, [], None, False, roots=[])
     qtbot.addWidget(library)
     shown(qtbot, library)
+    qtbot.waitUntil(lambda: not library.status.startswith("Looking"), timeout=30000)
+    listed = len(library.items("modelCard"))
     for typed in ("not-an-id", "a/b/c", "./models/x"):
-        library.hub_id.setText(typed)
-        qtbot.mouseClick(library.download_button, Qt.LeftButton)
-        assert "is not a Hugging Face model id" in library.status.text() and library.download_bar.isHidden()
+        type_hub_id(qtbot, library, typed)
+        click(qtbot, library, library.item("download"))
+        assert "is not a Hugging Face model id" in library.status and not library.isDownloading
     assert not calls
-    library.hub_id.setText("org/large")
-    qtbot.mouseClick(library.download_button, Qt.LeftButton)
-    qtbot.waitUntil(lambda: library.download_bar.value() > 0, timeout=30000)
-    assert "/ 3.00 GB" in library.download_bar.format()
-    qtbot.mouseClick(library.cancel_download_button, Qt.LeftButton)
+    type_hub_id(qtbot, library, "org/large")
+    click(qtbot, library, library.item("download"))
+    qtbot.waitUntil(lambda: library.progress > 0, timeout=30000)
+    assert "/ 3.00 GB" in library.progressText
+    click(qtbot, library, library.item("cancelDownload"))
     clicked.set()
-    qtbot.waitUntil(lambda: library.download_bar.isHidden(), timeout=10000)
-    assert library.status.text() == "download of org/large cancelled" and library.table.rowCount() == 0
-    assert library.download_button.isEnabled() and len(calls) == 1
+    qtbot.waitUntil(lambda: not library.isDownloading, timeout=10000)
+    assert library.status == "download of org/large cancelled" and len(library.items("modelCard")) == listed
+    assert library.item("download").isVisible() and len(calls) == 1
 
 
 def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
@@ -133,13 +182,12 @@ def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     library = ModelLibrary(None, [], None, False, roots=[])
     qtbot.addWidget(library)
-    library.hub_id.setText("Qwen/Qwen2.5-0.5B-Instruct")
+    shown(qtbot, library)
+    type_hub_id(qtbot, library, "Qwen/Qwen2.5-0.5B-Instruct")
     with qtbot.waitSignal(library.downloader.failed, timeout=60000):
-        qtbot.mouseClick(library.download_button, Qt.LeftButton)
-    text = library.status.text()
+        click(qtbot, library, library.item("download"))
+    text = library.status
     assert "Qwen/Qwen2.5-0.5B-Instruct" in text and "unreachable" in text and "\n" not in text
-    assert library.download_bar.isHidden()
-
 
 def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
     """A fresh cache: while there is no count (reading the file, making the tokenizer and the

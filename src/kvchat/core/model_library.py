@@ -30,6 +30,7 @@ class LocalModel:
     file_bytes: int
     trained_context: int | None
     config: dict = field(repr=False, default_factory=dict)
+    quantization: str = "?"  # the weights' format on disk: Q4_1, bf16, 4-bit (bitsandbytes)...
 
 
 def default_roots() -> list[tuple[Path, str]]:
@@ -88,7 +89,28 @@ def describe_folder(folder: Path, source: str) -> LocalModel:
     except (TypeError, KeyError):
         parameters = None
     return LocalModel(str(folder), source, name, config.get("model_type", "?"), parameters, size,
-                      config.get("max_position_embeddings"), config)
+                      config.get("max_position_embeddings"), config, folder_quantization(config))
+
+
+def folder_quantization(config: dict) -> str:
+    """What a config.json says of its weights: a quantization method and bits, else its dtype."""
+    q = config.get("quantization_config") or {}
+    if q:
+        bits = q.get("bits") or (4 if q.get("load_in_4bit") else 8 if q.get("load_in_8bit") else None)
+        method = q.get("quant_method", "quantized")
+        return f"{bits}-bit ({method})" if bits else str(method)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "?")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+def gguf_quantization(file_type) -> str:
+    """GGUF's general.file_type as llama.cpp names it (MOSTLY_Q4_1 -> Q4_1)."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (ValueError, TypeError):
+        return "?"
 
 
 def describe_gguf(path: Path, source: str) -> LocalModel:
@@ -105,7 +127,8 @@ def describe_gguf(path: Path, source: str) -> LocalModel:
     config["tie_word_embeddings"] = "output.weight" not in names
     parameters = sum(int(t.n_elements) for t in reader.tensors)
     return LocalModel(str(path), source, meta.get("general.name") or path.stem, arch, parameters,
-                      path.stat().st_size, config.get("max_position_embeddings"), config)
+                      path.stat().st_size, config.get("max_position_embeddings"), config,
+                      gguf_quantization(meta.get("general.file_type")))
 
 
 def field_value(f):
@@ -121,26 +144,69 @@ def field_value(f):
     return f.parts[f.data[0]].tolist()[0]
 
 
-def verdict(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want: int = 32768) -> str:
-    """The planner's answer for this machine: "fits 32k tokens at int8", "needs nf4 weights", "too large"."""
+@dataclass
+class Fit:
+    """Whether a model fits here, as a badge (``kind``: fits, kv, weights, too-large, unknown), its
+    words, and the largest context per KV precision behind it."""
+    kind: str
+    label: str
+    weights: str = ""  # the weight format planned with
+    max_context: dict = field(default_factory=dict)
+
+    def tooltip(self, trained: int | None) -> str:
+        if not self.max_context:
+            return self.label
+        rows = []
+        for name, tokens in self.max_context.items():
+            capped = trained is not None and tokens > trained
+            rows.append(f"KV {name}: {min(tokens, trained) if capped else tokens:,} tokens"
+                        + (" (the model's trained limit)" if capped else ""))
+        return f"Largest context on this machine with {self.weights} weights:\n" + "\n".join(rows)
+
+
+def int4_weights_bytes(config) -> int:
+    """Weight-only int4 (torch's packed CPU kernels): half a byte a weight plus a group scale."""
+    from kvchat.core.memory import parameter_counts
+
+    linear, other = parameter_counts(config)
+    return int(linear * (0.5 + 2 / 32) + other * 2)
+
+
+def fit(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want: int = 32768) -> Fit:
+    """The planner's badge for this machine: "fits" at full-precision KV, "fits at int8 KV" (or
+    lower) with a quantized KV cache, "needs 4-bit weights", or "too large", for the model's trained
+    context up to ``want`` tokens; at least 2,048 tokens count as fitting with the lowest KV."""
     if model.parameters is None or not model.config.get("num_hidden_layers"):
-        return "unknown (no config to plan from)"
+        return Fit("unknown", "unknown (no config to plan from)")
     trained = model.trained_context or want
     goal = min(trained, want)
-    weights = ["bf16", "nf4"] if on_cuda else ["int8"]
-    for w in weights:
+    formats = [("bf16", None), ("nf4", None)] if on_cuda else [("int8", None), ("int4", int4_weights_bytes)]
+    first = None
+    for i, (weights, size) in enumerate(formats):
         try:
-            p = plan(model.config, memory, goal, w, headroom, kv_full_bytes=2 if on_cuda else 4)
+            p = plan(model.config, memory, goal, weights, headroom, kv_full_bytes=2 if on_cuda else 4,
+                     weights_size=size(model.config) if size else None)
         except (TypeError, KeyError, ZeroDivisionError):
-            return "unknown (incomplete config)"
-        best = next(((name, tokens) for name, tokens in p.max_context.items() if tokens >= goal), None)
-        if best is None and p.max_context["int4"] >= 2048:
-            best = ("int4", p.max_context["int4"])
-        if best is not None:
-            tokens = min(best[1], trained)
-            prefix = "needs nf4 weights; " if w == "nf4" else ""
-            return f"{prefix}fits {tokens // 1024}k tokens at {best[0]}"
-    return "too large"
+            return Fit("unknown", "unknown (incomplete config)")
+        first = first or Fit("too-large", "too large", weights, p.max_context)
+        holds = [(name, tokens) for name, tokens in p.max_context.items() if tokens >= goal]
+        if not holds and p.max_context["int4"] >= 2048:
+            holds = [("int4", p.max_context["int4"])]
+        if not holds:
+            continue
+        name, tokens = holds[0]
+        context = f"{min(tokens, trained) // 1024}k"
+        if i == 1:
+            return Fit("weights", f"needs 4-bit weights · {context}", weights, p.max_context)
+        if name == next(iter(p.max_context)):
+            return Fit("fits", f"fits · {context}", weights, p.max_context)
+        return Fit("kv", f"fits at {name} KV · {context}", weights, p.max_context)
+    return first
+
+
+def verdict(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want: int = 32768) -> str:
+    """The badge's words: "fits · 8k", "fits at int8 KV · 32k", "needs 4-bit weights · 32k", "too large"."""
+    return fit(model, memory, on_cuda, headroom, want).label
 
 
 def hub_id_problem(text: str) -> str | None:

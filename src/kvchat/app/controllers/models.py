@@ -1,10 +1,11 @@
 """Which model answers, and how: the settings panel, the model library, loading and switching models,
 connections to servers, and what the top bar and status bar say about them. Everything it knows of
 the engine comes from the bridge's state, which the engine's events set."""
-from PySide6.QtCore import QObject
+from PySide6.QtCore import QObject, Qt
 
 from kvchat.core.config import SamplingParams
 from kvchat.core.memory import GiB, plan
+from kvchat.core.model_source import ModelError, starter_path
 
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.views.model_library import ModelLibrary
@@ -79,10 +80,30 @@ class ModelController(QObject):
     # -- loading a model --
 
     def library(self, roots=None) -> ModelLibrary:
-        library = ModelLibrary(self.win, self.store.setting("model_folders") or [], self.memory(), self.on_cuda(), roots)
+        library = ModelLibrary(self.win, self.store.setting("model_folders") or [], self.memory(), self.on_cuda(), roots,
+                               self.win.theme, self.loaded_model())
         library.chosen.connect(self.load_from_library)
         library.finished.connect(lambda _: self.store.set_setting("model_folders", library.folders))
         return library
+
+    def show_library(self) -> ModelLibrary:
+        """Window-modal without a nested event loop: the chat goes on streaming behind it."""
+        self.library_dialog = library = self.library()
+        library.setAttribute(Qt.WA_DeleteOnClose)
+        library.open()
+        return library
+
+    def loaded_model(self) -> list[str]:
+        """The loaded model as the library can find it: its setting and, for the starter, its file."""
+        if self.bridge.server is not None or self.config is None:
+            return []
+        model = self.engine_settings().get("model", "starter")
+        if model == "starter":
+            try:
+                return [model, str(starter_path())]
+            except ModelError:
+                return [model]
+        return [model]
 
     def load_from_library(self, path: str) -> None:
         """Like choosing the model in Settings: saved only once it has loaded. On a connection, the

@@ -122,7 +122,7 @@ class MainWindow(QMainWindow):
         for chip in (self.model_chip, self.context_chip, self.kv_chip):
             chip.opened.connect(models.open_settings)
         self.memory_button.toggled.connect(self.show_memory_panel)
-        self.library_button.clicked.connect(lambda: models.library().exec())
+        self.library_button.clicked.connect(models.show_library)
         self.chat_view.pressed.connect(self.focus_input)
         actions = self.chat_view.actions
         actions.copied.connect(lambda _text: self.notify("copied"))

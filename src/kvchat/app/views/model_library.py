@@ -1,22 +1,22 @@
-"""The model library: the models already on disk, what each is, and whether it fits here (the
-planner's verdict) before anything loads; one click loads one. Scanning reads only configs and GGUF
-headers, on a worker thread; a hub id downloads on another, with progress and cancel, and joins the
-list when it is there."""
+"""The model library: the models on this machine, the loaded one first, each with what it is and
+whether it fits here (the planner's badge, its contexts in the tooltip) before anything loads; a
+click on Load loads one, with the window's staged load bar. Drawn in QML (qml/LibraryView.qml) in
+the chat column's look. Scanning reads only configs and GGUF headers, on a worker thread; a hub id
+downloads on another, with progress and cancel, and joins the list when it is there."""
 import threading
+from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
-                               QLineEdit, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout)
+from PySide6.QtCore import Property, QObject, QTimer, QUrl, Signal, Slot
+from PySide6.QtQuickWidgets import QQuickWidget
+from PySide6.QtWidgets import QDialog, QFileDialog, QVBoxLayout
 
-from kvchat.core.model_library import describe, fetch, hub_id_problem, scan, verdict
+from kvchat.core.model_library import describe, fetch, hub_id_problem, scan
+from kvchat.core.model_source import ModelError, starter_path
 
-COLUMNS = ["Model", "Source", "Architecture", "Parameters", "Size", "Trained context", "On this machine"]
-
-
-def count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+from kvchat.app.models.library_model import LibraryModel
+from kvchat.app.package_data import QML_DIR
+from kvchat.app.views.chat_view import prepare_quick
+from kvchat.app.views.theme import Theme
 
 
 class Scanner(QObject):
@@ -52,143 +52,155 @@ class Downloader(QObject):
         self.downloaded.emit(model)
 
 
-class ModelLibrary(QDialog):
-    """``chosen`` carries the path to load."""
-    chosen = Signal(str)
+def installed_starter() -> list:
+    """The starter as the library lists it: it lives inside a Python package, where no scan looks."""
+    try:
+        model = describe(starter_path(), "kvchat's starter")
+    except ModelError:
+        return []
+    return [model] if model is not None else []
 
-    def __init__(self, parent, folders: list[str], memory: int | None, on_cuda: bool, roots=None):
+
+class ModelLibrary(QDialog):
+    """``chosen`` carries the path to load. The QML view calls the slots; the properties are what it shows."""
+    chosen = Signal(str)
+    changed = Signal()
+
+    def __init__(self, parent, folders: list[str], memory: int | None, on_cuda: bool, roots=None,
+                 theme=None, loaded: list[str] = ()):
         super().__init__(parent)
         self.setWindowTitle("Models on this computer")
-        self.resize(980, 460)
+        self.resize(860, 600)
         self.folders, self.memory, self.on_cuda, self.roots = list(folders), memory, on_cuda, roots
+        self.loaded = list(loaded)
         self.models = []
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.table.verticalHeader().hide()
-        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
-        self.table.doubleClicked.connect(lambda _: self.load_selected())
-        self.status = QLabel("Looking for models…")
-        self.status.setProperty("muted", True)
-        self.add_button, self.open_button, self.load_button = (
-            QPushButton(t) for t in ("Add folder…", "Open .gguf…", "Load"))
-        self.load_button.setDefault(True)
-        self.add_button.clicked.connect(self.add_folder)
-        self.open_button.clicked.connect(self.open_file)
-        self.load_button.clicked.connect(self.load_selected)
-        buttons = QHBoxLayout()
-        for b in (self.add_button, self.open_button):
-            buttons.addWidget(b)
-        buttons.addStretch(1)
-        buttons.addWidget(self.load_button)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.table, 1)
-        layout.addLayout(self._download_row())
-        layout.addWidget(self.status)
-        layout.addLayout(buttons)
-        self.scanner = Scanner()
-        self.scanner.found.connect(self.show_models)
-        self.rescan()
-
-    def _download_row(self) -> QHBoxLayout:
-        self.hub_id = QLineEdit(placeholderText="Download from Hugging Face: org/name")
-        self.hub_id.installEventFilter(self)  # Return downloads; it must not reach the dialog's Load button
-        self.download_button = QPushButton("Download")
-        self.download_button.setAutoDefault(False)
-        self.download_bar = QProgressBar(minimumWidth=260, textVisible=True)
-        self.cancel_download_button = QPushButton("Cancel download")
-        self.cancel_download_button.setAutoDefault(False)
+        self.list_model = LibraryModel()
+        self._status, self._progress, self._progress_text = "Looking for models…", -1.0, ""
         self.downloading: str | None = None
         self.downloader = Downloader()
         self.downloader.progress.connect(self.on_download_progress)
         self.downloader.downloaded.connect(self.on_downloaded)
         self.downloader.failed.connect(self.on_download_failed)
-        self.download_button.clicked.connect(self.download)
-        self.cancel_download_button.clicked.connect(self.cancel_download)
-        row = QHBoxLayout()
-        row.addWidget(self.hub_id, 1)
-        for w in (self.download_button, self.download_bar, self.cancel_download_button):
-            row.addWidget(w)
-        self.show_downloading(False)
-        return row
+        prepare_quick()
+        self.theme = theme or Theme()  # held here: the QML context does not keep it alive
+        self.view = QQuickWidget(self)
+        self.view.setResizeMode(QQuickWidget.SizeRootObjectToView)
+        ctx = self.view.rootContext()
+        for name, value in (("library", self), ("libraryModel", self.list_model), ("theme", self.theme)):
+            ctx.setContextProperty(name, value)
+        self.view.setSource(QUrl.fromLocalFile(str(QML_DIR / "LibraryView.qml")))
+        if self.view.status() == QQuickWidget.Error:
+            raise RuntimeError("the library's QML failed: " + "; ".join(e.toString() for e in self.view.errors()))
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.view)
+        self.scanner = Scanner()
+        self.scanner.found.connect(self.show_models)
+        self.rescan()
 
-    def eventFilter(self, obj, event) -> bool:
-        if obj is self.hub_id and event.type() == QEvent.KeyPress and event.key() in (Qt.Key_Return, Qt.Key_Enter):
-            self.download()
-            return True
-        return super().eventFilter(obj, event)
+    # -- what the view shows --
+
+    def _get_status(self) -> str:
+        return self._status
+
+    status = Property(str, _get_status, notify=changed)
+    progress = Property(float, lambda self: self._progress, notify=changed)  # -1: busy
+    progressText = Property(str, lambda self: self._progress_text, notify=changed)
+    isDownloading = Property(bool, lambda self: self.downloading is not None, notify=changed)
+
+    def say(self, status: str) -> None:
+        self._status = status
+        self.changed.emit()
+
+    def item(self, name: str):
+        """A QML item by its objectName, depth first (the tests click them)."""
+        stack = [self.view.rootObject()]
+        while stack:
+            item = stack.pop()
+            if item.objectName() == name:
+                return item
+            stack.extend(reversed(item.childItems()))
+        return None
+
+    def items(self, name: str) -> list:
+        found, stack = [], [self.view.rootObject()]
+        while stack:
+            item = stack.pop()
+            if item.objectName() == name and item.isVisible():
+                found.append(item)
+            stack.extend(reversed(item.childItems()))
+        return found
 
     # -- downloading a hub id --
 
-    def download(self) -> None:
+    @Slot(str)
+    def download(self, text: str) -> None:
         if self.downloading:
             return
-        problem = hub_id_problem(self.hub_id.text())
+        problem = hub_id_problem(text)
         if problem:
-            self.status.setText(problem)
+            self.say(problem)
             return
-        self.downloading = self.hub_id.text().strip()
-        self.show_downloading(True)
-        self.download_bar.setRange(0, 0)  # busy until the hub says how large it is
-        self.download_bar.setFormat(f"{self.downloading}: starting")
-        self.status.setText(f"Downloading {self.downloading} into the Hugging Face cache…")
+        self.downloading = text.strip()
+        self._progress, self._progress_text = -1.0, f"{self.downloading}: starting"
+        self.say(f"Downloading {self.downloading} into the Hugging Face cache…")
         self.downloader.start(self.downloading)
-
-    def show_downloading(self, downloading: bool) -> None:
-        self.download_bar.setVisible(downloading)
-        self.cancel_download_button.setVisible(downloading)
-        self.download_button.setEnabled(not downloading)
-        self.hub_id.setEnabled(not downloading)
 
     def on_download_progress(self, done: int, total: int) -> None:
         if total > 0 and self.downloading:
-            self.download_bar.setRange(0, 1000)
-            self.download_bar.setValue(int(1000 * done / total))
-            self.download_bar.setFormat(f"{self.downloading}: {done / 1e9:.2f} / {total / 1e9:.2f} GB")
+            self._progress = done / total
+            self._progress_text = f"{self.downloading}: {done / 1e9:.2f} / {total / 1e9:.2f} GB"
+            self.changed.emit()
 
-    def cancel_download(self) -> None:
+    @Slot()
+    def cancelDownload(self) -> None:
         if self.downloading:
             self.downloader.cancel()
-            self.download_bar.setFormat(f"{self.downloading}: cancelling…")
+            self._progress_text = f"{self.downloading}: cancelling…"
+            self.changed.emit()
 
     def on_downloaded(self, model) -> None:
         name, self.downloading = self.downloading, None
-        self.show_downloading(False)
         self.show_models([m for m in self.models if m.path != model.path] + [model])
-        self.table.selectRow(len(self.models) - 1)
-        self.status.setText(f"{name} is downloaded: Load uses it.")
+        self.say(f"{name} is downloaded: Load uses it.")
 
     def on_download_failed(self, message: str) -> None:
         self.downloading = None
-        self.show_downloading(False)
-        self.status.setText(message)
+        self.say(message)
 
     def done(self, result: int) -> None:
-        """Closing the dialog stops a download under way."""
+        """Closing the dialog stops a download under way, and its QML goes before the objects it
+        reads (else each of its bindings warns as they are deleted)."""
         self.downloader.cancel()
         super().done(result)
+        # queued: a click in the QML may be what closes it, and its item must outlive its handler
+        QTimer.singleShot(0, self.view, lambda: self.view.setSource(QUrl()))
+
+    # -- the list --
 
     def rescan(self) -> None:
         self.scanner.start(self.folders, self.roots)
 
     def show_models(self, models: list) -> None:
-        self.models = models
-        self.table.setRowCount(len(models))
-        for row, m in enumerate(models):
-            fits = verdict(m, self.memory, self.on_cuda) if self.memory else "unknown until the engine reports memory"
-            cells = [m.name, m.source, m.architecture, count(m.parameters), f"{m.file_bytes / 2**30:.2f} GiB",
-                     f"{m.trained_context:,}" if m.trained_context else "?", fits]
-            for col, text in enumerate(cells):
-                item = QTableWidgetItem(text)
-                item.setToolTip(m.path if col == 0 else text)
-                self.table.setItem(row, col, item)
-        self.status.setText(f"{len(models)} model(s): the Hugging Face cache, LM Studio's folder, kvchat's "
-                            "models folder and the folders you added." if models else
-                            "No models found. Add a folder, open a .gguf, or download a hub id above.")
+        """The scan's models, with the loaded one and the starter, which no scanned folder holds."""
+        extra = installed_starter()
+        for key in self.loaded:
+            if key and Path(key).exists() and (model := describe(Path(key), "loaded")) is not None:
+                extra.append(model)
+        seen, merged = set(), []
+        for m in extra + list(models):
+            key = Path(m.path).resolve()
+            if key not in seen:
+                seen.add(key)
+                merged.append(m)
+        self.list_model.show(merged, self.loaded, self.memory, self.on_cuda)
+        self.models = self.list_model.models
+        self.say(f"{len(merged)} model(s) on this computer: kvchat's starter, the Hugging Face cache, LM Studio's "
+                 "folder, kvchat's models folder and the folders you added." if merged else
+                 "No models found. Add a folder, open a .gguf, or download a hub id above.")
 
-    def add_folder(self) -> None:
+    @Slot()
+    def addFolder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")
         if folder:
             self.add(folder)
@@ -198,21 +210,18 @@ class ModelLibrary(QDialog):
             self.folders.append(folder)
         self.rescan()
 
-    def open_file(self) -> None:
+    @Slot()
+    def openFile(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf)")
         if path:
             self.pick(path)
 
     def pick(self, path: str) -> None:
-        from pathlib import Path
-
         model = describe(Path(path), "picked")
         if model is not None:
             self.show_models(self.models + [model])
-            self.table.selectRow(len(self.models) - 1)
 
-    def load_selected(self) -> None:
-        rows = self.table.selectionModel().selectedRows()
-        if rows:
-            self.chosen.emit(self.models[rows[0].row()].path)
-            self.accept()
+    @Slot(str)
+    def load(self, path: str) -> None:
+        self.chosen.emit(path)
+        self.accept()

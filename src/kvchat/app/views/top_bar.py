@@ -5,7 +5,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QStyle, QToolButton, QWidget
 
 from kvchat.core.memory import parameter_counts
 
-from kvchat.app.views.model_library import count
+from kvchat.app.models.library_model import count
 
 
 def size_label(config) -> str:
