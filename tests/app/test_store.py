@@ -119,3 +119,62 @@ def test_kvchat_without_a_display_says_so_in_one_line():
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "kvchat: no display found (DISPLAY is not set); for the terminal chat run: kvchat chat"]
+
+
+V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE personas (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, system_prompt TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE conversations (id INTEGER PRIMARY KEY, title TEXT NOT NULL,
+    persona_id INTEGER REFERENCES personas(id) ON DELETE SET NULL, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY, conversation_id INTEGER NOT NULL REFERENCES conversations(id)
+    ON DELETE CASCADE, position INTEGER NOT NULL, role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+    content TEXT NOT NULL, token_ids TEXT, stats TEXT, interrupted INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL, UNIQUE (conversation_id, position));
+CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+INSERT INTO personas VALUES (1, 'Pirate', 'Talk like a pirate.', 0);
+INSERT INTO conversations VALUES (1, 'Ahoy', 1, 0, 0), (2, 'Plain', NULL, 0, 0);
+INSERT INTO messages VALUES (1, 1, 0, 'user', 'Hi', NULL, NULL, 0, 0), (2, 1, 1, 'assistant', 'Arr!', '[5]', NULL, 0, 0),
+    (3, 2, 0, 'user', 'Hi', NULL, NULL, 0, 0), (4, 2, 1, 'assistant', 'Hello.', NULL, NULL, 0, 0);
+"""
+
+
+def test_a_version_1_database_gets_authors_in_place_and_keeps_every_message(tmp_path):
+    """Old replies take their chat's persona as the window showed it; the user's personas are not
+    seeded over (only a new database gets the defaults)."""
+    from kvchat.app.store_schema import prompt_hash
+
+    db = tmp_path / "chat.db"
+    raw = sqlite3.connect(db)
+    raw.executescript(V1_SCHEMA)
+    raw.close()
+    s = Store(db)
+    pirate, plain = s.messages(1), s.messages(2)
+    assert [m.content for m in pirate] == ["Hi", "Arr!"] and pirate[1].token_ids == [5]
+    assert (pirate[1].author, pirate[1].author_hash) == ("Pirate", prompt_hash("Talk like a pirate."))
+    assert (plain[1].author, plain[1].author_hash, pirate[0].author) == ("Assistant", None, None)
+    assert [p["name"] for p in s.personas()] == ["Pirate"]
+    assert s.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+    s.delete_persona(s.personas()[0]["id"])
+    s.close()
+    s = Store(db)  # reopened: migrated once, and a deleted persona is not seeded back
+    assert s.personas() == [] and s.messages(1)[1].author == "Pirate"
+    assert s.conversation(1)["persona_id"] is None
+
+
+def test_a_replys_versions_follow_edits_and_go_with_it(tmp_path):
+    s = Store(tmp_path / "chat.db")
+    c = s.create_conversation()
+    s.add_message(c, "user", "Hi")
+    m = s.add_message(c, "assistant", "One", token_ids=[1], stats={"n": 1})
+    assert s.new_version(m, {"name": "Tutor", "system_prompt": "Teach."}) == 1
+    s.update_message(m, "Two", token_ids=[2], stats={"n": 2})
+    s.show_version(m, 0)
+    reply = s.messages(c)[1]
+    assert (reply.content, reply.token_ids, reply.author, reply.version, reply.versions) == ("One", [1], "Assistant", 0, 2)
+    s.show_version(m, 1)
+    assert (s.messages(c)[1].content, s.messages(c)[1].author) == ("Two", "Tutor")
+    with pytest.raises(KeyError):
+        s.show_version(m, 5)
+    s.truncate(c, 1)
+    assert s.db.execute("SELECT COUNT(*) FROM reply_versions").fetchone()[0] == 0

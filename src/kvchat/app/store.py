@@ -12,22 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.app.package_data import ASSETS
+from kvchat.app.store_schema import (DEFAULT_AUTHOR, SCHEMA, SCHEMA_VERSION, VERSION_COLUMNS, migrate,
+                                     prompt_hash)
 
-SCHEMA_VERSION = 1
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS personas (
-    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, system_prompt TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS conversations (
-    id INTEGER PRIMARY KEY, title TEXT NOT NULL, persona_id INTEGER REFERENCES personas(id) ON DELETE SET NULL,
-    created REAL NOT NULL, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY, conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    position INTEGER NOT NULL, role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-    content TEXT NOT NULL, token_ids TEXT, stats TEXT, interrupted INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL, UNIQUE (conversation_id, position));
-CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 DEFAULT_PERSONAS = ASSETS / "personas.json"
 
 
@@ -44,6 +31,10 @@ class Message:
     token_ids: list[int] | None
     stats: dict | None
     interrupted: bool
+    author: str | None = None  # a reply's persona when it was written
+    author_hash: str | None = None  # that persona's system prompt, hashed (store_schema.prompt_hash)
+    version: int = 0  # which of the reply's versions the row shows
+    versions: int = 1  # how many it has (regenerate keeps the earlier ones)
 
     def for_engine(self) -> dict:
         out = {"role": self.role, "content": self.content}
@@ -60,24 +51,27 @@ class Store:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self._check_version()
+            fresh = self._check_version()
             self.db.executescript(SCHEMA)
+            migrate(self.db)
         except sqlite3.DatabaseError as e:
             backup = self._backup("broken")
             raise StoreError(f"the chat database {self.path} is damaged ({e}); a copy was kept at {backup}") from None
         self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        if not self.personas():
+        if fresh:  # only then: personas the user deleted, all of them included, stay deleted
             self._seed_personas()
 
-    def _check_version(self) -> None:
+    def _check_version(self) -> bool:
+        """True for a new, empty database."""
         if not self.db.execute("SELECT name FROM sqlite_master WHERE name='meta'").fetchone():
-            return
+            return True
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row and int(row[0]) > SCHEMA_VERSION:
             self.db.close()
             backup = self._backup("newer")
             raise StoreError(f"the chat database {self.path} was written by a newer kvchat (schema {row[0]}); "
                              f"update kvchat. A copy was kept at {backup}")
+        return False
 
     def _backup(self, why: str) -> Path:
         backup = self.path.with_name(f"{self.path.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -146,30 +140,91 @@ class Store:
     # -- messages --
 
     def messages(self, conversation_id: int) -> list[Message]:
-        rows = self.db.execute("SELECT id, position, role, content, token_ids, stats, interrupted FROM messages "
-                               "WHERE conversation_id=? ORDER BY position", (conversation_id,)).fetchall()
+        rows = self.db.execute(
+            "SELECT id, position, role, content, token_ids, stats, interrupted, author, author_hash, version, "
+            "(SELECT COUNT(*) FROM reply_versions v WHERE v.message_id = messages.id) FROM messages "
+            "WHERE conversation_id=? ORDER BY position", (conversation_id,)).fetchall()
         return [Message(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None,
-                        json.loads(r[5]) if r[5] else None, bool(r[6])) for r in rows]
+                        json.loads(r[5]) if r[5] else None, bool(r[6]), r[7], r[8], r[9], max(1, r[10]))
+                for r in rows]
 
     def add_message(self, conversation_id: int, role: str, content: str, token_ids=None, stats=None,
-                    interrupted: bool = False) -> int:
+                    interrupted: bool = False, persona: dict | None = None) -> int:
+        """``persona``: the one writing a reply (None: no persona, "Assistant")."""
+        author = (persona["name"] if persona else DEFAULT_AUTHOR) if role == "assistant" else None
+        author_hash = prompt_hash(persona["system_prompt"]) if persona and role == "assistant" else None
         with self.db:
             self.db.execute("BEGIN")
             position = self.db.execute("SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id=?",
                                        (conversation_id,)).fetchone()[0]
             message_id = self.db.execute(
-                "INSERT INTO messages (conversation_id, position, role, content, token_ids, stats, interrupted, created)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (conversation_id, position, role, content, token_ids, stats, interrupted, created,"
+                " author, author_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, position, role, content, _ids(token_ids), _json(stats), int(interrupted),
-                 time.time())).lastrowid
+                 time.time(), author, author_hash)).lastrowid
             self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (time.time(), conversation_id))
         return message_id
 
     def update_message(self, message_id: int, content: str, token_ids=None, stats=None,
                        interrupted: bool = False) -> None:
-        """Used while a reply streams (interrupted until it finishes) and when it ends."""
-        self.db.execute("UPDATE messages SET content=?, token_ids=?, stats=?, interrupted=? WHERE id=?",
-                        (content, _ids(token_ids), _json(stats), int(interrupted), message_id))
+        """Used while a reply streams (interrupted until it finishes) and when it ends; a reply with
+        versions keeps the one it shows up to date too."""
+        values = (content, _ids(token_ids), _json(stats), int(interrupted))
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("UPDATE messages SET content=?, token_ids=?, stats=?, interrupted=? WHERE id=?",
+                            (*values, message_id))
+            self.db.execute("UPDATE reply_versions SET content=?, token_ids=?, stats=?, interrupted=? WHERE "
+                            "message_id=? AND idx=(SELECT version FROM messages WHERE id=?)",
+                            (*values, message_id, message_id))
+
+    def delete_message(self, message_id: int) -> None:
+        """A reply that never got a word (stopped or quit before its first token) is not kept."""
+        self.db.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    # -- a reply's versions (regenerate keeps the earlier ones) --
+
+    def new_version(self, message_id: int, persona: dict | None) -> int:
+        """Start another version of a reply: the row becomes it (empty, interrupted until it ends),
+        the ones before stay in reply_versions. Returns its index."""
+        cols = ", ".join(VERSION_COLUMNS)
+        with self.db:
+            self.db.execute("BEGIN")
+            if not self.db.execute("SELECT 1 FROM reply_versions WHERE message_id=?", (message_id,)).fetchone():
+                self.db.execute(f"INSERT INTO reply_versions (message_id, idx, {cols}) SELECT id, 0, {cols} "
+                                "FROM messages WHERE id=?", (message_id,))
+            idx = self.db.execute("SELECT MAX(idx) + 1 FROM reply_versions WHERE message_id=?",
+                                  (message_id,)).fetchone()[0]
+            values = ("", None, None, 1, persona["name"] if persona else DEFAULT_AUTHOR,
+                      prompt_hash(persona["system_prompt"]) if persona else None)
+            self.db.execute(f"INSERT INTO reply_versions (message_id, idx, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (message_id, idx, *values))
+            self._show(message_id, idx)
+        return idx
+
+    def show_version(self, message_id: int, idx: int) -> None:
+        """The row shows version ``idx``: what the reader sees and what the next turn sends."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self._show(message_id, idx)
+
+    def drop_version(self, message_id: int) -> None:
+        """Forget the version the row shows (a regenerate stopped before its first word); the one
+        before it shows again."""
+        with self.db:
+            self.db.execute("BEGIN")
+            shown = self.db.execute("SELECT version FROM messages WHERE id=?", (message_id,)).fetchone()[0]
+            self.db.execute("DELETE FROM reply_versions WHERE message_id=? AND idx=?", (message_id, shown))
+            left = self.db.execute("SELECT MAX(idx) FROM reply_versions WHERE message_id=?", (message_id,)).fetchone()[0]
+            if left is not None:
+                self._show(message_id, left)
+
+    def _show(self, message_id: int, idx: int) -> None:
+        sets = ", ".join(f"{c}=(SELECT {c} FROM reply_versions WHERE message_id=? AND idx=?)" for c in VERSION_COLUMNS)
+        args = [a for _ in VERSION_COLUMNS for a in (message_id, idx)]
+        if not self.db.execute("SELECT 1 FROM reply_versions WHERE message_id=? AND idx=?", (message_id, idx)).fetchone():
+            raise KeyError(f"reply {message_id} has no version {idx}")
+        self.db.execute(f"UPDATE messages SET {sets}, version=? WHERE id=?", (*args, idx, message_id))
 
     def truncate(self, conversation_id: int, from_position: int) -> None:
         """Drop messages from a position on: regenerate and edit-and-resend."""
@@ -191,7 +246,7 @@ class Store:
         conv = self.conversation(conversation_id)
         persona = next((p for p in self.personas() if p["id"] == conv["persona_id"]), None)
         return json.dumps({"title": conv["title"], "persona": persona,
-                           "messages": [{"role": m.role, "content": m.content, "stats": m.stats,
+                           "messages": [{"role": m.role, "author": m.author, "content": m.content, "stats": m.stats,
                                          "interrupted": m.interrupted} for m in self.messages(conversation_id)]},
                           indent=2, ensure_ascii=False)
 
@@ -202,7 +257,8 @@ class Store:
         if persona:
             lines += [f"*Persona: {persona['name']}*", "", f"> {persona['system_prompt']}", ""]
         for m in self.messages(conversation_id):
-            lines += [f"## {m.role.capitalize()}" + (" (interrupted)" if m.interrupted else ""), "", m.content, ""]
+            who = (m.author or DEFAULT_AUTHOR) if m.role == "assistant" else m.role.capitalize()
+            lines += [f"## {who}" + (" (interrupted)" if m.interrupted else ""), "", m.content, ""]
         return "\n".join(lines)
 
 

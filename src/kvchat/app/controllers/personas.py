@@ -1,9 +1,10 @@
 """Personas: the box at the top, the editor, and the badge that says whether the persona's prefix is
 in the KV cache."""
 from PySide6.QtCore import QObject
+from PySide6.QtWidgets import QMessageBox
 
 from kvchat.app.views.persona_badge import LABELS, BadgeAsker
-from kvchat.app.views.persona_dialog import PersonaDialog
+from kvchat.app.views.persona_dialog import DELETE, PersonaDialog
 from kvchat.app.views.theme import COLOURS
 
 TOOLTIPS = {"warm": "This persona's prefix is in the KV cache: it is not computed again.",
@@ -57,7 +58,10 @@ class PersonaController(QObject):
     def edit(self, new: bool) -> None:
         persona = None if new else self.persona(self.current())
         dialog = PersonaDialog(self.win, persona)
-        if dialog.exec():
+        result = dialog.exec()
+        if result == DELETE:
+            self.delete(persona)
+        elif result:
             self.save(persona["id"] if persona else None, *dialog.values())
 
     def save(self, persona_id: int | None, name: str, prompt: str) -> None:
@@ -72,6 +76,18 @@ class PersonaController(QObject):
             return
         self.reload(select=persona_id)
         self.on_chosen(None)
+
+    def delete(self, persona: dict) -> None:
+        """After a confirmation: the replies it wrote keep their text and its name (the store keeps a
+        reply's author); chats that used it go on without one, the open chat with the one now shown."""
+        if QMessageBox.question(self.win, "Delete persona", f"Delete the persona “{persona['name']}”? Chats that "
+                                "used it keep their replies, under its name.", QMessageBox.Yes | QMessageBox.Cancel,
+                                QMessageBox.Cancel) != QMessageBox.Yes:
+            return
+        self.store.delete_persona(persona["id"])
+        self.reload()
+        self.on_chosen(None)
+        self.win.notify(f"persona “{persona['name']}” deleted")
 
     def update_badge(self) -> None:
         """Asks the backend whether the persona's prefix is in the pool or on disk; on_badge shows it."""

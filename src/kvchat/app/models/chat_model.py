@@ -4,7 +4,8 @@ from PySide6.QtCore import QAbstractListModel, QByteArray, QModelIndex, Qt
 
 from kvchat.app.models.blocks import blocks, stats_line
 
-ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note"]
+ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note",
+         "version", "versions"]
 ROLE_IDS = {name: Qt.UserRole + 1 + i for i, name in enumerate(ROLES)}
 
 
@@ -44,10 +45,12 @@ class ChatModel(QAbstractListModel):
         self.endResetModel()
 
     def _row(self, m, author: str, live: bool, live_text: str) -> dict:
-        return {"id": m.id, "role": m.role, "author": author if m.role == "assistant" else "You",
+        # a reply keeps the name of the persona that wrote it; ``author`` names only one without
+        return {"id": m.id, "role": m.role, "author": (m.author or author) if m.role == "assistant" else "You",
                 "content": live_text if live else m.content, "blocks": None, "position": m.position,
                 "interrupted": m.interrupted and not live, "streaming": live,
-                "stats": "" if live or not m.stats else stats_line(m.stats), "note": ""}
+                "stats": "" if live or not m.stats else stats_line(m.stats), "note": "",
+                "version": m.version, "versions": m.versions}
 
     def row_of(self, message_id: int) -> int:
         return next((i for i, r in enumerate(self.rows) if r["id"] == message_id), -1)

@@ -16,6 +16,8 @@ Item {
     required property bool streaming
     required property bool lastReply
     required property string note
+    required property int version
+    required property int versions
 
     readonly property bool isUser: role === "user"
     width: ListView.view ? ListView.view.width : 600
@@ -51,6 +53,36 @@ Item {
                 font.bold: true
                 font.pixelSize: 14
                 anchors.verticalCenter: parent.verticalCenter
+            }
+            // regenerate keeps every version: ‹ 2/3 › reads them back from the store, nothing is computed
+            Row {
+                objectName: "versionSwitch"
+                visible: msg.versions > 1
+                spacing: 0
+                anchors.verticalCenter: parent.verticalCenter
+                ToolButton {
+                    objectName: "previousVersion"
+                    text: "‹"
+                    enabled: msg.version > 0 && !msg.streaming
+                    implicitWidth: 24; implicitHeight: 24
+                    ToolTip.visible: hovered; ToolTip.text: "Previous version"; ToolTip.delay: 300
+                    onClicked: chat.showVersion(msg.position, msg.version - 1)
+                }
+                Text {
+                    objectName: "versionLabel"
+                    text: (msg.version + 1) + "/" + msg.versions
+                    color: theme.colours.muted
+                    font.pixelSize: 12
+                    anchors.verticalCenter: parent.verticalCenter
+                }
+                ToolButton {
+                    objectName: "nextVersion"
+                    text: "›"
+                    enabled: msg.version < msg.versions - 1 && !msg.streaming
+                    implicitWidth: 24; implicitHeight: 24
+                    ToolTip.visible: hovered; ToolTip.text: "Next version"; ToolTip.delay: 300
+                    onClicked: chat.showVersion(msg.position, msg.version + 1)
+                }
             }
             Text {
                 visible: msg.interrupted

@@ -20,6 +20,7 @@ class ChatActions(QObject):
     copied = Signal(str)
     edit_requested = Signal(int)  # the user message's position
     regenerate_requested = Signal()
+    version_requested = Signal(int, int)  # the reply's position, the version to show
     prompt_chosen = Signal(str)
     where_changed = Signal()
     LOCAL_NOTE = "Everything runs on this computer: nothing you type leaves it."
@@ -48,6 +49,10 @@ class ChatActions(QObject):
     @Slot()
     def regenerate(self) -> None:
         self.regenerate_requested.emit()
+
+    @Slot(int, int)
+    def showVersion(self, position: int, idx: int) -> None:
+        self.version_requested.emit(position, idx)
 
     @Slot(str)
     def usePrompt(self, text: str) -> None:

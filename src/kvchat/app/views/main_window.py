@@ -106,7 +106,7 @@ class MainWindow(QMainWindow):
         self.cancel_load_button.clicked.connect(b.cancel_load)
         self.connection_box.picked.connect(models.use_connection)
         self.send_button.clicked.connect(replies.send)
-        self.stop_button.clicked.connect(b.stop)
+        self.stop_button.clicked.connect(replies.stop)
         self.new_button.clicked.connect(chats.new)
         self.rename_button.clicked.connect(chats.rename)
         self.delete_button.clicked.connect(chats.delete)
@@ -128,6 +128,7 @@ class MainWindow(QMainWindow):
         actions.copied.connect(lambda _text: self.notify("copied"))
         actions.edit_requested.connect(replies.begin_edit)
         actions.regenerate_requested.connect(replies.regenerate)
+        actions.version_requested.connect(replies.show_version)
         actions.prompt_chosen.connect(replies.use_prompt)
         QShortcut(QKeySequence.New, self, chats.new)
         QShortcut(QKeySequence("Ctrl+,"), self, lambda: models.open_settings())
@@ -145,7 +146,7 @@ class MainWindow(QMainWindow):
     def escape(self) -> None:
         """Stops a reply; otherwise leaves an edit, putting the box back as it was."""
         if self.bridge.busy:
-            self.bridge.stop()
+            self.replies.stop()
         elif self.replies.editing is not None:
             self.replies.stop_editing()
             self.input.clear()

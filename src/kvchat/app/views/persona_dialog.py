@@ -1,5 +1,7 @@
-"""The persona editor: a name and a system prompt."""
+"""The persona editor: a name and a system prompt; an existing persona can be deleted from it."""
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QFormLayout, QLineEdit, QPlainTextEdit
+
+DELETE = 2  # the dialog's result when Delete was pressed (Accepted is 1, Rejected 0)
 
 
 class PersonaDialog(QDialog):
@@ -14,6 +16,10 @@ class PersonaDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
+        if persona is not None:
+            self.delete_button = buttons.addButton("Delete persona…", QDialogButtonBox.DestructiveRole)
+            self.delete_button.setObjectName("deletePersona")
+            self.delete_button.clicked.connect(lambda: self.done(DELETE))
         form.addRow(buttons)
 
     def values(self) -> tuple[str, str]:
