@@ -7,7 +7,7 @@ import pytest
 
 from kvchat.core.backend import Backend
 from kvchat.core.config import EngineConfig, SamplingParams
-from kvchat.core.events import Finished, LoadFailed, ModelReady, Notice, Refused, Request, TokenDelta
+from kvchat.core.events import Finished, LoadFailed, ModelReady, Notice, PrefillProgress, Refused, Request, TokenDelta
 from kvchat.core.memory import MemorySnapshot
 
 from kvchat.app.views.top_bar import model_name
@@ -58,7 +58,10 @@ def test_the_fake_gives_the_engines_events_in_the_engines_order(engine_model):
     assert isinstance(FakeBackend(EngineConfig()), Backend)
     for got in (real, fake):
         assert isinstance(got["ready"], ModelReady) and threading.get_ident() not in got["threads"]
-        assert [type(e) for e in got["request"]] == [TokenDelta] * 4 + [Finished]
+        # the prompt's prefill (one chunk on both), then the reply
+        assert [type(e) for e in got["request"]] == [PrefillProgress] * 2 + [TokenDelta] * 4 + [Finished]
+        prompt = got["request"][-1].stats.prompt_tokens
+        assert [(e.done, e.total) for e in got["request"][:2]] == [(0, prompt), (prompt, prompt)]
         assert got["request"][-1].finish_reason == "length" and got["request"][-1].stats.generated_tokens == 4
         assert isinstance(got["stopped"][-1], Finished) and got["stopped"][-1].finish_reason == "cancelled"
         assert got["capped"]["max_context"] == 8192  # the starter's trained context

@@ -2,9 +2,11 @@
 context (oldest messages trimmed, with a notice), its cached prefix matched, tokens streamed until
 EOS, max_new_tokens, the context's end or a cancel, one Finished or Error at the end."""
 from kvchat.core.config import ConfigError
-from kvchat.core.events import EngineError, Error, Finished, Stats, TokenDelta
+from kvchat.core.events import EngineError, Error, Finished, PrefillProgress, Stats, TokenDelta
 
 from support.fake_model import EOS, persona_ids
+
+PREFILL_CHUNK = 64  # the fake's prefill chunk, in its word tokens: a pasted page takes a few
 
 
 def serve(fake, handle) -> None:
@@ -55,6 +57,13 @@ def generate(fake, handle) -> Finished:
     if persona and stats.cached_tokens < len(persona) and fake.disk is not None and fake.disk.has(fake.disk_key(persona)):
         stats.cached_tokens = len(persona)  # restored from disk, not computed
     stats.ttft_ms = 5.0 + 0.01 * stats.computed_tokens
+    fake.prefilled = stats.cached_tokens
+    while fake.prefilled < len(prompt):  # in chunks, as the engine's prefill; a cancel stops it between two
+        handle.put(PrefillProgress(fake.prefilled, len(prompt)))
+        if not fake.pace.take_chunk(handle):
+            return Finished("", [], "cancelled", stats)
+        fake.prefilled = min(fake.prefilled + PREFILL_CHUNK, len(prompt))
+    handle.put(PrefillProgress(len(prompt), len(prompt)))
     stream = model.replies(messages, sampling)
     text, generated, reason = [], [], "length"
     while True:

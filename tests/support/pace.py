@@ -11,6 +11,7 @@ class Pace:
         self._credits: int | None = None  # None: free
         self._lockstep = False
         self._current = None  # the request streaming now
+        self._chunks: int | None = None  # prefill chunks allowed; None: free
 
     def hold(self) -> None:
         """From now on a token needs a credit (give)."""
@@ -40,6 +41,28 @@ class Pace:
             if self._lockstep and handle is self._current:
                 self._credits += 1
                 self._cond.notify_all()
+
+    def hold_prefill(self, chunks: int = 0) -> None:
+        """From now on a prefill chunk needs a credit (give_prefill); ``chunks`` are given now."""
+        with self._cond:
+            self._chunks = chunks
+
+    def give_prefill(self, n: int = 1) -> None:
+        with self._cond:
+            if self._chunks is not None:
+                self._chunks += n
+                self._cond.notify_all()
+
+    def take_chunk(self, handle) -> bool:
+        """Wait for a prefill chunk's credit; False when the request was cancelled meanwhile."""
+        with self._cond:
+            while self._chunks is not None and self._chunks <= 0 and not handle.cancelled:
+                self._cond.wait(1.0)  # every cancel path wakes it; the timeout is a safety net only
+            if handle.cancelled:
+                return False
+            if self._chunks is not None:
+                self._chunks -= 1
+            return True
 
     def wake(self) -> None:
         """A cancel: the request waiting for a credit looks again."""

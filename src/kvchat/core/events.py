@@ -53,6 +53,15 @@ class Finished:
 
 
 @dataclass
+class PrefillProgress:
+    """How far a request's prompt is computed: ``done`` of ``total`` prompt tokens, its cached
+    prefix counted as done. Sent before each prefill chunk and once all are done, so that a long
+    prompt shows its progress and an estimate; the first token follows."""
+    done: int
+    total: int
+
+
+@dataclass
 class LoadProgress:
     """How far a load is: ``stage`` "download" counts bytes, "convert" the tensors of a GGUF being
     converted, "weights" the tensors loaded; "read", "tokenizer" and "model", a conversion's steps

@@ -8,7 +8,7 @@ import time
 from kvchat.core.commands import Tokenize
 from kvchat.core.config import ConfigError, Precision
 from kvchat.core.errors import first_line
-from kvchat.core.events import EngineError, Error, Finished, Request, RequestHandle, Stats, TokenDelta
+from kvchat.core.events import EngineError, Error, Finished, PrefillProgress, Request, RequestHandle, Stats, TokenDelta
 from kvchat.engine.chat import ChatError, longest_content
 from kvchat.engine.detok import StopChecker, StreamDetokenizer
 from kvchat.engine.kv.block_pool import PoolExhausted
@@ -141,10 +141,12 @@ class RequestRunner:
         while seq.num_computed < prompt_len:
             if handle.cancelled:
                 return Finished("", [], "cancelled", stats)
+            handle.put(PrefillProgress(seq.num_computed, prompt_len))
             end = min(seq.num_computed + cfg.prefill_chunk, prompt_len)
             self.reserve(seq, end)  # may step the pool down: its runner and manager are read after
             logits = kvpool.runner.forward(seq, end, want_logits=end == prompt_len)
             kvpool.manager.commit(seq)
+        handle.put(PrefillProgress(prompt_len, prompt_len))
         sampler = Sampler(sp, device=e.loaded.device)
         detok, stops = StreamDetokenizer(e.loaded.tokenizer), StopChecker(sp.stop)
         text, generated, reason = [], [], "length"

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from PySide6.QtCore import QObject, Qt, Signal
 
 from kvchat.core.config import DEFAULT_CONTEXT, EngineConfig, SamplingParams
-from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, Request,
-                                  RequestHandle, TokenDelta)
+from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, PrefillProgress,
+                                  Request, RequestHandle, TokenDelta)
 from kvchat.core.memory import GiB, MemorySnapshot
 from kvchat.remote.connect import open_remote
 from kvchat.remote.metrics import ServerMemory
@@ -48,6 +48,7 @@ class EngineBridge(QObject):
     ready = Signal()
     load_failed = Signal(str)
     token = Signal(str, int)  # text, token id
+    prefill = Signal(int, int)  # prompt tokens computed (the cached ones included), of all
     finished = Signal(dict)  # text, token_ids, finish_reason, stats
     failed = Signal(str)
     notice = Signal(str, str)  # kind, message
@@ -239,6 +240,8 @@ class EngineBridge(QObject):
         if isinstance(event, TokenDelta):
             self._streamed = True
             self.token.emit(event.text, event.token_id)
+        elif isinstance(event, PrefillProgress):
+            self.prefill.emit(event.done, event.total)
         elif isinstance(event, (Finished, Error)):
             self.handle = None
             if isinstance(event, Finished):

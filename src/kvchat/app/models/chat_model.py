@@ -2,11 +2,22 @@
 and only that row's blocks are rebuilt; the other messages keep what they rendered."""
 from PySide6.QtCore import QAbstractListModel, QByteArray, QModelIndex, Qt
 
+from kvchat.app.models.attachments import chip, decode
 from kvchat.app.models.blocks import blocks, stats_line
 
 ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note",
          "version", "versions"]
+ROLES.append("attachments")  # a user message's pasted documents, as chips (models/attachments.py)
 ROLE_IDS = {name: Qt.UserRole + 1 + i for i, name in enumerate(ROLES)}
+
+
+def with_attachments(row: dict) -> dict:
+    """A user message shows its typed text in the bubble and each pasted document as a chip."""
+    row["attachments"] = []
+    if row["role"] == "user":
+        row["content"], found = decode(row["content"])
+        row["attachments"] = [chip(name, text) for name, text in found]
+    return row
 
 
 class ChatModel(QAbstractListModel):
@@ -41,7 +52,7 @@ class ChatModel(QAbstractListModel):
         """``messages``: the store's rows. The streaming reply shows ``streaming_text``, not its last save."""
         self.beginResetModel()
         self.author = author
-        self.rows = [self._row(m, author, m.id == streaming_id, streaming_text) for m in messages]
+        self.rows = [with_attachments(self._row(m, author, m.id == streaming_id, streaming_text)) for m in messages]
         self.endResetModel()
 
     def _row(self, m, author: str, live: bool, live_text: str) -> dict:

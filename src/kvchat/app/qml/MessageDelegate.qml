@@ -16,6 +16,7 @@ Item {
     required property bool streaming
     required property bool lastReply
     required property string note
+    required property var attachments
     required property int version
     required property int versions
 
@@ -94,7 +95,7 @@ Item {
         }
 
         Item {
-            visible: msg.isUser
+            visible: msg.isUser && msg.content.length > 0  // a message may be only a pasted document
             width: column.width
             height: visible ? bubble.height : 0
             Text { id: measure; visible: false; text: msg.content; font.pixelSize: 14 }
@@ -120,6 +121,11 @@ Item {
                     font.pixelSize: 14
                 }
             }
+        }
+
+        Repeater {
+            model: msg.isUser ? msg.attachments : []
+            delegate: AttachmentChip { width: column.width }
         }
 
         // by count, not by the list: a streaming reply's new text then updates its blocks in place

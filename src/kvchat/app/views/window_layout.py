@@ -2,9 +2,10 @@
 bar. Each builder sets the widgets on the window (the controllers and tests reach them there) and
 returns the frame that holds them."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar,
+from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QProgressBar,
                                QPushButton, QSizePolicy, QToolButton, QVBoxLayout)
 
+from kvchat.app.views.composer import Composer
 from kvchat.app.views.connection_box import ConnectionBox
 from kvchat.app.views.conversation_list import ConversationList
 from kvchat.app.views.top_bar import Chip, TopBar
@@ -69,7 +70,7 @@ def top_bar(win) -> TopBar:
 
 def composer(win) -> QHBoxLayout:
     """The message box with Send and Stop, centred under the message column."""
-    win.input = QPlainTextEdit(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
+    win.input = Composer(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
     win.input.setFixedHeight(64)
     win.send_button = QPushButton("Send", objectName="send")
     win.stop_button = QPushButton("Stop")

@@ -1,0 +1,100 @@
+"""The message box: a plain text editor whose long pastes become attachments, shown as chips in a
+row above the text (each with its name, its estimated size and a remove button). The controllers
+read and set the message as one text (toPlainText, setPlainText, clear), as they did before there
+were attachments: the attachments ride along in it, between tags (models/attachments.py), so that
+sending, editing and resending carry them without knowing of them."""
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QToolButton, QWidget
+
+from kvchat.app.models.attachments import LONG_PASTE, chip, decode, encode, name_for
+
+TRAY_HEIGHT = 34
+
+
+class AttachmentChip(QFrame):
+    removed = Signal()
+
+    def __init__(self, name: str, text: str):
+        super().__init__(objectName="attachmentChip")
+        shown = chip(name, text)
+        self.label = QLabel(f"📄 {name} · {shown['size']}")
+        self.label.setToolTip(shown["tip"])
+        self.remove_button = QToolButton(text="✕", toolTip="Remove the attachment", autoRaise=True)
+        self.remove_button.clicked.connect(self.removed)
+        row = QHBoxLayout(self)
+        row.setContentsMargins(8, 2, 2, 2)
+        row.setSpacing(4)
+        row.addWidget(self.label)
+        row.addWidget(self.remove_button)
+
+
+class Composer(QPlainTextEdit):
+    attachments_changed = Signal()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attachments: list[tuple[str, str]] = []  # (name, text), in the order pasted
+        self.tray = QWidget(self, objectName="attachmentTray")
+        self.tray_row = QHBoxLayout(self.tray)
+        self.tray_row.setContentsMargins(6, 4, 6, 0)
+        self.tray_row.addStretch(1)
+        self.tray.hide()
+
+    def chips(self) -> list[AttachmentChip]:
+        return self.tray.findChildren(AttachmentChip)
+
+    def insertFromMimeData(self, source) -> None:
+        """Every paste (keys, menu, middle click, a drop): a long text becomes an attachment."""
+        text = source.text() if source.hasText() else ""
+        if len(text) > LONG_PASTE:
+            self.attach(text)
+            return
+        super().insertFromMimeData(source)
+
+    def attach(self, text: str, name: str | None = None) -> None:
+        self.attachments.append((name or name_for(text), text))
+        self._show_chips()
+
+    def remove(self, index: int) -> None:
+        del self.attachments[index]
+        self._show_chips()
+
+    def typed(self) -> str:
+        return super().toPlainText()
+
+    def toPlainText(self) -> str:
+        """The message as it is sent and stored: the typed text and the attachments."""
+        return encode(super().toPlainText(), self.attachments)
+
+    def setPlainText(self, text: str) -> None:
+        """A message put back in the box (an edit): its attachments as chips again."""
+        typed, self.attachments = decode(text)
+        super().setPlainText(typed)
+        self._show_chips()
+
+    def clear(self) -> None:
+        super().clear()
+        self.attachments = []
+        self._show_chips()
+
+    def _show_chips(self) -> None:
+        for old in self.chips():
+            old.setParent(None)
+            old.deleteLater()
+        for i, (name, text) in enumerate(self.attachments):
+            item = AttachmentChip(name, text)
+            item.removed.connect(lambda i=i: self.remove(i))
+            self.tray_row.insertWidget(i, item)
+        shown = bool(self.attachments)
+        self.tray.setVisible(shown)
+        self.setViewportMargins(0, TRAY_HEIGHT if shown else 0, 0, 0)
+        self._place_tray()
+        self.attachments_changed.emit()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._place_tray()
+
+    def _place_tray(self) -> None:
+        frame = self.frameWidth()
+        self.tray.setGeometry(frame, frame, self.width() - 2 * frame, TRAY_HEIGHT)
