@@ -43,14 +43,16 @@ def test_int8_compiled_single_row_equals_eager():
     torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
 
 
-def test_int8_eager_paths_run_compiled_for_every_shape_and_equal_the_dequantized_product():
-    for n, k in ((96, 128), (64, 64), (160, 96)):  # a square one: dynamic shapes specialise n == k
-        q = Int8Linear(linear(n=n, k=k, seed=n))
+def test_int8_eager_paths_run_compiled_after_the_warm_up_for_every_shape_and_equal_the_dequantized_product(monkeypatch):
+    monkeypatch.setattr(weights, "_ready_twins", {})
+    layers = [Int8Linear(linear(n=n, k=k, seed=n)) for n, k in ((96, 128), (64, 64), (160, 96))]  # n == k: dynamic shapes specialise it
+    weights.warm_up(nn.Sequential(*layers, nn.LayerNorm(8)))  # the norm: a parameter to take the dtype from
+    assert {fn: twin.compiled is not None for fn, twin in weights._ready_twins.items()} == {
+        weights._dequantized: True, weights._row_product: True}
+    for q in layers:
         for rows in (1, 3):
-            x = torch.randn(rows, k)
+            x = torch.randn(rows, q.in_features)
             torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
-    for fn in (weights._dequantized, weights._row_product):
-        assert isinstance(weights.fused(fn), weights._FirstCallGuard) and weights.fused(fn).compiled is not None
 
 
 def test_int8_compiles_only_in_the_warm_up_and_falls_back_to_eager_once_when_that_fails(monkeypatch, caplog):
@@ -64,12 +66,13 @@ def test_int8_compiles_only_in_the_warm_up_and_falls_back_to_eager_once_when_tha
         raise RuntimeError("no compiler today")
 
     weights.fused.cache_clear()  # compiled twins made by other tests
+    monkeypatch.setattr(weights, "_ready_twins", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
     q = Int8Linear(linear(seed=3))
     x = torch.randn(4, 128)
     try:
         torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
-        assert tried == []
+        assert tried == [] and weights.fused.cache_info().currsize == 0  # not even made: that imports inductor
         weights.warm_up(nn.Sequential(q, nn.LayerNorm(128)))  # the norm: a parameter to take the dtype from
         for _ in range(2):
             torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)

@@ -195,8 +195,7 @@ class Engine:
             return self.requests.tokenize(command)
         try:
             if isinstance(command, Submit):
-                self.host.prepare_decode()  # a first request before an idle second
-                self.requests.serve(command.handle)
+                self.requests.serve(command.handle)  # its first token starts the compile (generate.py)
             else:
                 self.governor.control(command)
         except Exception as e:  # _serve and _control resolve their own; this is a last resort

@@ -172,7 +172,9 @@ class RequestRunner:
                 reason = "cancelled"
                 break
             e.governor.tick([seq])
-            e.host.report_decode()  # a background compile that ended: the next token runs compiled
+            # after the first token, not before it: a compile shares the GIL with the prefill
+            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
+            e.host.prepare_decode(between_tokens=True)
             self.reserve(seq, len(seq))
             logits = kvpool.runner.forward(seq, len(seq), want_logits=True)
             kvpool.manager.commit(seq)

@@ -185,18 +185,19 @@ class ModelHost:
 
     # -- the decode step --
 
-    def prepare_decode(self) -> None:
+    def prepare_decode(self, between_tokens: bool = False) -> None:
         """Have the decode step prepared for the pool without making anything wait for it: on the
         CPU it compiles on a thread of its own (a minute or two the first time, the seconds of a
         disk-cache hit after) while replies decode eagerly; on CUDA the smallest graph is captured
-        now, in an idle second (a second)."""
+        in an idle second (a second), never between two tokens of a reply. Also says when a
+        compile has ended."""
         e = self.engine
         if e.kvpool is None:
             return
         step = e.kvpool.runner.step
         if step.prepare(e.kvpool.kv):
             e.notice("warm-up", "preparing fast decoding in the background: replies start at once, faster when it is ready")
-        if step.device.type == "cuda" and step.captured and not self.warmed:
+        if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:
             self.warmed = True
             e.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")
             started = perf_counter()

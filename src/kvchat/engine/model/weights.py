@@ -75,8 +75,13 @@ def _run(fn, *args):
     engine thread never waits for a compile."""
     if torch.compiler.is_compiling():
         return fn(*args)
-    twin = fused(fn)
-    return (twin if twin.ready or getattr(_warming, "on", False) else fn)(*args)
+    if getattr(_warming, "on", False):
+        return fused(fn)(*args)
+    twin = _ready_twins.get(fn)  # never fused() here: its first call imports inductor, 1.7 s of a first token
+    return (twin or fn)(*args)
+
+
+_ready_twins = {}  # fn -> its compiled twin, once warm_up compiled it for the model's shapes
 
 
 @functools.cache
@@ -109,7 +114,7 @@ def warm_up(model: nn.Module) -> None:
     finally:
         _warming.on = False
     if shapes:
-        fused(_row_product).ready = fused(_dequantized).ready = True
+        _ready_twins.update({fn: fused(fn) for fn in (_row_product, _dequantized)})
 
 
 class _FirstCallGuard:
@@ -118,7 +123,6 @@ class _FirstCallGuard:
 
     def __init__(self, fn, compiled):
         self.fn, self.compiled = fn, compiled
-        self.ready = compiled is None  # compiled for the model's shapes (warm_up): nothing to wait for
 
     def __call__(self, *args):
         if self.compiled is None:
