@@ -5,7 +5,8 @@ from PySide6.QtWidgets import QDialogButtonBox, QMessageBox, QPushButton
 
 from kvchat.app.controllers.replies import SEND_AFTER_STOP
 from kvchat.app.views.persona_dialog import PersonaDialog
-from kvchat.core.commands import Submit
+from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.core.commands import LoadModel, Submit
 
 from qt_helpers import answering, hover, press, qml_click, qml_items, send
 
@@ -180,3 +181,37 @@ def test_enter_while_a_reply_streams_says_why_it_did_not_send(qtbot, app_parts):
     assert "stop it first" in win.notice_label.text() and win.input.toPlainText() == "Next question"
     bridge.engine.pace.free()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
+
+
+def loads(bridge):
+    bridge.engine.flush().result(30)
+    return sum(isinstance(c, LoadModel) for c in bridge.engine.commands_seen)
+
+
+def test_a_weights_change_during_a_reply_asks_before_stopping_it(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    before = loads(bridge)
+    bridge.engine.pace.hold()
+    bridge.engine.pace.give(2)
+    win.input.setPlainText("Write a very long story.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: len(win.replies.ids) == 2, timeout=10000)
+
+    def int4_weights(dialog):
+        dialog.weights.setCurrentText("int4")
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.Ok).click()
+
+    with answering(QMessageBox, press(QMessageBox.Cancel)) as asked, answering(SettingsDialog, int4_weights):
+        qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    assert "A reply is being written" in asked[0] and "int4" in asked[0]
+    # no switch asked of the engine (it sets loading at once); the reply streams on
+    assert bridge.busy and not bridge.loading and "reply goes on" in win.notice_label.text()
+    bridge.engine.pace.give(2)
+    qtbot.waitUntil(lambda: len(win.replies.ids) == 4, timeout=10000)  # it went on
+    with answering(QMessageBox, press(QMessageBox.Yes)) as asked, answering(SettingsDialog, int4_weights):
+        qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    assert asked
+    qtbot.waitUntil(lambda: not bridge.loading and win.send_button.isEnabled(), timeout=10000)
+    assert loads(bridge) == before + 1 and store.setting("engine")["weights"] == "int4"
+    reply = store.messages(win.conversation_id)[-1]
+    assert reply.role == "assistant" and reply.interrupted and len(reply.content.split()) >= 4

@@ -58,6 +58,16 @@ def resolve(spec: str) -> ModelSource:
     raise ModelError(f"no such model: {spec} (give a folder, a .gguf file, a hub id like org/name, or 'starter')")
 
 
+def source_problem(spec: str) -> str | None:
+    """Why ``spec`` names no model here, or None: cheap (no file is read, the hub is not asked), so a
+    mistyped name fails before a switch unloads the model in use."""
+    try:
+        resolve(spec)
+    except ModelError as e:
+        return str(e)
+    return None
+
+
 def download(repo_id: str, progress: Callable[[int, int], None] | None = None,
              config_only: bool = False) -> Path:
     """Fetch a hub snapshot (or just its config); ``progress(done_bytes, total_bytes)``."""

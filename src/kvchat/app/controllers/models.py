@@ -2,10 +2,11 @@
 connections to servers, and what the top bar and status bar say about them. Everything it knows of
 the engine comes from the bridge's state, which the engine's events set."""
 from PySide6.QtCore import QObject, Qt
+from PySide6.QtWidgets import QMessageBox
 
 from kvchat.core.config import SamplingParams
 from kvchat.core.memory import GiB, plan
-from kvchat.core.model_source import ModelError, starter_path
+from kvchat.core.model_source import ModelError, source_problem, starter_path
 
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.views.model_library import ModelLibrary
@@ -71,7 +72,8 @@ class ModelController(QObject):
         failed = self.bridge.load_error is not None
         if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]) or failed:
             # saved by on_ready; after a failed start there is no working model to go back to
-            self.load_model(wanted, previous=None if failed else now)
+            if self.reply_may_stop(f"Loading {wanted['model']} with {wanted['weights']} weights"):
+                self.load_model(wanted, previous=None if failed else now)
             return
         self.store.set_setting("engine", wanted)
         if any(wanted[k] != now[k] for k in LIVE):
@@ -108,16 +110,34 @@ class ModelController(QObject):
     def load_from_library(self, path: str) -> None:
         """Like choosing the model in Settings: saved only once it has loaded. On a connection, the
         app comes back to this computer with that model."""
+        if not self.reply_may_stop(f"Loading {path}"):
+            return
         if self.bridge.server is not None:
             self.use_connection(None, {**(self.store.setting("engine") or {}), "model": path})
             return
         now = self.engine_settings()
         self.load_model({**now, "model": path}, previous=None if self.bridge.load_error else now)
 
+    def reply_may_stop(self, change: str) -> bool:
+        """A model change stops the reply being written: asked first, never cut unasked."""
+        if not self.bridge.busy:
+            return True
+        if QMessageBox.question(self.win, "Stop the reply?", f"A reply is being written. {change} stops it "
+                                "where it is (what it wrote so far is kept).", QMessageBox.Yes | QMessageBox.Cancel,
+                                QMessageBox.Cancel) == QMessageBox.Yes:
+            return True
+        self.win.notify("model not changed: the reply goes on")
+        return False
+
     def load_model(self, settings: dict, previous: dict | None) -> None:
-        """Load ``settings`` in the engine; the chat waits, the window does not."""
+        """Load ``settings`` in the engine; the chat waits, the window does not. A model that is not
+        there fails here, before anything is unloaded (a switch drops the old model first)."""
+        why = source_problem(settings.get("model", "starter"))
+        if why:
+            self.win.show_error(f"The model could not be loaded: {why}. The current model stays.")
+            return
         if self.bridge.busy:
-            self.bridge.stop()
+            self.win.replies.stop()
         self.previous, self.pending = previous, settings
         self.set_loading(True)
         self.win.notify(f"loading {settings.get('model', 'starter')}...")
