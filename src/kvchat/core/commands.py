@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from kvchat.core.config import EngineConfig
 from kvchat.core.events import Refused, RequestHandle
 
-__all__ = ["Cancel", "Command", "LoadModel", "PersonaQuery", "Reconfigure", "Refused", "Shutdown", "Submit", "Tokenize",
-           "refuse"]
+__all__ = ["Cancel", "Command", "Forget", "LoadModel", "PersonaQuery", "Reconfigure", "Refused", "Shutdown", "Submit",
+           "Tokenize", "refuse"]
 
 
 @dataclass
@@ -59,11 +59,21 @@ class PersonaQuery:
 
 
 @dataclass
+class Forget:
+    """Privacy: a deleted chat's KV goes from the pool, RAM and disk (``messages`` as the chat sent
+    them, its persona first; the persona's own blocks stay, other chats use them), or, with
+    ``messages`` None, every cached conversation's ("Clear cached conversations"; personas stay).
+    The future gives the number of blocks deleted."""
+    messages: list[dict] | None = None
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
 class Shutdown:
     future: Future = field(default_factory=Future)
 
 
-Command = Submit | Cancel | Reconfigure | LoadModel | Tokenize | PersonaQuery | Shutdown
+Command = Submit | Cancel | Reconfigure | LoadModel | Tokenize | PersonaQuery | Forget | Shutdown
 
 
 def refuse(command: Command, reason: str) -> None:

@@ -8,12 +8,14 @@ import threading
 from concurrent.futures import Future
 from dataclasses import asdict
 
-from kvchat.core.commands import Cancel, Command, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit, Tokenize, refuse
+from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit,
+                                  Tokenize, refuse)
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Notice, Request, RequestHandle
 from kvchat.engine.generate import RequestRunner
 from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
 from kvchat.engine.host import ModelHost
+from kvchat.engine.kv.forget import answer_forget
 from kvchat.engine.kv.persona_probe import answer_persona_query
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool
@@ -94,6 +96,11 @@ class Engine:
         """Is this persona's prefix warm (``persona_probe``): the badge's question, asked off the
         engine thread and answered on it, between requests."""
         return self._put(PersonaQuery(system_prompt)).result(timeout)
+
+    def forget(self, messages: list[dict] | None = None) -> Future:
+        """Delete a chat's KV from every tier (its persona's stays), or with None every cached
+        conversation's; answered between requests (``kv/forget.py``)."""
+        return self._put(Forget(messages))
 
     def cancel_load(self) -> None:
         """Stop the model load under way or queued (a download stops at its next chunk); the
@@ -189,6 +196,8 @@ class Engine:
             return command.future.set_result(True)
         if isinstance(command, PersonaQuery):
             return answer_persona_query(self, command)
+        if isinstance(command, Forget):
+            return answer_forget(self, command)
         if self.kvpool is None:
             return refuse(command, self.load_error or "no model is loaded")
         if isinstance(command, Tokenize):

@@ -123,6 +123,16 @@ class BlockPool:
         block.hash, block.token_ids, block.parent = hash_, tuple(token_ids), parent
         self.cached[hash_] = block
 
+    def drop(self, blocks) -> int:
+        """Forget these blocks' cached prefixes (a deleted chat's), unless a sequence holds them or
+        they are pinned (a persona's); nothing goes to a lower tier. Returns how many."""
+        n = 0
+        for block in blocks:
+            if block.ref_cnt == 0 and block.hash is not None and not block.pinned:
+                self._forget(block)
+                n += 1
+        return n
+
     def grow(self, num_blocks: int) -> None:
         """Add blocks up to ``num_blocks`` (a layout change fitted more into the same bytes)."""
         for i in range(self.num_blocks, num_blocks):

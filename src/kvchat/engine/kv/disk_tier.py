@@ -178,15 +178,18 @@ class DiskTier:
                 pass
         return gone
 
-    def clear(self, keep_pinned: bool = True) -> None:
+    def clear(self, keep_pinned: bool = True) -> int:
         """Every block (a persona's too unless ``keep_pinned``); a write that met a full disk may
-        try again."""
+        try again. Returns how many files went."""
+        n = 0
         with self._lock():
             for path in self._entries():
                 if path.suffix == PLAIN or (path.suffix == PINNED and not keep_pinned):
                     path.unlink(missing_ok=True)
+                    n += 1
         self.full = False
         self.used = self._scan()[0]
+        return n
 
     def trim(self) -> None:
         """Keep the folder under the cap: plain blocks least recently used first, pinned ones only

@@ -152,10 +152,10 @@ class KVTiers:
                 gone += self.disk.discard(h)
         return gone
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        n = len(self.host)
         self.host.clear()
-        if self.disk is not None:
-            self.disk.clear()
+        return n + (self.disk.clear() if self.disk is not None else 0)
 
     def usage(self) -> dict:
         disk = self.disk
