@@ -219,7 +219,7 @@ def test_the_memory_panel_reads_in_numbers(qtbot, app_parts):
     assert win.memory_panel.isHidden()
     qtbot.mouseClick(win.memory_button, Qt.LeftButton)
     assert win.memory_panel.isVisible()
-    qtbot.waitUntil(lambda: win.gauge.updates >= 1 and "trained limit" in win.memory_panel.contexts.text(),
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1 and "trained context" in win.memory_panel.contexts.text(),
                     timeout=15000)
     panel = win.memory_panel
     assert "System RAM" in panel.where.text()

@@ -12,6 +12,7 @@ from kvchat.core.config import SamplingParams
 from kvchat.app.controllers.conversations import ConversationController
 from kvchat.app.controllers.models import ModelController
 from kvchat.app.controllers.personas import PersonaController
+from kvchat.app.controllers.memory_tally import MemoryTally
 from kvchat.app.controllers.prefill import PrefillMeter
 from kvchat.app.controllers.replies import WAITING_NOTE, ReplyController
 from kvchat.app.models.sampling_defaults import model_defaults
@@ -42,7 +43,7 @@ class MainWindow(QMainWindow):
         self._build()
         self.chats, self.personas = ConversationController(self), PersonaController(self)
         self.replies, self.models = ReplyController(self), ModelController(self)
-        self.prefill = PrefillMeter(self)
+        self.prefill, self.tally = PrefillMeter(self), MemoryTally(self)
         self.personas.reload()
         self.paint_icons()
         self._connect()

@@ -3,7 +3,7 @@ precision, and the largest context each precision would hold here, capped at wha
 trained on. On a connection: the server's own KV-cache usage and prefix-cache hit rate, from its
 /metrics, or "not reported"."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from kvchat.core.memory import GiB
 
@@ -73,9 +73,17 @@ class MemoryPanel(QFrame):
         local.addSpacing(8)
         local.addWidget(self.precision)
         local.addWidget(self.contexts)
+        self.chat = QLabel(objectName="chatTokens", wordWrap=True, textFormat=Qt.RichText)
+        self.chat_bar = QProgressBar(objectName="chatTokensBar", textVisible=False, maximumHeight=6)
+        self.saved = QLabel(objectName="prefixSaved", wordWrap=True, textFormat=Qt.RichText)
+        self.saved.setToolTip("Prompt tokens the prefix cache served today: the persona and the earlier "
+                              "messages of a chat are computed once, and each new turn reuses them.")
         self.server = QLabel(objectName="serverMemory", wordWrap=True, textFormat=Qt.RichText)
         self.server.hide()
         layout.addWidget(title)
+        for w in (self.chat, self.chat_bar, self.saved):
+            layout.addWidget(w)
+        layout.addSpacing(8)
         layout.addWidget(self.local)
         layout.addWidget(self.server)
         layout.addStretch(1)
@@ -95,8 +103,28 @@ class MemoryPanel(QFrame):
             self.values[label].setText(gib(size))
         self.precision.setText(f"KV precision: <b>{snapshot['precision']}</b>")
 
+    def show_chat(self, tokens: int | None, context: int | None, saved: int) -> None:
+        """This conversation's tokens against the context, and the prefix cache's savings today."""
+        if tokens is None:
+            self.chat.setText("<b>This chat</b>: no reply yet")
+        elif context:
+            self.chat.setText(f"<b>This chat</b>: {tokens:,} of {context:,} tokens ({100 * tokens / context:.0f}% "
+                              "of the context)")
+        else:
+            self.chat.setText(f"<b>This chat</b>: {tokens:,} tokens")
+        self.chat_bar.setVisible(bool(context) and tokens is not None)
+        if context:
+            self.chat_bar.setRange(0, context)
+            self.chat_bar.setValue(min(tokens or 0, context))
+        self.saved.setText(f"Prefix cache today: <b>{saved:,}</b> tokens reused, not computed")
+
     def show_contexts(self, max_context: dict[str, int], trained: int | None) -> None:
-        """``max_context``: the planner's largest context per precision on this machine."""
+        """``max_context``: the planner's largest context per precision on this machine. When every
+        precision holds the trained limit, one line says so (four equal rows told nothing)."""
+        if trained is not None and all(tokens >= trained for tokens in max_context.values()):
+            self.contexts.setText(f"Every KV precision holds the model's whole trained context here "
+                                  f"({trained:,} tokens).")
+            return
         rows = []
         for name, tokens in max_context.items():
             capped = trained is not None and tokens > trained

@@ -1,0 +1,33 @@
+"""The memory panel speaks of the chat too (issue 29): this conversation's tokens against the
+context, and what the prefix cache saved today (prompt tokens not computed), from the replies' stats."""
+from PySide6.QtCore import Qt
+
+from qt_helpers import click_chat, shown
+
+
+def send(qtbot, win, bridge, text):
+    qtbot.keyClicks(win.input, text)
+    qtbot.mouseClick(win.send_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and bridge.handle is None, timeout=30000)
+
+
+def test_the_panel_shows_the_chats_tokens_and_the_prefix_caches_savings(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    panel = win.memory_panel
+    assert "no reply yet" in panel.chat.text() and "<b>0</b> tokens" in panel.saved.text()
+    send(qtbot, win, bridge, "What is the capital of France?")
+    first = [m for m in store.messages(win.conversation_id) if m.role == "assistant"][-1].stats
+    tokens = first["prompt_tokens"] + first["generated_tokens"]
+    assert f"{tokens:,} of 512 tokens" in panel.chat.text()
+    assert panel.chat_bar.isVisible() and (panel.chat_bar.value(), panel.chat_bar.maximum()) == (tokens, 512)
+    send(qtbot, win, bridge, "And of Italy?")  # the first turn is served from the prefix cache
+    second = [m for m in store.messages(win.conversation_id) if m.role == "assistant"][-1].stats
+    saved = first["cached_tokens"] + second["cached_tokens"]
+    assert second["cached_tokens"] > 0 and f"<b>{saved:,}</b> tokens reused" in panel.saved.text()
+    assert f"{second['prompt_tokens'] + second['generated_tokens']:,} of 512 tokens" in panel.chat.text()
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)  # another chat: its own tokens, the day's savings
+    assert "no reply yet" in panel.chat.text() and f"<b>{saved:,}</b>" in panel.saved.text()
+    click_chat(qtbot, win, "What is the capital of France?")
+    assert f"{second['prompt_tokens'] + second['generated_tokens']:,} of 512 tokens" in panel.chat.text()
