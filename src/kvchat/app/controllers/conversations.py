@@ -2,10 +2,23 @@
 ``conversation_id``; everything is saved in the store at once."""
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt
+from PySide6.QtCore import QObject, QStandardPaths, Qt
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
 STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
+NOT_IN_FILE_NAMES = '/\\:*?"<>|'
+
+
+def export_folder() -> Path:
+    """The user's Documents folder (the launch folder was a surprise), else home."""
+    return Path(QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation) or Path.home())
+
+
+def file_name(title: str, suffix: str) -> str:
+    """A chat's title as a file name that every desktop's file system takes."""
+    name = "".join(" " if ch in NOT_IN_FILE_NAMES or ord(ch) < 32 else ch for ch in title)
+    name = " ".join(name.split()).strip(". ")[:80]
+    return (name or "chat") + suffix
 
 
 class ConversationController(QObject):
@@ -67,7 +80,10 @@ class ConversationController(QObject):
         if QMessageBox.question(win, "Delete chat", f"Delete “{title}” for good?",
                                 QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
             return
+        messages = win.replies.engine_messages(doomed)
         self.store.delete_conversation(doomed)
+        if len(messages) > 1 or messages and messages[0]["role"] != "system":
+            win.bridge.forget(messages)  # its KV is its text in another form: gone from every tier too
         if win.replies.waiting == doomed:
             win.replies.waiting = None
         win.conversation_id = None
@@ -77,7 +93,9 @@ class ConversationController(QObject):
     def export_dialog(self) -> None:
         if self.win.conversation_id is None:
             return
-        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
+        title = self.store.conversation(self.win.conversation_id)["title"]
+        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", str(export_folder() / file_name(title, ".md")),
+                                              "Markdown (*.md);;JSON (*.json)")
         if path:
             self.export_to(Path(path))
 

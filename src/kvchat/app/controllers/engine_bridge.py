@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from kvchat.core.config import DEFAULT_CONTEXT, EngineConfig, SamplingParams
+from kvchat.core.config import DEFAULT_CONTEXT, DISK_CACHE_BYTES, EngineConfig, SamplingParams
 from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, PrefillProgress,
                                   Request, RequestHandle, TokenDelta)
 from kvchat.core.memory import GiB, MemorySnapshot
@@ -23,7 +23,9 @@ def settings_config(settings: dict) -> EngineConfig:
     """The engine config for the settings panel's values."""
     return EngineConfig(model=settings.get("model", "starter"), kv_precision=settings.get("kv_precision", "auto"),
                         max_context=settings.get("max_context", DEFAULT_CONTEXT), weights=settings.get("weights", "auto"),
-                        headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB))
+                        headroom_bytes=int(settings.get("headroom_gib", 1.0) * GiB),
+                        ram_cache_bytes=int(settings.get("ram_cache_gib", 0) * GiB) or None,  # 0: the engine's default
+                        disk_cache_bytes=int(settings.get("disk_cache_gib", DISK_CACHE_BYTES / GiB) * GiB))
 
 
 @dataclass
@@ -168,6 +170,13 @@ class EngineBridge(QObject):
 
     def cancel_load(self) -> None:
         self.engine.cancel_load()
+
+    def forget(self, messages: list[dict] | None) -> None:
+        """A deleted chat's KV, or (None) every cached conversation's, deleted by the local engine
+        from its pool, RAM and disk; a server keeps its own cache."""
+        forget = getattr(self.engine, "forget", None)
+        if forget is not None and self.server is None:
+            forget(messages)
 
     def send(self, messages: list[dict], sampling: SamplingParams) -> None:
         if self.switching:

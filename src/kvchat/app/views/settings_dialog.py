@@ -2,13 +2,14 @@
 planner's estimate updated as the values change, capped at the context the model was trained on.
 Context and precision apply without a reload. On a connection, only sampling is ours to set: the
 model, context and KV precision are the server's."""
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
-                               QLineEdit, QSpinBox)
+                               QLineEdit, QPushButton, QSpinBox)
 
 from kvchat.core.memory import GiB, plan
 
 from kvchat.app.models.sampling_defaults import FALLBACK
-from kvchat.core.config import DEFAULT_CONTEXT, KV_CHOICES
+from kvchat.core.config import DEFAULT_CONTEXT, DISK_CACHE_BYTES, KV_CHOICES
 
 
 
@@ -17,6 +18,7 @@ def trained_context(config) -> int | None:
 
 
 class SettingsDialog(QDialog):
+    clear_cache = Signal()  # "Clear cached conversations": the engine empties its RAM and disk tiers
     def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
                  on_cuda: bool = False, server: str | None = None):
         super().__init__(parent)
@@ -39,6 +41,17 @@ class SettingsDialog(QDialog):
                                 "none keeps the checkpoint's own" + ("" if on_cuda else " (fp32 on the CPU)"))
         self.headroom = QDoubleSpinBox(minimum=0, maximum=64, singleStep=0.25, suffix=" GiB",
                                        value=engine_settings.get("headroom_gib", 1.0))
+        self.ram_cache = QDoubleSpinBox(minimum=0, maximum=1024, singleStep=0.5, suffix=" GiB", specialValueText="auto",
+                                        value=engine_settings.get("ram_cache_gib", 0),
+                                        toolTip="KV blocks evicted from the pool are kept in RAM up to this; auto: a "
+                                                "quarter of the RAM free at start. Applies at the next start or model load")
+        self.disk_cache = QDoubleSpinBox(minimum=0, maximum=4096, singleStep=1, suffix=" GiB", specialValueText="off",
+                                         value=engine_settings.get("disk_cache_gib", DISK_CACHE_BYTES / GiB),
+                                         toolTip="Conversations' KV saved in the cache folder up to this, so an old chat "
+                                                 "resumes without recomputing. Applies at the next start or model load")
+        self.clear_button = QPushButton("Clear cached conversations")
+        self.clear_button.setToolTip("Delete every conversation's KV from RAM and disk now (personas stay)")
+        self.clear_button.clicked.connect(self.clear_cache)
         self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", FALLBACK["temperature"]))
         self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", FALLBACK["top_p"]))
         self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.get("top_k", 0))
@@ -53,7 +66,8 @@ class SettingsDialog(QDialog):
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet("color: #c2410c;")
         rows = [("Model", self.model), ("Context length", self.context), ("KV precision", self.precision),
-                ("Weights", self.weights), ("Memory headroom", self.headroom),
+                ("Weights", self.weights), ("Memory headroom", self.headroom), ("RAM cache", self.ram_cache),
+                ("Disk cache", self.disk_cache), ("", self.clear_button),
                 ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
                 ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
                 ("Seed", self.seed), ("Estimate", self.estimate), ("", self.warning)]
@@ -71,7 +85,8 @@ class SettingsDialog(QDialog):
             self.on_server(server)
 
     def on_server(self, server: str) -> None:
-        for w in (self.model, self.context, self.precision, self.weights, self.headroom):
+        for w in (self.model, self.context, self.precision, self.weights, self.headroom, self.ram_cache,
+                  self.disk_cache, self.clear_button):
             w.setEnabled(False)
             w.setToolTip(f"set by the server at {server}")
         self.warning.hide()
@@ -105,7 +120,8 @@ class SettingsDialog(QDialog):
     def engine_settings(self) -> dict:
         return {"model": self.model.text().strip() or "starter", "max_context": self.context.value(),
                 "kv_precision": self.precision.currentText(), "weights": self.weights.currentText(),
-                "headroom_gib": self.headroom.value()}
+                "headroom_gib": self.headroom.value(), "ram_cache_gib": self.ram_cache.value(),
+                "disk_cache_gib": self.disk_cache.value()}
 
     def sampling(self) -> dict:
         return {"temperature": self.temperature.value(), "top_p": self.top_p.value(), "top_k": self.top_k.value(),
