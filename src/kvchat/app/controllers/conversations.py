@@ -2,23 +2,10 @@
 ``conversation_id``; everything is saved in the store at once."""
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QStandardPaths, Qt
+from PySide6.QtCore import QObject, Qt
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
 STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
-NOT_IN_FILE_NAMES = '/\\:*?"<>|'
-
-
-def export_folder() -> Path:
-    """The user's Documents folder (the launch folder was a surprise), else home."""
-    return Path(QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation) or Path.home())
-
-
-def file_name(title: str, suffix: str) -> str:
-    """A chat's title as a file name that every desktop's file system takes."""
-    name = "".join(" " if ch in NOT_IN_FILE_NAMES or ord(ch) < 32 else ch for ch in title)
-    name = " ".join(name.split()).strip(". ")[:80]
-    return (name or "chat") + suffix
 
 
 class ConversationController(QObject):
@@ -93,9 +80,7 @@ class ConversationController(QObject):
     def export_dialog(self) -> None:
         if self.win.conversation_id is None:
             return
-        title = self.store.conversation(self.win.conversation_id)["title"]
-        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", str(export_folder() / file_name(title, ".md")),
-                                              "Markdown (*.md);;JSON (*.json)")
+        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
         if path:
             self.export_to(Path(path))
 
