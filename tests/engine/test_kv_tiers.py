@@ -62,9 +62,13 @@ def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(en
     tiered = engine(engine_model, precision, 384, ram=1 << 30)  # 24 blocks: the others evict the conversation
     try:
         want, from_ram = script(reference), script(tiered)
+        tiers = tiered.governor.snapshot(64 << 30, 0).tiers  # what the memory panel and /metrics show
     finally:
         reference.close()
         tiered.close()
+    assert tiers["ram_hits"] * 16 == from_ram.stats.ram_tokens and tiers["ram_capacity"] == 1 << 30
+    assert tiers["ram_used"] >= tiers["ram_hits"] * 16 * bytes_per_token(
+        KVShape.from_config(engine_model.model.config), precision, 4)
     first = engine(engine_model, precision, 4096, ram=0, disk=DiskTier(tmp_path))
     try:
         generated = ask(first, A).token_ids
@@ -222,3 +226,24 @@ def test_kill_9_mid_write_loses_nothing_written_and_leaves_no_half_file(tmp_path
         os.utime(tmp, (0, 0))
     tier.trim()
     assert list(tmp_path.glob("*.tmp")) == []
+
+
+def test_metrics_show_each_tiers_bytes_capacity_hits_and_tokens():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvchat.core.events import Finished, Stats
+    from kvchat.core.memory import MemorySnapshot
+    from kvchat.serve.server import Counters, EngineState, MetricsCollector
+
+    state, counters = EngineState(), Counters()
+    state(MemorySnapshot("cpu", 1, 0, 0, 0, 0, 0, 0, 0, "fp16", {}, True, tiers={
+        "ram_used": 300, "ram_capacity": 1000, "ram_hits": 7, "disk_used": 50, "disk_capacity": 4000, "disk_hits": 2}))
+    counters.count(Finished("", [], "stop", Stats(prompt_tokens=100, cached_tokens=80, ram_tokens=32, disk_tokens=16)))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MetricsCollector(state, counters))
+    text = generate_latest(registry).decode()
+    for line in ('kvchat:kv_tier_bytes_used{tier="ram"} 300.0', 'kvchat:kv_tier_bytes_capacity{tier="disk"} 4000.0',
+                 'kvchat:kv_tier_hits_total{tier="ram"} 7.0', 'kvchat:kv_tier_hits_total{tier="disk"} 2.0',
+                 'kvchat:kv_tier_prompt_tokens_total{tier="ram"} 32.0',
+                 'kvchat:kv_tier_prompt_tokens_total{tier="disk"} 16.0'):
+        assert line in text

@@ -154,3 +154,6 @@ class MemorySnapshot:
     precision: str
     max_context: dict
     on_cpu: bool
+    # the KV tiers under the pool: ram_used, ram_capacity, ram_hits, disk_used, disk_capacity,
+    # disk_hits (bytes; hits in blocks restored); empty where there are none
+    tiers: dict = field(default_factory=dict)

@@ -24,6 +24,7 @@ from kvchat.core.memory import MemorySnapshot
 from kvchat.serve.guard import Guard
 from kvchat.serve.schema import MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, error_body, parse
 from kvchat.serve.stream import EventStream, chat_chunks, completion_chunks, finish_reason
+from kvchat.serve.tier_metrics import tier_metrics
 from kvchat.serve.transport import incident
 
 BODY_IDLE_S = 15.0  # a body that stops arriving for this long is given up
@@ -98,6 +99,7 @@ def usage(stats) -> dict:
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision,
+                   "ram_tokens": stats.ram_tokens, "disk_tokens": stats.disk_tokens,
                    "ttft_ms": round(stats.ttft_ms, 2), "decode_tok_s": round(stats.decode_tok_s, 2)},
     }
 
@@ -126,12 +128,15 @@ class Counters:
 
     def __init__(self):
         self.active = self.finished = self.prompt_tokens = self.cached_tokens = self.refused = 0
+        self.tier_tokens = {"ram": 0, "disk": 0}  # of cached_tokens, those restored from a tier
         self.cancelled = 0  # ended before their last event because the client left
 
     def count(self, event: Finished) -> None:
         self.finished += 1
         self.prompt_tokens += event.stats.prompt_tokens
         self.cached_tokens += event.stats.cached_tokens
+        self.tier_tokens["ram"] += event.stats.ram_tokens
+        self.tier_tokens["disk"] += event.stats.disk_tokens
 
 
 class Waiter:
@@ -383,7 +388,9 @@ class MetricsCollector:
                                   value=c.prompt_tokens)
         yield CounterMetricFamily("kvchat:prefix_cache_hits", "of those, tokens served from the cache",
                                   value=c.cached_tokens)
+        yield from tier_metrics(snapshot.tiers if snapshot else {}, c.tier_tokens)
         yield GaugeMetricFamily("kvchat:requests_running", "requests submitted and not yet answered", value=c.active)
         yield CounterMetricFamily("kvchat:requests_refused", "requests refused with 429", value=c.refused)
         yield CounterMetricFamily("kvchat:requests_cancelled", "requests cancelled by a client that left",
                                   value=c.cancelled)
+

@@ -46,10 +46,8 @@ class ModelController(QObject):
 
     def settings_dialog(self) -> SettingsDialog:
         current = self.engine_settings() if self.bridge.server is None else self.store.setting("engine") or {}
-        dialog = SettingsDialog(self.win, current, vars(self.win.sampling), self.config, self.memory(),
-                                on_cuda=self.on_cuda(), server=self.bridge.server)
-        dialog.clear_cache.connect(lambda: self.bridge.forget(None))
-        return dialog
+        return SettingsDialog(self.win, current, vars(self.win.sampling), self.config, self.memory(),
+                              on_cuda=self.on_cuda(), server=self.bridge.server)
 
     def open_settings(self, focus: str | None = None) -> None:
         dialog = self.settings_dialog()

@@ -58,6 +58,8 @@ def stats_line(s: dict) -> str:
     """One reply's figures: TTFT, speed, what the prefix cache served, the KV precision."""
     if s.get("cached_reported", True):
         cache = f"{s['cached_tokens']} cached / {s['prompt_tokens'] - s['cached_tokens']} computed prompt tokens"
+        if s.get("ram_tokens") or s.get("disk_tokens"):  # restored from the tiers under the pool
+            cache += f" ({s.get('ram_tokens', 0)} from RAM, {s.get('disk_tokens', 0)} from disk)"
     else:  # a server that gives no cached-token count: zero would be a guess
         cache = f"{s['prompt_tokens']} prompt tokens, cached: not reported"
     where = "on the server" if s["kv_precision"] == "server" else f"KV {s['kv_precision']}"

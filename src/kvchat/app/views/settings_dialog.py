@@ -52,6 +52,9 @@ class SettingsDialog(QDialog):
         self.clear_button = QPushButton("Clear cached conversations")
         self.clear_button.setToolTip("Delete every conversation's KV from RAM and disk now (personas stay)")
         self.clear_button.clicked.connect(self.clear_cache)
+        bridge = getattr(parent, "bridge", None)
+        if bridge is not None:
+            self.clear_cache.connect(lambda: bridge.forget(None))
         self.temperature = QDoubleSpinBox(minimum=0, maximum=2, singleStep=0.05, value=sampling.get("temperature", FALLBACK["temperature"]))
         self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1, singleStep=0.05, value=sampling.get("top_p", FALLBACK["top_p"]))
         self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.get("top_k", 0))

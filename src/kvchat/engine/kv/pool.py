@@ -147,4 +147,4 @@ class KVPool:
         pool = self.pool
         in_use = pool.num_blocks - pool.num_free
         return {"kv_total": int(pool.num_blocks * per_block), "kv_in_use": int(in_use * per_block),
-                "kv_reclaimable": int(pool.num_reclaimable * per_block)}
+                "kv_reclaimable": int(pool.num_reclaimable * per_block), "tiers": self.tiers.usage()}
