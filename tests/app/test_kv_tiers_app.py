@@ -42,3 +42,19 @@ def test_settings_hold_both_caps_and_clear_cached_conversations(qtbot, app_parts
     assert settings_config(dialog.engine_settings()).disk_cache_bytes == 0  # off
     qtbot.mouseClick(dialog.clear_button, Qt.LeftButton)
     assert forgotten == [None]
+
+
+def test_the_memory_panel_shows_each_tiers_use_capacity_and_hits(qtbot):
+    from kvchat.app.views.memory_panel import MemoryPanel
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    snapshot = {"device": "cpu", "total": 24 * GiB, "other_processes": GiB, "weights": GiB, "kv_total": GiB,
+                "kv_in_use": 0, "kv_reclaimable": 0, "activations_reserve": GiB // 4, "free": 20 * GiB,
+                "precision": "int8", "max_context": {}, "on_cpu": True,
+                "tiers": {"ram_used": 512 << 20, "ram_capacity": 4 * GiB, "ram_hits": 375,
+                          "disk_used": GiB, "disk_capacity": 4 * GiB, "disk_hits": 12}}
+    panel.show_snapshot(snapshot)
+    text = panel.tiers.text()
+    assert "RAM cache" in text and "0.50 GiB of 4.00 GiB" in text and "375 hits" in text
+    assert "disk cache" in text and "1.00 GiB of 4.00 GiB" in text and "12 hits" in text

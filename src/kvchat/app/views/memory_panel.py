@@ -32,6 +32,14 @@ def server_text(memory: dict | None, url: str) -> str:
     return f"<b>The server's KV cache</b> ({who})<br>{url}<table cellspacing='4'>{table}</table>"
 
 
+def tiers_text(tiers: dict) -> str:
+    """The KV tiers under the pool: where evicted and earlier conversations wait to be reused."""
+    rows = [f"<tr><td>{name}</td><td align='right'>{gib(tiers[key + '_used'])} of {gib(tiers[key + '_capacity'])}</td>"
+            f"<td align='right'>{tiers[key + '_hits']:,} hits</td></tr>"
+            for name, key in (("RAM cache", "ram"), ("disk cache", "disk")) if tiers.get(key + "_capacity")]
+    return "Saved conversations:<table cellspacing='4'>" + "".join(rows) + "</table>" if rows else ""
+
+
 def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.0f} MiB"
 
@@ -73,6 +81,8 @@ class MemoryPanel(QFrame):
         local.addSpacing(8)
         local.addWidget(self.precision)
         local.addWidget(self.contexts)
+        self.tiers = QLabel(objectName="kvTiers", wordWrap=True, textFormat=Qt.RichText)
+        local.addWidget(self.tiers)
         self.chat = QLabel(objectName="chatTokens", wordWrap=True, textFormat=Qt.RichText)
         self.chat_bar = QProgressBar(objectName="chatTokensBar", textVisible=False, maximumHeight=6)
         self.saved = QLabel(objectName="prefixSaved", wordWrap=True, textFormat=Qt.RichText)
@@ -102,6 +112,7 @@ class MemoryPanel(QFrame):
         for label, size, _ in segments(snapshot):
             self.values[label].setText(gib(size))
         self.precision.setText(f"KV precision: <b>{snapshot['precision']}</b>")
+        self.tiers.setText(tiers_text(snapshot.get("tiers") or {}))
 
     def show_chat(self, tokens: int | None, context: int | None, saved: int) -> None:
         """This conversation's tokens against the context, and the prefix cache's savings today."""
