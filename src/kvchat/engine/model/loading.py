@@ -85,6 +85,10 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
     tensors loaded. Raising in it stops the load there."""
     source = resolve(spec)
     dev = pick_device(device)
+    if dev.type == "cuda":
+        from kvchat.engine import toolchain
+
+        toolchain.configure()  # Triton builds its kernels' launchers with it on a machine without cc
     weights = pick_weights(weights, dev, decode)
     torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
     staged = (lambda stage: (lambda done, total: progress(done, total, stage))) if progress else (lambda stage: None)
@@ -99,6 +103,8 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
         folder = Path(source.location)
         identity = "folder:" + folder_identity(folder)
     model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source, staged("weights"))
+    # what "auto" chose, for the window's chip: the weights in memory, or the dtype they stay in
+    model.config.kvchat_weights = weights if weights != "none" else str(torch_dtype).removeprefix("torch.")
     if weights != "none":  # other weights give other K/V: the prefix cache must not mix them
         identity += f"|weights:{weights}"
     return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
