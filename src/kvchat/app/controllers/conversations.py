@@ -2,10 +2,25 @@
 ``conversation_id``; everything is saved in the store at once."""
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt
+from PySide6.QtCore import QObject, QStandardPaths, Qt
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
 STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
+NOT_IN_FILE_NAMES = '/\\:*?"<>|'
+
+
+def export_folder() -> Path:
+    """The user's Documents folder (the launch folder was a surprise), else home: a folder that is
+    not there would send the file dialog back to the launch folder."""
+    documents = QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation)
+    return Path(documents) if documents and Path(documents).is_dir() else Path.home()
+
+
+def file_name(title: str, suffix: str) -> str:
+    """A chat's title as a file name that every desktop's file system takes."""
+    name = "".join(" " if ch in NOT_IN_FILE_NAMES or ord(ch) < 32 else ch for ch in title)
+    name = " ".join(name.split()).strip(". ")[:80]
+    return (name or "chat") + suffix
 
 
 class ConversationController(QObject):
@@ -80,7 +95,9 @@ class ConversationController(QObject):
     def export_dialog(self) -> None:
         if self.win.conversation_id is None:
             return
-        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
+        title = self.store.conversation(self.win.conversation_id)["title"]
+        path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", str(export_folder() / file_name(title, ".md")),
+                                              "Markdown (*.md);;JSON (*.json)")
         if path:
             self.export_to(Path(path))
 

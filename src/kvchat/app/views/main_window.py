@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QMainWindow, QMessageBox, QSplitter, QVBoxLayout, 
 from kvchat.core.config import SamplingParams
 
 from kvchat.app.controllers.conversations import ConversationController
+from kvchat.app.controllers.desktop import DesktopController
 from kvchat.app.controllers.models import ModelController
 from kvchat.app.controllers.personas import PersonaController
 from kvchat.app.controllers.memory_tally import MemoryTally
@@ -54,6 +55,7 @@ class MainWindow(QMainWindow):
             self.models.use_connection(store.setting("connection"))  # the local engine started behind it is closed
         self.chats.refresh()
         self.render_chat()
+        self.desktop = DesktopController(self)  # its keys and menu; the window's size and last chat back
         self.input.setFocus()
 
     def _build(self) -> None:

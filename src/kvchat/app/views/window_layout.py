@@ -6,6 +6,7 @@ from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit
                                QPushButton, QSizePolicy, QToolButton, QVBoxLayout)
 
 from kvchat.app.views.composer import Composer
+from kvchat.app.views.composer_height import ComposerHeight
 from kvchat.app.views.connection_box import ConnectionBox
 from kvchat.app.views.conversation_list import ConversationList
 from kvchat.app.views.top_bar import Chip, TopBar
@@ -71,7 +72,8 @@ def top_bar(win) -> TopBar:
 def composer(win) -> QHBoxLayout:
     """The message box with Send and Stop, centred under the message column."""
     win.input = Composer(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
-    win.input.setFixedHeight(64)
+    win.input.setTabChangesFocus(True)  # Tab moves on (to Send): a chat message has no use for a tab
+    win.input_height = ComposerHeight(win.input)
     win.send_button = QPushButton("Send", objectName="send")
     win.stop_button = QPushButton("Stop")
     win.stop_button.setEnabled(False)
