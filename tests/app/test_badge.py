@@ -33,11 +33,11 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
     try:
         win.chats.new()
         win.persona_box.setCurrentIndex(2)  # a persona longer than one block
-        qtbot.waitUntil(lambda: badge(win) == "cold", timeout=10000)  # known before the first reply
-        assert win.persona_badge.text() == "cold"
+        qtbot.waitUntil(lambda: badge(win) == "not prepared yet", timeout=10000)  # known before the first reply
+        assert win.persona_badge.text() == "not prepared yet"
         send(qtbot, win, "Hello")
         qtbot.waitUntil(lambda: badge(win) == "warm", timeout=10000)
-        assert win.persona_badge.text() == "warm (in memory)"
+        assert win.persona_badge.text() == "ready in memory"
     finally:
         win.bridge.engine.close()
     again = window(qtbot, store, engine_model, tmp_path / "kv")  # a restart: an empty pool, the same disk
@@ -45,7 +45,7 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
         chat = store.conversations()[0]["id"]
         again.chats.open(chat)
         qtbot.waitUntil(lambda: badge(again) == "disk", timeout=10000)
-        assert again.persona_badge.text() == "warm (on disk)"
+        assert again.persona_badge.text() == "ready, saved on disk"
         send(qtbot, again, "Hello again")
         assert store.messages(chat)[-1].stats["cached_tokens"] > 0  # it was restored, as the badge said
         qtbot.waitUntil(lambda: badge(again) == "warm", timeout=10000)

@@ -194,11 +194,24 @@ def test_the_sidebar_groups_chats_by_date_and_searches(qtbot, app_parts):
 
 
 def test_chips_name_the_model_and_open_their_setting(qtbot, app_parts):
-    win, _, _, _ = app_parts
+    win, _, bridge, _ = app_parts
     shown(qtbot, win)
     qtbot.waitUntil(lambda: "SmolLM2" in win.model_chip.text(), timeout=10000)
-    assert "135M" in win.model_chip.text() and "weights" in win.model_chip.text()
-    assert win.context_chip.text() == "512 ctx" and win.kv_chip.text().startswith("KV ")
+    win.resize(1600, 800)  # room for the chips' whole text
+    qtbot.waitUntil(lambda: win.model_chip.text() == win.model_chip.full)
+    assert win.model_chip.text() == "SmolLM2-135M-Instruct · 135M · fp32 weights"  # the fake starts on "none"
+    assert win.context_chip.text() == "Context: 512 tokens" and win.kv_chip.text() == "Memory saving: off"
+    assert win.kv_chip.toolTip().startswith("KV: fp16. Memory saving: the KV cache at full precision")
+
+    for weights in ("int8", "auto"):  # the saved setting says auto already: int8 first, then back
+        def choose(dialog, weights=weights):
+            dialog.weights.setCurrentText(weights)
+            dialog.accept()
+        with answering(SettingsDialog, choose):
+            qtbot.mouseClick(win.model_chip, Qt.LeftButton)
+        qtbot.waitUntil(lambda: bridge.settings.get("weights") == weights and not bridge.switching
+                        and win.model_chip.text() == win.model_chip.full, timeout=30000)
+    assert win.model_chip.text() == "SmolLM2-135M-Instruct · 135M · 8-bit weights (auto)"  # what auto chose
 
     def focused(dialog):
         widget = dialog.focusWidget()

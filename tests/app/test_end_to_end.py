@@ -76,8 +76,8 @@ def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_pat
         library = win.models.library(roots=[(folder, "here")])
         qtbot.addWidget(library)
         library.show()
-        qtbot.waitUntil(lambda: library.table.rowCount() == 1, timeout=30000)
-        in_library = library.table.item(0, 3).text()
-        assert in_library == "135M" and win.model_chip.text().split(" · ")[1] == in_library
+        qtbot.waitUntil(lambda: library.items("modelCard"), timeout=30000)
+        in_library = library.list_model.rows[0]["details"].split(" · ")[1]
+        assert in_library == "135M parameters" and win.model_chip.text().split(" · ")[1] == "135M"
     finally:
         engine.close()

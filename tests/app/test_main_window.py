@@ -364,20 +364,47 @@ def top_bar_widgets(win):
 
 def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
     """At 1000 px the chips' minimum held the window at 1056 px and, forced narrower, the badge was
-    cut ("warm (in memo"): now the KV and context chips give way, and come back when there is room."""
+    cut; then the KV and context chips vanished, and with the memory panel open the model chip read
+    "Smo…uto" (issue 29). Now the chips first say less, then go into the overflow menu, whose entries
+    open their settings; no chip is cut."""
+    from kvchat.app.views.settings_dialog import SettingsDialog
+
+    from qt_helpers import answering
+
     win, _, _, _ = app_parts
-    win.personas.asker.answered.emit(win.persona_box.currentData(), "warm")  # the longest state the engine gives
-    assert win.persona_badge.text() == "warm (in memory)"
+    win.personas.asker.answered.emit(win.persona_box.currentData(), "disk")  # the longest state the engine gives
+    assert win.persona_badge.text() == "ready, saved on disk"
+    qtbot.waitUntil(lambda: "SmolLM2" in win.model_chip.text(), timeout=10000)
+
+    def whole(chip):  # its text drawn in full, or cut at its end: never in the middle ("Smo…uto")
+        drawn = chip.drawn_text()
+        return chip.isHidden() or drawn == chip.text() or (drawn.endswith("…") and chip.text().startswith(drawn[:-1]))
+
+    def in_menu():
+        win.more_button.menu().aboutToShow.emit()
+        return [a.text() for a in win.more_button.menu().actions()]
+
+    for width, panel in ((1000, False), (1200, True), (1600, True)):  # 1200: the window opens at it
+        win.resize(width, 700)
+        if win.memory_button.isChecked() != panel:
+            qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+        qtbot.waitUntil(lambda: win.width() == width)
+        badge = win.persona_badge
+        qtbot.waitUntil(lambda: badge.width() >= badge.sizeHint().width())
+        shown = [w for w in top_bar_widgets(win) if w.isVisible()]
+        for left, right in zip(shown, shown[1:]):  # side by side, none drawn over another
+            assert left.geometry().right() < right.geometry().left()
+        assert shown[-1].geometry().right() < win.top_bar.width()
+        assert all(whole(chip) for chip in (win.model_chip, win.context_chip, win.kv_chip)), width
+        hidden = [getattr(w, "full", "") or w.toolTip() for w in win.top_bar.optional if w.isHidden()]
+        assert win.more_button.isVisible() == bool(hidden) and in_menu() == hidden  # nothing vanishes
+    qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.model_chip.text() == win.model_chip.full)  # room again: the whole text
+    assert win.kv_chip.isVisible() and win.context_chip.isVisible() and win.more_button.isHidden()
     win.resize(1000, 700)
-    qtbot.waitUntil(lambda: win.width() == 1000 and win.kv_chip.isHidden() and win.context_chip.isHidden())
-    badge = win.persona_badge
-    qtbot.waitUntil(lambda: badge.width() >= badge.sizeHint().width())
-    shown = [w for w in top_bar_widgets(win) if w.isVisible()]
-    for left, right in zip(shown, shown[1:]):  # side by side, none drawn over another
-        assert left.geometry().right() < right.geometry().left()
-    assert shown[-1].geometry().right() < win.top_bar.width()
-    assert win.model_chip.width() >= 160  # elided, still readable
-    assert "KV" in win.precision_label.text()  # the status bar still names the precision
-    win.resize(1600, 1000)
-    qtbot.waitUntil(lambda: win.kv_chip.isVisible() and win.context_chip.isVisible())
-    assert win.model_chip.width() == win.model_chip.sizeHint().width()  # the whole name
+    qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.width() == 1000)
+    if in_menu():  # an entry of the menu opens its setting, as the chip does
+        with answering(SettingsDialog, lambda d: d.reject() or True) as got:
+            win.more_button.menu().actions()[0].trigger()
+        assert got == [True]

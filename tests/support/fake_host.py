@@ -56,6 +56,8 @@ def start(fake, config: EngineConfig, seq: int | None) -> None:
     if fake.stop_loading(seq):
         raise ModelError(fake.stop_loading(seq))
     fake.model = model
+    # as the engine's load says what "auto" chose: int8 on the CPU, where the decode step compiles
+    model.config.kvchat_weights = {"auto": "int8", "none": "float32"}.get(config.weights, config.weights)
     fake.config = config = capped(fake, config)
     fake.precision = layout(model, config)
 

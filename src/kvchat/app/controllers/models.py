@@ -9,6 +9,7 @@ from kvchat.core.memory import GiB, plan
 from kvchat.core.model_source import ModelError, source_problem, starter_path
 
 from kvchat.app.models.sampling_defaults import model_defaults
+from kvchat.app.models.words import saving, saving_tip, weights_label
 from kvchat.app.views.model_library import ModelLibrary
 from kvchat.app.views.settings_dialog import SettingsDialog, trained_context
 from kvchat.app.views.top_bar import model_name, size_label
@@ -223,10 +224,19 @@ class ModelController(QObject):
         if self.config is None:
             return
         now = self.engine_settings()
-        parts = [model_name(self.label), size_label(self.config), f"weights {now['weights']}"]
-        win.model_chip.setText(" · ".join(p for p in parts if p))
-        win.context_chip.setText(f"{now['max_context']:,} ctx")
-        win.kv_chip.setText(f"KV {now['kv_precision']}")
+        name, size = model_name(self.label), size_label(self.config)
+        # the engine's own setting: the saved one may be newer than the model it loaded
+        weights = weights_label(self.bridge.settings.get("weights", now["weights"]), getattr(self.config, "kvchat_weights", None))
+        short = name.removesuffix("-Instruct").removesuffix("-Chat")  # narrow: the name that tells models apart
+        win.model_chip.setText(" · ".join(p for p in (name, size, weights) if p), short)
+        win.model_chip.setToolTip(f"{name}{f', {size} parameters' if size else ''}, {weights}: click to change the model")
+        win.context_chip.setText(f"Context: {now['max_context']:,} tokens", f"{now['max_context']:,} tokens")
+        self.show_saving(now["kv_precision"], self.bridge.precision)
+
+    def show_saving(self, setting: str, in_force: str | None) -> None:
+        """The KV chip in plain words ("Memory saving: automatic"), the KV precision in its tooltip."""
+        self.win.kv_chip.setText(f"Memory saving: {saving(setting)}", f"Saving: {saving(setting)}")
+        self.win.kv_chip.setToolTip(saving_tip(setting, in_force))
 
     def on_load_failed(self, message: str) -> None:
         """Say why; after a failed switch, load the model that worked again (its setting was never
@@ -260,7 +270,10 @@ class ModelController(QObject):
         win.memory_panel.show_snapshot(snapshot)
         where = " · on the CPU" if snapshot["on_cpu"] else ""
         win.precision_label.setText(f"KV {snapshot['precision']}{where}")
-        win.kv_chip.setText(f"KV {snapshot['precision']}")
+        win.precision_label.setToolTip(f"Memory saving: {saving(snapshot['precision'])} (the KV cache's precision "
+                                       f"is {snapshot['precision']})")
+        if self.bridge.server is None:
+            self.show_saving(self.engine_settings()["kv_precision"], snapshot["precision"])
         if self.config is not None:  # set with the engine's settings (ModelReady), headroom included
             p = plan(self.config, snapshot["total"] - snapshot["other_processes"], 4096,
                      weights_size=snapshot["weights"], headroom=self.bridge.settings.get("headroom_bytes", GiB),

@@ -168,7 +168,8 @@ class MainWindow(QMainWindow):
         self.memory_panel.setVisible(shown)
         if shown:  # the splitter remembers it at zero width
             sizes = self.splitter.sizes()
-            self.splitter.setSizes([sizes[0], max(200, sizes[1] - 280), 280])
+            side = max(220, sizes[0] - 40)  # the sidebar gives some of the room: the top bar's chips need it
+            self.splitter.setSizes([side, max(200, sizes[1] + sizes[0] - side - 280), 280])
         self.store.set_setting("memory_panel", shown)
 
     def cycle_theme(self) -> None:

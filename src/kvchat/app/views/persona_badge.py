@@ -3,8 +3,9 @@ import threading
 
 from PySide6.QtCore import QObject, Signal
 
-LABELS = {"warm": "warm (in memory)", "disk": "warm (on disk)", "cold": "cold", "short": "too short to cache",
-          "server": "server's own cache"}
+# plain words: whether the persona's prompt is already computed (its KV cached), the tooltip says more
+LABELS = {"warm": "ready in memory", "disk": "ready, saved on disk", "cold": "not prepared yet",
+          "short": "too short to prepare", "server": "cached by the server"}
 
 
 class BadgeAsker(QObject):

@@ -50,10 +50,12 @@ def top_bar(win) -> TopBar:
     win.model_chip = Chip("model", "The model: click to change it")
     win.model_chip.setMinimumWidth(90)  # a narrow window elides the chip instead of overlapping the persona
     win.context_chip = Chip("context", "Context length: click to change it")
-    win.kv_chip = Chip("precision", "KV cache precision: click to change it")
+    win.kv_chip = Chip("precision", "Memory saving (the KV cache's precision): click to change it")
     win.memory_button = QToolButton(autoRaise=True, toolTip="Memory (Ctrl+M)", checkable=True)
     win.library_button = QToolButton(autoRaise=True, toolTip="Models on this computer")
     win.settings_button = QToolButton(autoRaise=True, toolTip="Settings (Ctrl+,)")
+    win.more_button = QToolButton(autoRaise=True, text="⋯", toolTip="More: what the bar has no room for",
+                                  objectName="moreChips")
     row = QHBoxLayout()
     row.setContentsMargins(14, 8, 10, 8)
     row.addWidget(win.persona_box)
@@ -61,11 +63,13 @@ def top_bar(win) -> TopBar:
     for b in (win.persona_edit_button, win.persona_new_button):
         row.addWidget(b)
     row.addStretch(1)
-    for w in (win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.library_button,
+    for w in (win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.more_button, win.library_button,
               win.export_button, win.memory_button, win.settings_button):
         row.addWidget(w)
-    # narrow, the KV chip goes first (the status bar names the precision too), then the context's
-    win.top_bar = TopBar(row, [win.context_chip, win.kv_chip], {win.model_chip: MODEL_CHIP_ROOM}, objectName="topbar")
+    # narrow, the library's and export's buttons go into the overflow menu first, then the chips
+    win.top_bar = TopBar(row, [win.context_chip, win.kv_chip, win.library_button, win.export_button],
+                         {win.model_chip: MODEL_CHIP_ROOM}, win.more_button,
+                         objectName="topbar")
     return win.top_bar
 
 
