@@ -79,11 +79,13 @@ def parser() -> argparse.ArgumentParser:
                        help="a browser origin allowed to call the API (repeatable); none by default")
     serve.add_argument("--max-queue", type=int, default=32, help="requests waiting at once before 429")
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup"],
+    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
+                                         "resume"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
-                            "startup: what a new user waits for, from fresh and from warm dirs")
+                            "startup: what a new user waits for, from fresh and from warm dirs; "
+                            "resume: a long chat answered again after eviction and after a restart (KV tiers)")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compile", action="store_true",
@@ -109,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
     decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
     connections_args(sub)
+    prep = sub.add_parser("prepare", help="compile the decode step for this machine now, not at the first start")
+    prep.add_argument("--model", default="starter")
     pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
     pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
     pl.add_argument("--context", type=int, required=True)
@@ -283,6 +287,10 @@ def cmd_bench(args) -> int:
         from kvchat.bench import startup as bench_startup
 
         bench_startup.report(bench_startup.bench_startup(args.model), args.json)
+    elif args.which == "resume":
+        from kvchat.bench import resume as bench_resume
+
+        bench_resume.report(bench_resume.bench_resume(args.model, args.kv_precision), args.json)
     elif args.which == "prefix":
         bench.report_prefix(bench.bench_prefix(args.model), args.json)
     elif args.which == "memory":
@@ -295,6 +303,15 @@ def cmd_bench(args) -> int:
         from kvchat.bench import kernels as bench_kernels
 
         bench_kernels.main(args.json, args.compile)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from kvchat.cli.prepare import prepare
+
+    done = prepare(args.model)
+    print("kvchat prepare: " + ", ".join(f"{k} {v} s" for k, v in done["seconds"].items())
+          + "".join(f"; {n}" for n in done["notices"]))
     return 0
 
 
@@ -351,7 +368,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(["chat"])
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-                "eval": cmd_eval, "plan": cmd_plan, "connections": cmd_connections}[command](args)
+                "eval": cmd_eval, "plan": cmd_plan, "prepare": cmd_prepare, "connections": cmd_connections}[command](args)
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1

@@ -130,13 +130,19 @@ class KVTiers:
 
     def _write(self, seq: Sequence, have: int, found: list[StoredBlock]) -> bool:
         kv = self.kvpool.kv
-        names = found[0].tensors.keys()
-        try:
-            tensors = {n: torch.cat([b.tensors[n] for b in found], dim=1) for n in names}
-            kv.write_blocks([b.id for b in seq.blocks[have:have + len(found)]], tensors)
-        except (ValueError, KeyError, RuntimeError) as e:  # stored for another layout: a miss
-            log.warning("stored KV blocks do not fit this pool: %s", e)
-            return False
+        want = {n: ((len(kv.layers), 1, *t.shape[1:]), t.dtype) for n, t in kv.layers[0].items()}
+        for block in found:
+            if {n: (tuple(t.shape), t.dtype) for n, t in block.tensors.items()} != want:
+                log.warning("a stored KV block does not fit this pool (another layout): a miss")
+                return False
+        ids = [b.id for b in seq.blocks[have:have + len(found)]]
+        if kv.device.type == "cuda":  # one host-to-device copy per tensor and layer
+            kv.write_blocks(ids, {n: torch.cat([b.tensors[n] for b in found], dim=1) for n in want})
+        else:  # straight into the pool's rows: no stacked copy of the whole restore first
+            for i, layer in enumerate(kv.layers):
+                for n, t in layer.items():
+                    for block_id, block in zip(ids, found):
+                        t[block_id].copy_(block.tensors[n][i, 0])
         if have == 0 and found[0].sinks is not None:
             kv.keep_sinks(seq.token_ids, *found[0].sinks)
         return True
