@@ -21,7 +21,8 @@ def split(content: str) -> list[dict]:
     for m in FENCE.finditer(content):
         if content[pos:m.start()].strip():
             out.append({"kind": "text", "text": tame(content[pos:m.start()])})
-        out.append({"kind": "code", "lang": m.group(1).lower(), "code": m.group(2).rstrip("\n")})
+        code = m.group(2).rstrip("\n")
+        out.append({"kind": "code", "lang": m.group(1).lower() or guess_language(code), "code": code})
         pos = m.end()
     if content[pos:].strip():
         out.append({"kind": "text", "text": tame(content[pos:])})
@@ -32,10 +33,25 @@ def tame(markdown: str) -> str:
     return BIG_HEADING.sub("###", markdown)
 
 
+# A fence without a language: the language guessed from telling marks, in order (pygments' own
+# guess_lexer misfires on short snippets and costs a pass over every lexer)
+GUESSES = [("python", r"^\s*(def |class \w+.*:|import \w|from \w+ import|print\(|if __name__)"),
+           ("bash", r"^(#!/bin/(ba)?sh|\$ \w|sudo |apt(-get)? |pip install |cd |export \w+=)"),
+           ("cpp", r"^#include\s*<|std::"), ("rust", r"^\s*(fn \w+\(|let mut |use std::)|println!"),
+           ("go", r"^package \w+|^func \w+\("), ("java", r"^\s*public (static )?(class|void) "),
+           ("javascript", r"^\s*(const|let|function) \w+|console\.log|=> \{"),
+           ("sql", r"(?i)^\s*(select .+ from|insert into|create table)"), ("html", r"^\s*<(!doctype|html|div|p)\b"),
+           ("json", r"^\s*[\[{]\s*\"\w+\"\s*:")]
+
+
+def guess_language(code: str) -> str:
+    """The language of an unfenced (untagged) code block, or "" when nothing tells."""
+    return next((name for name, mark in GUESSES if re.search(mark, code, re.M)), "")
+
+
 @lru_cache(maxsize=512)
 def code_html(code: str, language: str, dark: bool) -> str:
-    """Highlighted, inside a <pre>; without a language tag the text stays plain (guessing misfires
-    on short snippets and costs a pass over every lexer)."""
+    """Highlighted, inside a <pre>; without a language the text stays plain."""
     try:
         lexer = get_lexer_by_name(language) if language else TextLexer()
     except ClassNotFound:

@@ -38,6 +38,7 @@ Rectangle {
         function keepUp() { if (follow && !moving && !dragging) toEnd() }
         onContentHeightChanged: if (follow) Qt.callLater(keepUp)
         onCountChanged: if (follow) Qt.callLater(keepUp)
+        onHeightChanged: if (follow) Qt.callLater(keepUp)  // a shrinking window keeps the latest in view
 
         // a wheel turn moves contentY without "moving" on some platforms: count it as the reader's
         WheelHandler {

@@ -22,7 +22,7 @@ Rectangle {
         Rectangle { width: parent.width; height: 10; anchors.bottom: parent.bottom; color: parent.color }
         Text {
             objectName: "codeLanguage"
-            text: box.language || "text"
+            text: box.language || "code"
             color: theme.colours.muted
             font.pixelSize: 12
             anchors.left: parent.left
@@ -57,7 +57,7 @@ Rectangle {
         width: parent.width - 24
         text: box.html
         textFormat: TextEdit.RichText
-        wrapMode: TextEdit.WrapAnywhere
+        wrapMode: TextEdit.Wrap  // at word boundaries; a word longer than the line still breaks
         readOnly: true
         selectByMouse: true
         color: theme.colours.text

@@ -3,14 +3,25 @@ planner's estimate updated as the values change, capped at the context the model
 Context and precision apply without a reload. On a connection, only sampling is ours to set: the
 model, context and KV precision are the server's."""
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
                                QLineEdit, QPushButton, QSpinBox)
 
 from kvchat.core.memory import GiB, plan
 
 from kvchat.app.models.sampling_defaults import FALLBACK
+from kvchat.app.models.words import SAVING, SAVING_HELP, WEIGHTS
+from kvchat.app.views.value_combo import ValueCombo
 from kvchat.core.config import DEFAULT_CONTEXT, DISK_CACHE_BYTES, KV_CHOICES
 
+
+
+HELP = {  # a line under the settings whose names alone say too little
+    "Context length": "How much of the conversation the model reads at once, in tokens (about ¾ of a word each).",
+    "Memory saving": "Stores the model's working memory of the chat (its KV cache) in fewer bits: longer chats "
+                     "fit, at a small cost in quality. Automatic saves only as much as needed.",
+    "Model weights": "Fewer bits per weight: less memory and faster replies. Automatic picks what runs fastest here.",
+    "Memory kept free": "Room kvchat leaves for the rest of the computer (KV: headroom).",
+}
 
 
 def trained_context(config) -> int | None:
@@ -29,13 +40,14 @@ class SettingsDialog(QDialog):
         self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
         self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
                                 value=engine_settings.get("max_context", DEFAULT_CONTEXT))
-        self.precision = QComboBox()
-        self.precision.addItems(KV_CHOICES)
+        self.precision = ValueCombo({v: f"{SAVING[v]} (KV {v})" if v != "auto" else SAVING[v] for v in KV_CHOICES},
+                                    SAVING_HELP)
         self.precision.setCurrentText(engine_settings.get("kv_precision", "auto"))
         self.on_cuda = on_cuda
-        self.weights = QComboBox()
         # auto: int8 on the CPU (lossless on the starter, 2-3x faster decode), the checkpoint's own on CUDA
-        self.weights.addItems(["auto", "none", "int8", "nf4"] if on_cuda else ["auto", "none", "bf16", "int8", "int4"])
+        formats = ["auto", "none", "int8", "nf4"] if on_cuda else ["auto", "none", "bf16", "int8", "int4"]
+        stored = "as stored" + ("" if on_cuda else " (fp32 on the CPU)")
+        self.weights = ValueCombo({w: stored if w == "none" else WEIGHTS[w] for w in formats})
         self.weights.setCurrentText(engine_settings.get("weights", "auto"))
         self.weights.setToolTip("Weights in memory: fewer bytes read per token is faster decode. "
                                 "none keeps the checkpoint's own" + ("" if on_cuda else " (fp32 on the CPU)"))
@@ -68,14 +80,18 @@ class SettingsDialog(QDialog):
         self.warning = QLabel()
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet("color: #c2410c;")
-        rows = [("Model", self.model), ("Context length", self.context), ("KV precision", self.precision),
-                ("Weights", self.weights), ("Memory headroom", self.headroom), ("RAM cache", self.ram_cache),
+        rows = [("Model", self.model), ("Context length", self.context), ("Memory saving", self.precision),
+                ("Model weights", self.weights), ("Memory kept free", self.headroom), ("RAM cache", self.ram_cache),
                 ("Disk cache", self.disk_cache), ("", self.clear_button),
                 ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
                 ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
                 ("Seed", self.seed), ("Estimate", self.estimate), ("", self.warning)]
         for label, widget in rows:
             form.addRow(label, widget)
+            if label in HELP:
+                help_line = QLabel(HELP[label], wordWrap=True, objectName="help")
+                help_line.setProperty("help", True)  # the style sheet's small muted text
+                form.addRow("", help_line)
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)

@@ -34,6 +34,22 @@ QToolButton[chip="true"]:hover {{ border-color: {accent}; }}
 QPushButton#send {{ background: {accent}; color: {accentText}; border: none; border-radius: 10px; padding: 6px 14px; }}
 QPushButton#send:disabled {{ background: {border}; color: {muted}; }}
 QPushButton#newChat {{ border: 1px solid {border}; border-radius: 8px; padding: 6px; background: {bg}; }}
+QPushButton#newChat:hover {{ background: {hover}; border-color: {accent}; }}
+QDialog, QMessageBox {{ background: {bg}; }}
+QDialog QLabel[help="true"] {{ color: {muted}; font-size: 11px; }}
+QDialog QPushButton, QMessageBox QPushButton {{ background: {chip}; color: {text}; border: 1px solid {border};
+                                                border-radius: 8px; padding: 5px 16px; min-width: 64px; }}
+QDialog QPushButton:hover, QMessageBox QPushButton:hover {{ border-color: {accent}; }}
+QDialog QPushButton:default, QMessageBox QPushButton:default {{ background: {accent}; color: {accentText};
+                                                                border-color: {accent}; }}
+QDialog QLineEdit, QInputDialog QLineEdit {{ border: 1px solid {border}; border-radius: 8px; padding: 5px 8px;
+                                             background: {panel}; color: {text}; }}
+QDialog QLineEdit:focus {{ border-color: {accent}; }}
+QDialogButtonBox {{ dialogbuttonbox-buttons-have-icons: 0; }}
+QComboBox {{ combobox-popup: 0; }}
+QComboBox QAbstractItemView {{ background: {panel}; color: {text}; border: 1px solid {border};
+                               selection-background-color: {hover}; selection-color: {text}; outline: none; }}
+QFrame#attachmentChip {{ background: {chip}; border: 1px solid {border}; border-radius: 10px; }}
 QLabel[muted="true"] {{ color: {muted}; }}
 """
 

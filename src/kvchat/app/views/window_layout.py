@@ -1,7 +1,8 @@
 """The main window's widgets and where they sit: the sidebar, the top bar, the composer and the status
 bar. Each builder sets the widgets on the window (the controllers and tests reach them there) and
 returns the frame that holds them."""
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QObject, Qt, Slot
+from shiboken6 import isValid
 from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QProgressBar,
                                QPushButton, QSizePolicy, QToolButton, QVBoxLayout)
 
@@ -28,6 +29,11 @@ def sidebar(win) -> QFrame:
     side.addWidget(win.new_button)
     side.addWidget(win.search)
     side.addWidget(win.conversation_list, 1)
+    win.no_match = QLabel(objectName="noMatch", wordWrap=True)
+    win.no_match.setProperty("muted", True)
+    win.no_match.hide()
+    side.addWidget(win.no_match)
+    win.search_note = SearchNote(win)
     row = QHBoxLayout()
     for b in (win.rename_button, win.delete_button):
         row.addWidget(b)
@@ -38,6 +44,28 @@ def sidebar(win) -> QFrame:
     frame.setLayout(side)
     frame.setMinimumWidth(220)
     return frame
+
+
+class SearchNote(QObject):
+    """A search that finds no chat says so, instead of showing an empty list. A child of the label:
+    the list's last signals, while the window is torn down, no longer reach it."""
+
+    def __init__(self, win):
+        super().__init__(win.no_match)
+        self.win = win
+        model = win.conversation_list.model()
+        for signal in (model.rowsInserted, model.rowsRemoved, model.modelReset):
+            signal.connect(self.update)
+        win.search.textChanged.connect(self.update)
+
+    @Slot()
+    def update(self, *_) -> None:
+        if not isValid(self.win.search):  # the list empties itself as the window is torn down
+            return
+        text = self.win.search.text().strip()
+        empty = bool(text) and not self.win.conversation_list.chat_items()
+        self.win.no_match.setText(f"No chat matches “{text}”. Search looks in titles and messages." if empty else "")
+        self.win.no_match.setVisible(empty)
 
 
 def top_bar(win) -> TopBar:

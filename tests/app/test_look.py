@@ -1,0 +1,110 @@
+"""One visual language in plain words (issue 29): Settings speaks plain words with help lines and
+the expert term in tooltips, and is drawn in the theme's colours; code blocks wrap at words and guess
+an untagged block's language; a search with no match says so; a shrinking window keeps the latest
+reply in view; in dark mode, hovering "New chat" shows."""
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QApplication, QLabel
+
+from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.theme import COLOURS
+
+from qt_helpers import answering, qml_items, shown
+
+
+def to_dark(qtbot, win):
+    while not win.theme.dark or win.theme.mode != "dark":  # system, light, dark: the button cycles
+        qtbot.mouseClick(win.theme_button, Qt.LeftButton)
+
+
+def test_settings_speak_plain_words_with_help_and_the_themes_colours(qtbot, app_parts):
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    to_dark(qtbot, win)
+    seen = {}
+
+    def look(dialog):
+        seen["precision"] = [dialog.precision.itemText(i) for i in range(dialog.precision.count())]
+        seen["tip"] = dialog.precision.itemData(2, Qt.ToolTipRole)
+        seen["weights"] = [dialog.weights.itemText(i) for i in range(dialog.weights.count())]
+        seen["help"] = [label.text() for label in dialog.findChildren(QLabel, "help")]
+        seen["bg"] = dialog.grab().toImage().pixelColor(4, 4).name()
+        dialog.precision.setCurrentIndex(2)  # "moderate (KV int8)"
+        dialog.accept()
+        return True
+
+    with answering(SettingsDialog, look) as got:
+        qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    assert got == [True]
+    assert seen["precision"] == ["automatic", "off (KV fp16)", "moderate (KV int8)", "strong (KV k8v4)",
+                                 "maximum (KV int4)"]
+    assert "8 bits" in seen["tip"] and seen["weights"][1] == "as stored (fp32 on the CPU)"
+    assert any("KV cache" in h for h in seen["help"]) and any("headroom" in h for h in seen["help"])
+    assert seen["bg"] == COLOURS[True]["bg"]  # drawn in the dark theme, not stock grey
+    qtbot.waitUntil(lambda: win.kv_chip.full == "Memory saving: moderate", timeout=10000)  # the value reached the engine
+
+
+def test_code_blocks_wrap_at_words_and_guess_an_untagged_language(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    win.chats.new()
+    store.add_message(win.conversation_id, "user", "Code please")
+    long_line = "print(" + " ".join(f"'word{i}'" for i in range(60)) + ")"
+    store.add_message(win.conversation_id, "assistant", f"Here:\n\n```\nimport os\n{long_line}\n```\n")
+    win.render_chat()
+    qtbot.waitUntil(lambda: len(qml_items(win, "codeBlock")) == 1, timeout=5000)
+    assert [i.property("text") for i in qml_items(win, "codeLanguage")] == ["python"]  # not "text"
+    code = qml_items(win, "codeText")[0]
+    assert code.property("lineCount") > 2  # the long line wraps
+    plain = code.property("plain")
+    height = code.property("height") / code.property("lineCount")
+    for line in range(1, code.property("lineCount")):
+        at = code.positionAt(1, int(height * line + height / 2))  # where a wrapped line starts
+        assert at == 0 or plain[at - 1] in " \n(", (line, plain[max(0, at - 8):at + 8])  # after a space: not mid-word
+
+
+def test_a_search_with_no_match_says_so(qtbot, app_parts):
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    win.chats.new()
+    store.add_message(win.conversation_id, "user", "About Lisbon")
+    win.chats.refresh()
+    qtbot.keyClicks(win.search, "zanzibar")
+    assert not win.conversation_list.chat_items()
+    assert win.no_match.isVisible() and win.no_match.text().startswith("No chat matches “zanzibar”")
+    win.search.clear()
+    assert win.conversation_list.chat_items() and win.no_match.isHidden()
+
+
+def test_a_shrinking_window_keeps_the_latest_reply_in_view(qtbot, app_parts):
+    win, store, _, _ = app_parts
+    shown(qtbot, win)
+    win.resize(1400, 1000)
+    win.chats.new()
+    for i in range(12):
+        store.add_message(win.conversation_id, "user", f"Question {i}")
+        store.add_message(win.conversation_id, "assistant", f"Answer {i}\n\nwith a second paragraph")
+    win.render_chat()
+    view = win.chat_view.list_view()
+    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)
+    win.resize(1400, 600)
+    qtbot.waitUntil(lambda: win.chat_view.height() < 500, timeout=5000)
+    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # the last reply still in view
+    assert not qml_items(win, "jumpToLatest")
+
+
+def test_new_chat_shows_its_hover_in_dark_mode(qtbot, app_parts):
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    to_dark(qtbot, win)
+    button = win.new_button
+    before = button.grab().toImage()
+    qtbot.mouseMove(button, QPoint(button.width() // 2, button.height() // 2))
+    qtbot.waitUntil(lambda: button.underMouse(), timeout=5000)
+    QApplication.processEvents()
+    after = button.grab().toImage()
+    edge = QPoint(button.width() // 2, 0)  # the border's top edge
+    assert after.pixelColor(edge).name() != before.pixelColor(edge).name()
+    accent = QColor(COLOURS[True]["accent"])
+    got = after.pixelColor(edge)
+    assert abs(got.red() - accent.red()) + abs(got.green() - accent.green()) + abs(got.blue() - accent.blue()) < 90
