@@ -19,6 +19,9 @@ QUESTION = "Write a Python function that reverses a string, with a short example
 EARLIER = [("Plan a weekend in Lisbon", 0), ("Explain the KV cache", 1), ("Regex for dates", 3),
            ("Summarise this email", 5), ("Rust lifetimes question", 12), ("Birthday poem for Ana", 40)]
 SIZES = [(1600, 1000), (1000, 700)]
+DOCUMENT = "Quarterly report: the cache team\n" + " ".join(  # a pasted page, past the 2,000-character chip threshold
+    ["The prefix cache served most prompt tokens this quarter, and the memory governor kept every chat within "
+     "its context without trimming a persona."] * 20)
 
 
 def seed(home: Path, theme: str) -> Path:
@@ -58,6 +61,38 @@ def reply_done(db: Path) -> bool:
     return bool(rows) and rows[-1][0].strip() and not rows[-1][1]
 
 
+def snap(window: str, target: Path) -> None:
+    subprocess.run(["import", "-window", window, str(target)], check=True)
+    print(target)
+
+
+def library(theme: str, out: Path) -> None:
+    """The model library (Ctrl+L) with the starter, loaded, and its fit badge; then closed."""
+    xdotool("key", "ctrl+l")
+    dialog = wait_for(lambda: xdotool("search", "--onlyvisible", "--name", "^Models on this computer$"), 30)
+    dialog = dialog.split()[0]
+    time.sleep(3.0)  # the scan of the model folders
+    snap(dialog, out / f"screenshot-{theme}-library.png")
+    xdotool("key", "--window", dialog, "Escape")
+    time.sleep(1.0)
+
+
+def attachment(window: str, db: Path, theme: str, out: Path) -> None:
+    """A pasted document: a chip in the composer, then in the sent message while its prefill runs."""
+    subprocess.run(["xclip", "-selection", "clipboard"], input=DOCUMENT.encode(), check=True)
+    xdotool("windowfocus", "--sync", window)
+    xdotool("key", "ctrl+n")
+    xdotool("type", "--delay", "15", "Summarise this report in three lines:")
+    xdotool("key", "ctrl+v")
+    time.sleep(1.0)
+    snap(window, out / f"screenshot-{theme}-paste.png")
+    xdotool("key", "Return")
+    time.sleep(4.0)  # the prefill's progress under the reply
+    snap(window, out / f"screenshot-{theme}-prefill.png")
+    wait_for(lambda: reply_done(db), 600)
+    time.sleep(1.5)
+
+
 def shoot(theme: str, out: Path, app: str, home: Path) -> None:
     db = seed(home, theme)
     env = {**os.environ, "KVCHAT_HOME": str(home)}
@@ -82,9 +117,10 @@ def shoot(theme: str, out: Path, app: str, home: Path) -> None:
                 xdotool("key", "ctrl+m")
             xdotool("windowsize", window, str(width), str(height))
             time.sleep(1.5)
-            target = out / f"screenshot-{theme}-{width}x{height}.png"
-            subprocess.run(["import", "-window", window, str(target)], check=True)
-            print(target)
+            snap(window, out / f"screenshot-{theme}-{width}x{height}.png")
+        xdotool("windowsize", window, "1600", "1000")
+        library(theme, out)
+        attachment(window, db, theme, out)
     finally:
         proc.terminate()
         proc.wait(15)

@@ -126,7 +126,8 @@ def describe_gguf(path: Path, source: str) -> LocalModel:
     names = {t.name for t in reader.tensors}
     config["tie_word_embeddings"] = "output.weight" not in names
     parameters = sum(int(t.n_elements) for t in reader.tensors)
-    return LocalModel(str(path), source, meta.get("general.name") or path.stem, arch, parameters,
+    # the file's name, as the user saw it in the folder (general.name is often a training run's id)
+    return LocalModel(str(path), source, path.stem, arch, parameters,
                       path.stat().st_size, config.get("max_position_embeddings"), config,
                       gguf_quantization(meta.get("general.file_type")))
 

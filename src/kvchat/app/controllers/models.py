@@ -2,6 +2,7 @@
 connections to servers, and what the top bar and status bar say about them. Everything it knows of
 the engine comes from the bridge's state, which the engine's events set."""
 from PySide6.QtCore import QObject, Qt
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QMessageBox
 
 from kvchat.core.config import SamplingParams
@@ -31,6 +32,8 @@ class ModelController(QObject):
         self.pending: dict | None = None  # saved once they load: a failed model is never saved
         self.config = None  # the loaded model's config and name, as its ModelReady gave them
         self.label = ""
+        self.library_dialog: ModelLibrary | None = None
+        QShortcut(QKeySequence("Ctrl+L"), win, self.show_library)
 
     def engine_settings(self) -> dict:
         return self.bridge.current_settings(self.store.setting("engine") or {})

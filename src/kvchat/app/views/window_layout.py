@@ -80,7 +80,7 @@ def top_bar(win) -> TopBar:
     win.context_chip = Chip("context", "Context length: click to change it")
     win.kv_chip = Chip("precision", "Memory saving (the KV cache's precision): click to change it")
     win.memory_button = QToolButton(autoRaise=True, toolTip="Memory (Ctrl+M)", checkable=True)
-    win.library_button = QToolButton(autoRaise=True, toolTip="Models on this computer")
+    win.library_button = QToolButton(autoRaise=True, toolTip="Models on this computer (Ctrl+L)")
     win.settings_button = QToolButton(autoRaise=True, toolTip="Settings (Ctrl+,)")
     win.more_button = QToolButton(autoRaise=True, text="⋯", toolTip="More: what the bar has no room for",
                                   objectName="moreChips")
