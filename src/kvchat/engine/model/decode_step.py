@@ -111,9 +111,10 @@ class DecodeStep:
             return self.forward(self.ids, self.positions)[0]
 
     def _compiled_step(self, kv, window, block_ids: list[int], position: int) -> torch.Tensor | None:
-        """The CPU's compiled step, or None (run eagerly) until its graph is ready."""
+        """The CPU's compiled step, or None (run eagerly) until its graph is ready. Its compile is
+        the host's to start (prepare): one started here began before a reply's first token (a
+        prompt whose last token is a decode step), unannounced."""
         if graph_kind(kv) not in self.background.ready:
-            self.prepare(kv)
             return None
         try:
             if traced.supports(kv.format):

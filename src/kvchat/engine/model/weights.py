@@ -73,8 +73,8 @@ def _run(fn, *args):
     """Inside a compiled step ``fn`` is traced into the step's own code; eagerly, its compiled twin
     runs once ``warm_up`` compiled it (on the decode step's compile thread), ``fn`` until then: the
     engine thread never waits for a compile."""
-    if torch.compiler.is_compiling():
-        return fn(*args)
+    if torch.compiler.is_dynamo_compiling():  # not is_compiling(): a global flag, True on every thread
+        return fn(*args)                         # while the compile thread traces, so eager lost its twin
     if getattr(_warming, "on", False):
         return fused(fn)(*args)
     twin = _ready_twins.get(fn)  # never fused() here: its first call imports inductor, 1.7 s of a first token
