@@ -41,7 +41,7 @@ class KVPool:
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager, self.kv, store)
         self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
-        if host_cap or disk is not None:
+        if self.tiers.host.cap_bytes or disk is not None:  # host_cap None: the default share of RAM
             self.pool.on_evict = self.tiers.evicted
 
     @classmethod
