@@ -87,6 +87,16 @@ def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(en
     assert from_disk.token_ids == want.token_ids
 
 
+def test_the_ram_tier_is_on_by_default(engine_model):
+    """No cap set (a quarter of the free RAM) and no disk tier: the conversation still comes back."""
+    e = engine(engine_model, "fp16", 384)
+    try:
+        done = script(e)
+    finally:
+        e.close()
+    assert done.stats.cached_tokens == 256 and done.stats.ram_tokens > 0
+
+
 def test_without_tiers_the_same_conversation_is_computed_again(engine_model):
     """The scenario above evicts: with the tiers off, nothing of the conversation is left."""
     e = engine(engine_model, "fp16", 384, ram=0)
