@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 XCB_LIBS := libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0
 
-run: install
+run: install $(VENV)/.prepared
 	@# Qt's xcb plugin needs these on a fresh Debian/Ubuntu; as root install them, else say how
 	@if [ -n "$$DISPLAY" ] && command -v dpkg >/dev/null && ! dpkg -s $(XCB_LIBS) >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q $(XCB_LIBS); \
@@ -29,6 +29,12 @@ run: install
 	@# unpack Debian's into kvchat's cache (no root needed); the compiler travels with kvchat (ziglang)
 	@$(BIN)/python -m kvchat.engine.python_headers
 	$(BIN)/kvchat
+
+# the decode step compiled for this machine once, at set-up, rather than during the first chat
+$(VENV)/.prepared: $(VENV)/.installed
+	@$(BIN)/python -m kvchat.engine.python_headers
+	$(BIN)/kvchat prepare
+	touch $@
 
 test: install
 	$(BIN)/pytest -q

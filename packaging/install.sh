@@ -65,3 +65,9 @@ fi
 cp "$tmp" "$entry"
 refresh_menu
 echo "installed $entry -> $binary"
+# the decode step compiled for this machine now rather than during the first chat (kvchat prepare);
+# the app can be started meanwhile. package-check's entry test skips it (KVCHAT_SKIP_PREPARE=1)
+if [ -z "${KVCHAT_SKIP_PREPARE:-}" ]; then
+    echo "preparing fast decoding for this computer (a few minutes, once) ..."
+    "$binary" prepare || echo "install.sh: kvchat prepare failed; the first start compiles in the background instead" >&2
+fi

@@ -111,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
     decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
     connections_args(sub)
+    prep = sub.add_parser("prepare", help="compile the decode step for this machine now, not at the first start")
+    prep.add_argument("--model", default="starter")
     pl = sub.add_parser("plan", help="what fits in memory: largest context per KV precision, Auto's pick")
     pl.add_argument("--model", default="starter", help="a folder, a config.json, a .gguf or a hub id")
     pl.add_argument("--context", type=int, required=True)
@@ -304,6 +306,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from kvchat.cli.prepare import prepare
+
+    done = prepare(args.model)
+    print("kvchat prepare: " + ", ".join(f"{k} {v} s" for k, v in done["seconds"].items())
+          + "".join(f"; {n}" for n in done["notices"]))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from kvchat.core import memory
     from kvchat.core.config import check_model_config
@@ -357,7 +368,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(["chat"])
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-                "eval": cmd_eval, "plan": cmd_plan, "connections": cmd_connections}[command](args)
+                "eval": cmd_eval, "plan": cmd_plan, "prepare": cmd_prepare, "connections": cmd_connections}[command](args)
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1
