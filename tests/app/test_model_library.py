@@ -84,7 +84,7 @@ def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts,
     assert len(library.items("loadedTag")) == 1  # the copy in LM Studio's folder is another file
     path = str(lm_studio / "smollm2.gguf")
     click(qtbot, library, cards(library, "modelPath")[path][3])
-    assert win.load_bar.isVisible()  # the window's staged load bar
+    qtbot.waitUntil(lambda: win.load_bar.isVisible() or bridge.engine.config.model == path)  # the staged load bar
     qtbot.waitUntil(lambda: not bridge.switching and bridge.engine.ready.is_set()
                     and bridge.engine.config.model == path, timeout=150000)
     assert bridge.engine.load_error is None
@@ -169,7 +169,10 @@ def test_a_hub_download_can_be_cancelled_and_bad_ids_are_refused(qtbot, tmp_path
     click(qtbot, library, library.item("download"))
     qtbot.waitUntil(lambda: library.progress > 0, timeout=30000)
     assert "/ 3.00 GB" in library.progressText
-    click(qtbot, library, library.item("cancelDownload"))
+    cancel = library.item("cancelDownload")
+    qtbot.waitUntil(lambda: cancel.isVisible() and cancel.width() > 0 and cancel.x() > 0)  # laid out where it shows
+    click(qtbot, library, cancel)
+    assert "cancelling" in library.progressText
     clicked.set()
     qtbot.waitUntil(lambda: not library.isDownloading, timeout=10000)
     assert library.status == "download of org/large cancelled" and len(library.items("modelCard")) == listed

@@ -35,8 +35,8 @@ def same(path: str, other: str) -> bool:
 
 
 class LibraryModel(QAbstractListModel):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, parent=None):
+        super().__init__(parent)
         self.models: list[LocalModel] = []
         self.rows: list[dict] = []
 

@@ -6,7 +6,7 @@ downloads on another, with progress and cancel, and joins the list when it is th
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import Property, QObject, QTimer, QUrl, Signal, Slot
+from PySide6.QtCore import Property, QMetaObject, QObject, Qt, QUrl, Signal, Slot
 from PySide6.QtQuickWidgets import QQuickWidget
 from PySide6.QtWidgets import QDialog, QFileDialog, QVBoxLayout
 
@@ -61,8 +61,50 @@ def installed_starter() -> list:
     return [model] if model is not None else []
 
 
+class LibraryFace(QObject):
+    """What the QML reads and calls, for the dialog. A child of the QML view, so it outlives the
+    view's QML: with the dialog itself in that place, every binding warned as the dialog went."""
+    changed = Signal()
+
+    def __init__(self, dialog, view):
+        super().__init__(view)
+        self.dialog = dialog
+        dialog.changed.connect(self.changed)
+
+    status = Property(str, lambda self: self.dialog.status, notify=changed)
+    progress = Property(float, lambda self: self.dialog.progress, notify=changed)  # -1: busy
+    progressText = Property(str, lambda self: self.dialog.progressText, notify=changed)
+    isDownloading = Property(bool, lambda self: self.dialog.isDownloading, notify=changed)
+
+    @Slot(str)
+    def load(self, path: str) -> None:
+        # queued: the dialog closes and the model loads after the QML click's handler has returned
+        self.dialog.pending = path
+        QMetaObject.invokeMethod(self.dialog, "load_pending", Qt.QueuedConnection)
+
+    @Slot(str)
+    def download(self, text: str) -> None:
+        self.dialog.download(text)
+
+    @Slot()
+    def cancelDownload(self) -> None:
+        self.dialog.cancelDownload()
+
+    @Slot()
+    def addFolder(self) -> None:
+        self.dialog.addFolder()
+
+    @Slot()
+    def openFile(self) -> None:
+        self.dialog.openFile()
+
+    @Slot()
+    def close(self) -> None:
+        self.dialog.reject()
+
+
 class ModelLibrary(QDialog):
-    """``chosen`` carries the path to load. The QML view calls the slots; the properties are what it shows."""
+    """``chosen`` carries the path to load. The QML view calls its face's slots and reads its properties."""
     chosen = Signal(str)
     changed = Signal()
 
@@ -73,8 +115,9 @@ class ModelLibrary(QDialog):
         self.resize(860, 600)
         self.folders, self.memory, self.on_cuda, self.roots = list(folders), memory, on_cuda, roots
         self.loaded = list(loaded)
+        self.pending = ""  # the model a click asked for, loaded once the click's handler has returned
         self.models = []
-        self.list_model = LibraryModel()
+        self.list_model = LibraryModel(self)
         self._status, self._progress, self._progress_text = "Looking for models…", -1.0, ""
         self.downloading: str | None = None
         self.downloader = Downloader()
@@ -82,11 +125,15 @@ class ModelLibrary(QDialog):
         self.downloader.downloaded.connect(self.on_downloaded)
         self.downloader.failed.connect(self.on_download_failed)
         prepare_quick()
-        self.theme = theme or Theme()  # held here: the QML context does not keep it alive
         self.view = QQuickWidget(self)
+        self.theme = theme
+        if theme is None:  # a child of the view, as the face below
+            self.theme = Theme()
+            self.theme.setParent(self.view)
+        self.face = LibraryFace(self, self.view)
         self.view.setResizeMode(QQuickWidget.SizeRootObjectToView)
         ctx = self.view.rootContext()
-        for name, value in (("library", self), ("libraryModel", self.list_model), ("theme", self.theme)):
+        for name, value in (("library", self.face), ("libraryModel", self.list_model), ("theme", self.theme)):
             ctx.setContextProperty(name, value)
         self.view.setSource(QUrl.fromLocalFile(str(QML_DIR / "LibraryView.qml")))
         if self.view.status() == QQuickWidget.Error:
@@ -100,13 +147,21 @@ class ModelLibrary(QDialog):
 
     # -- what the view shows --
 
-    def _get_status(self) -> str:
+    @property
+    def status(self) -> str:
         return self._status
 
-    status = Property(str, _get_status, notify=changed)
-    progress = Property(float, lambda self: self._progress, notify=changed)  # -1: busy
-    progressText = Property(str, lambda self: self._progress_text, notify=changed)
-    isDownloading = Property(bool, lambda self: self.downloading is not None, notify=changed)
+    @property
+    def progress(self) -> float:
+        return self._progress  # -1: busy
+
+    @property
+    def progressText(self) -> str:
+        return self._progress_text
+
+    @property
+    def isDownloading(self) -> bool:
+        return self.downloading is not None
 
     def say(self, status: str) -> None:
         self._status = status
@@ -133,7 +188,6 @@ class ModelLibrary(QDialog):
 
     # -- downloading a hub id --
 
-    @Slot(str)
     def download(self, text: str) -> None:
         if self.downloading:
             return
@@ -152,7 +206,6 @@ class ModelLibrary(QDialog):
             self._progress_text = f"{self.downloading}: {done / 1e9:.2f} / {total / 1e9:.2f} GB"
             self.changed.emit()
 
-    @Slot()
     def cancelDownload(self) -> None:
         if self.downloading:
             self.downloader.cancel()
@@ -169,12 +222,10 @@ class ModelLibrary(QDialog):
         self.say(message)
 
     def done(self, result: int) -> None:
-        """Closing the dialog stops a download under way, and its QML goes before the objects it
-        reads (else each of its bindings warns as they are deleted)."""
+        """Closing the dialog stops a download under way. (Its QML is not cleared first: items a
+        caller still held then ended the process in a refcount error at exit, PySide 6.12.)"""
         self.downloader.cancel()
         super().done(result)
-        # queued: a click in the QML may be what closes it, and its item must outlive its handler
-        QTimer.singleShot(0, self.view, lambda: self.view.setSource(QUrl()))
 
     # -- the list --
 
@@ -199,7 +250,6 @@ class ModelLibrary(QDialog):
                  "folder, kvchat's models folder and the folders you added." if merged else
                  "No models found. Add a folder, open a .gguf, or download a hub id above.")
 
-    @Slot()
     def addFolder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")
         if folder:
@@ -210,7 +260,6 @@ class ModelLibrary(QDialog):
             self.folders.append(folder)
         self.rescan()
 
-    @Slot()
     def openFile(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf)")
         if path:
@@ -221,7 +270,10 @@ class ModelLibrary(QDialog):
         if model is not None:
             self.show_models(self.models + [model])
 
-    @Slot(str)
+    @Slot()
+    def load_pending(self) -> None:
+        self.load(self.pending)
+
     def load(self, path: str) -> None:
         self.chosen.emit(path)
         self.accept()

@@ -3,9 +3,8 @@ opening the setting it names. When the bar is narrow the chips first say less (t
 then the optional ones move into the overflow menu ("⋯"), which opens the same settings: nothing
 vanishes, nothing is cut mid-word."""
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QAction
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QMenu, QStyle, QStyleOptionToolButton, QStylePainter, QToolButton,
-                               QWidget)
+from PySide6.QtGui import QAction, QPainter
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QMenu, QStyle, QStyleOptionToolButton, QToolButton, QWidget
 
 from kvchat.core.memory import parameter_counts
 
@@ -47,6 +46,11 @@ class Chip(QToolButton):
         self.full, self.short = text, short or text
         super().setText(self.short if self.compact else self.full)
 
+    def width_for(self, text: str) -> int:
+        """Its width with ``text``, without setting it (a text set and set back costs a relayout)."""
+        fm = self.fontMetrics()
+        return self.sizeHint().width() - fm.horizontalAdvance(self.text()) + fm.horizontalAdvance(text)
+
     def drawn_text(self) -> str:
         """Its text as painted: cut at the end when the chip is narrower than it asks, never in the
         middle (the style's way, which made "Smo…uto" of a model name and its weights)."""
@@ -57,15 +61,27 @@ class Chip(QToolButton):
         return self.fontMetrics().elidedText(self.text(), Qt.ElideRight, max(0, room - padding))
 
     def paintEvent(self, event) -> None:
+        if self.width() >= self.sizeHint().width():  # the whole text fits: the style draws it as it is
+            super().paintEvent(event)
+            return
         opt = QStyleOptionToolButton()
         self.initStyleOption(opt)
         opt.text = self.drawn_text()
-        QStylePainter(self).drawComplexControl(QStyle.CC_ToolButton, opt)
+        painter = QPainter(self)
+        self.style().drawComplexControl(QStyle.CC_ToolButton, opt, painter, self)
+        painter.end()
 
     def set_compact(self, compact: bool) -> None:
         if compact != self.compact:
             self.compact = compact
             super().setText(self.short if compact else self.full)
+
+
+def wanted_width(widget: QWidget, compact: bool) -> int:
+    """A widget's wanted width; a chip's with its short or full text."""
+    if isinstance(widget, Chip):
+        return widget.width_for(widget.short if compact else widget.full)
+    return widget.sizeHint().width()
 
 
 class TopBar(QFrame):
@@ -115,22 +131,25 @@ class TopBar(QFrame):
             return
         self._fitting = True
         try:
-            for compact in (False, True):
-                for chip in self.chips():
-                    chip.set_compact(compact)
-                if self._place(whole=not compact) or compact:
-                    break
+            # planned from the texts' widths, then applied once: each Qt call here is made only when
+            # something changes (a fit runs on every relayout)
+            compact = not self._place(compact=False, apply=False)
+            for chip in self.chips():
+                chip.set_compact(compact)
+            self._place(compact=compact, apply=True)
         finally:
             self._fitting = False
 
-    def _place(self, whole: bool) -> bool:
+    def _place(self, compact: bool, apply: bool) -> bool:
         """In order, each optional widget that fits in the room left; after one that does not, none,
-        and the overflow button instead. True when every allowed one is shown. ``whole``: the roomy
-        widgets count at their whole width (their full text, not elided)."""
+        and the overflow button instead. True when every allowed one is shown. Chips count with
+        their short (``compact``) or full text; roomy ones in full unless compact."""
         more = self.more.sizeHint().width() + self._spacing()
-        room = self.width() - self._row_width(roomy=True, whole=whole)
-        need = [max(w.sizeHint().width(), w.minimumWidth()) + self._spacing() for w in self.optional]
+        room = self.width() - self._row_width(roomy=True, whole=not compact)
+        need = [max(wanted_width(w, compact), w.minimumWidth()) + self._spacing() for w in self.optional]
         everything = room >= sum(n for w, n in zip(self.optional, need) if w in self.allowed)
+        if not apply:
+            return everything
         if not everything:
             room -= more
         for widget, n in zip(self.optional, need):
@@ -165,7 +184,7 @@ class TopBar(QFrame):
                 continue
             width = item.minimumSize().width()
             if roomy and widget in self.roomy:
-                hint = widget.sizeHint().width()
+                hint = wanted_width(widget, not whole)
                 width = max(width, hint if whole else min(self.roomy[widget], hint))
             widths.append(width)
         margins = row.contentsMargins()
