@@ -22,6 +22,25 @@ COUNTED_STAGES = {"convert": "converting GGUF", "weights": "loading weights"}
 LIVE = ("max_context", "kv_precision", "headroom_gib")  # applied without reloading the model
 
 
+def loaded_model(models: "ModelController") -> list[str]:
+    """The loaded model as the library can find it: its setting and, for the starter, its file."""
+    if models.bridge.server is not None or models.config is None:
+        return []
+    model = models.engine_settings().get("model", "starter")
+    if model == "starter":
+        try:
+            return [model, str(starter_path())]
+        except ModelError:
+            return [model]
+    return [model]
+
+
+def show_saving(win, setting: str, in_force: str | None) -> None:
+    """The KV chip in plain words ("Memory saving: automatic"), the KV precision in its tooltip."""
+    win.kv_chip.setText(f"Memory saving: {saving(setting)}", f"Saving: {saving(setting)}")
+    win.kv_chip.setToolTip(saving_tip(setting, in_force))
+
+
 class ModelController(QObject):
     """A child of the window: the bridge's signals stop reaching it when the window goes."""
 
@@ -87,7 +106,7 @@ class ModelController(QObject):
 
     def library(self, roots=None) -> ModelLibrary:
         library = ModelLibrary(self.win, self.store.setting("model_folders") or [], self.memory(), self.on_cuda(), roots,
-                               self.win.theme, self.loaded_model())
+                               self.win.theme, loaded_model(self))
         library.chosen.connect(self.load_from_library)
         library.finished.connect(lambda _: self.store.set_setting("model_folders", library.folders))
         return library
@@ -98,18 +117,6 @@ class ModelController(QObject):
         library.setAttribute(Qt.WA_DeleteOnClose)
         library.open()
         return library
-
-    def loaded_model(self) -> list[str]:
-        """The loaded model as the library can find it: its setting and, for the starter, its file."""
-        if self.bridge.server is not None or self.config is None:
-            return []
-        model = self.engine_settings().get("model", "starter")
-        if model == "starter":
-            try:
-                return [model, str(starter_path())]
-            except ModelError:
-                return [model]
-        return [model]
 
     def load_from_library(self, path: str) -> None:
         """Like choosing the model in Settings: saved only once it has loaded. On a connection, the
@@ -234,12 +241,8 @@ class ModelController(QObject):
         win.model_chip.setText(" · ".join(p for p in (name, size, weights) if p), short)
         win.model_chip.setToolTip(f"{name}{f', {size} parameters' if size else ''}, {weights}: click to change the model")
         win.context_chip.setText(f"Context: {now['max_context']:,} tokens", f"{now['max_context']:,} tokens")
-        self.show_saving(now["kv_precision"], self.bridge.precision)
+        show_saving(win, now["kv_precision"], self.bridge.precision)
 
-    def show_saving(self, setting: str, in_force: str | None) -> None:
-        """The KV chip in plain words ("Memory saving: automatic"), the KV precision in its tooltip."""
-        self.win.kv_chip.setText(f"Memory saving: {saving(setting)}", f"Saving: {saving(setting)}")
-        self.win.kv_chip.setToolTip(saving_tip(setting, in_force))
 
     def on_load_failed(self, message: str) -> None:
         """Say why; after a failed switch, load the model that worked again (its setting was never
@@ -276,7 +279,7 @@ class ModelController(QObject):
         win.precision_label.setToolTip(f"Memory saving: {saving(snapshot['precision'])} (the KV cache's precision "
                                        f"is {snapshot['precision']})")
         if self.bridge.server is None:
-            self.show_saving(self.engine_settings()["kv_precision"], snapshot["precision"])
+            show_saving(win, self.engine_settings()["kv_precision"], snapshot["precision"])
         if self.config is not None:  # set with the engine's settings (ModelReady), headroom included
             p = plan(self.config, snapshot["total"] - snapshot["other_processes"], 4096,
                      weights_size=snapshot["weights"], headroom=self.bridge.settings.get("headroom_bytes", GiB),
