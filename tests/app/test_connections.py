@@ -180,13 +180,15 @@ def test_the_editor_says_why_it_cannot_save(qtbot, ring, server, app_parts):
     qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Save), Qt.LeftButton)
     assert editor.isVisible() and "needs a name" in editor.status.text() and Connections().all() == []
     qtbot.keyClicks(editor.name, "lab")
-    keyring.set_keyring(NoKeyring())  # a machine with no keyring: the key is not written anywhere
+    keyring.set_keyring(NoKeyring())  # a machine with no keyring: the key is kept for this session only
     qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Save), Qt.LeftButton)
-    assert editor.isVisible() and "no OS keyring" in editor.status.text() and Connections().all() == []
-    editor.key.clear()  # without a key it saves
-    qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Save), Qt.LeftButton)
-    assert not editor.isVisible() and [c.name for c in Connections().all()] == ["lab"]
+    status = editor.status
+    assert editor.isVisible() and "kept for this session only" in status.text()
+    assert status.height() >= status.heightForWidth(status.width())  # every line shown, none clipped
+    assert [c.name for c in Connections().all()] == ["lab"] and get_key("lab") == "wrong-key"
     assert dialog.list.count() == 1
+    qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Cancel), Qt.LeftButton)  # now "Close"
+    assert not editor.isVisible()
     with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
         qtbot.mouseClick(dialog.remove_button, Qt.LeftButton)
     assert "lab" in asked[0] and Connections().all() == [] and dialog.list.count() == 0
@@ -230,3 +232,14 @@ def test_the_app_reopens_on_the_connection_it_was_using(qtbot, ring, server, tmp
     send(qtbot, win, "Hi!")
     assert store.messages(win.conversation_id)[-1].stats["kv_precision"] == "server"
     win.bridge.engine.close()
+
+
+def test_choosing_the_same_connection_again_retries_it(qtbot, ring, app_parts):
+    win, _, bridge, _ = app_parts
+    Connections().save(Connection("down", "http://127.0.0.1:9"))  # nothing listens there
+    win.connection_box.fill()
+    with qtbot.waitSignal(bridge.load_failed, timeout=30000):
+        choose(qtbot, win.connection_box, "down")
+    assert win.connection_box.currentText() == "down"
+    with qtbot.waitSignal(bridge.load_failed, timeout=30000):  # asked again, not ignored
+        choose(qtbot, win.connection_box, "down")

@@ -16,8 +16,18 @@ NO_KEYRING = ("no OS keyring is available here (a headless session has none): th
               "service (GNOME Keyring, KWallet) or the keyrings.alt package.")
 
 
+SESSION_NOTE = ("No OS keyring on this machine: the key is kept for this session only, until kvchat quits "
+                "(the connection itself is saved). To keep keys, install a keyring service (GNOME Keyring, "
+                "KWallet) or the keyrings.alt package.")
+_session_keys: dict[str, str] = {}  # a connection's key where no keyring can keep it: this process only
+
+
 class KeyringUnavailable(RuntimeError):
     pass
+
+
+def keep_for_session(name: str, api_key: str) -> None:
+    _session_keys[name] = api_key
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Connections:
 
     def remove(self, name: str) -> None:
         self._write([c for c in self.all() if c.name != name])
+        _session_keys.pop(name, None)
         try:
             keyring.delete_password(SERVICE, _user(name))
         except keyring.errors.KeyringError:  # no key saved, or no keyring at all
@@ -114,7 +125,9 @@ def set_key(name: str, api_key: str) -> None:
 
 
 def get_key(name: str) -> str | None:
-    """The saved key, or None when there is none or no keyring to ask."""
+    """The saved key (or the one kept for this session), or None when there is none."""
+    if name in _session_keys:
+        return _session_keys[name]
     try:
         return keyring.get_password(SERVICE, _user(name))
     except keyring.errors.KeyringError:

@@ -46,7 +46,7 @@ class ConnectionBox(QComboBox):
         if data is _MANAGE:
             self.setCurrentIndex(max(0, self.findData(self.current)))
             self.manage()
-        elif data != self.current:
+        elif data != self.current or data is not None:  # the same connection again: a retry
             self.picked.emit(data)
 
     def manage(self) -> ConnectionsDialog:
@@ -58,5 +58,5 @@ class ConnectionBox(QComboBox):
         return self.dialog
 
     def _on_chosen(self, name) -> None:
-        if name != self.current:
+        if name != self.current or name is not None:
             self.picked.emit(name)

@@ -7,7 +7,8 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout)
 
-from kvchat.core.connections import Connection, Connections, KeyringUnavailable, connection_problem, get_key
+from kvchat.core.connections import (SESSION_NOTE, Connection, Connections, KeyringUnavailable, connection_problem,
+                                     get_key, keep_for_session)
 from kvchat.remote.client import list_models
 
 FIRST_MODEL = "(the server's first model)"
@@ -105,6 +106,7 @@ class ConnectionEditor(QDialog):
         self.fetch.setEnabled(True)
         self.status.setText(text)
         self.status.setStyleSheet("color: #c2410c;" if error else "")
+        self.adjustSize()  # a longer message gets its lines: a wrapped label is not resized by its text
 
     def save(self) -> None:
         name, url = self.name.text().strip(), self.url.text().strip()
@@ -116,14 +118,23 @@ class ConnectionEditor(QDialog):
         key = self.api_key()
         try:
             self.connections.save(Connection(name, url, self.model.currentData()), api_key=key)
-        except KeyringUnavailable as e:
-            self.say(str(e).replace(" Pass it with --api-key or KVCHAT_REMOTE_API_KEY each time, or",
-                                    " Leave the key empty, or"), error=True)
+        except KeyringUnavailable:
+            # usable now all the same: the connection saved, its key in this process only, and said so
+            self.connections.save(Connection(name, url, self.model.currentData()))
+            keep_for_session(name, key)
+            self.finish_renaming(name)
+            self.saved.emit(name)
+            self.say(SESSION_NOTE)
+            self.buttons.button(QDialogButtonBox.Save).hide()
+            self.buttons.button(QDialogButtonBox.Cancel).setText("Close")
             return
-        if self.original and self.original.name != name:  # renamed: the old entry and its key go
-            self.connections.remove(self.original.name)
+        self.finish_renaming(name)
         self.saved.emit(name)
         self.accept()
+
+    def finish_renaming(self, name: str) -> None:
+        if self.original and self.original.name != name:  # renamed: the old entry and its key go
+            self.connections.remove(self.original.name)
 
 
 class ConnectionsDialog(QDialog):
