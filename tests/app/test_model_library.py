@@ -58,6 +58,8 @@ def test_the_library_shows_the_loaded_starter_first_with_its_verdict(qtbot, app_
     assert badge == "fits · 8k"
     assert "KV fp16: 8,192 tokens (the model's trained limit)" in tip and "KV int4:" in tip
     assert library.items("loadedTag") and load.property("text") == "Loaded" and not load.property("enabled")
+    click(qtbot, library, library.item("closeLibrary"))
+    qtbot.waitUntil(lambda: not library.isVisible())
 
 
 def test_the_library_lists_models_with_a_verdict_and_loads_one(qtbot, app_parts, tmp_path, monkeypatch):

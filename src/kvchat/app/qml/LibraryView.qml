@@ -181,7 +181,7 @@ Rectangle {
             Button { objectName: "addFolder"; text: "Add folder…"; onClicked: library.addFolder() }
             Button { objectName: "openGguf"; text: "Open .gguf…"; onClicked: library.openFile() }
             Item { Layout.fillWidth: true }
-            Button { objectName: "closeLibrary"; text: "Close"; onClicked: library.reject() }
+            Button { objectName: "closeLibrary"; text: "Close"; onClicked: library.close() }
         }
     }
 }
