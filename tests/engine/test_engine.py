@@ -3,7 +3,7 @@ import pytest
 
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.core.events import EngineError, Error, Finished, Request, TokenDelta
+from kvchat.core.events import EngineError, Error, Finished, PrefillProgress, Request, TokenDelta
 
 from tiny_models import as_loaded
 
@@ -27,7 +27,10 @@ def no_leak(engine):
 def test_events_stream_deltas_then_finished_with_stats(engine):
     handle = engine.submit(Request(messages=HELLO, sampling=SamplingParams(max_new_tokens=12, temperature=0)))
     events = list(handle)
-    deltas, done = events[:-1], events[-1]
+    prefill = [i for i, e in enumerate(events) if isinstance(e, PrefillProgress)]
+    assert prefill == list(range(len(prefill))) and (events[prefill[-1]].done, events[prefill[-1]].total) == (
+        len(engine.formatter.encode(HELLO).token_ids),) * 2  # the prompt read, then the tokens
+    deltas, done = events[len(prefill):-1], events[-1]
     assert all(isinstance(e, TokenDelta) for e in deltas) and isinstance(done, Finished)
     assert "".join(d.text for d in deltas) == done.text
     assert [d.token_id for d in deltas if d.token_id >= 0] == done.token_ids
