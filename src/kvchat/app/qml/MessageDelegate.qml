@@ -63,6 +63,8 @@ Item {
                 anchors.verticalCenter: parent.verticalCenter
                 ToolButton {
                     objectName: "previousVersion"
+                    palette.buttonText: theme.colours.text  // Fusion's own palette is light: unreadable in dark
+                    opacity: enabled ? 1 : 0.3
                     text: "‹"
                     enabled: msg.version > 0 && !msg.streaming
                     implicitWidth: 24; implicitHeight: 24
@@ -78,6 +80,8 @@ Item {
                 }
                 ToolButton {
                     objectName: "nextVersion"
+                    palette.buttonText: theme.colours.text  // Fusion's own palette is light: unreadable in dark
+                    opacity: enabled ? 1 : 0.3
                     text: "›"
                     enabled: msg.version < msg.versions - 1 && !msg.streaming
                     implicitWidth: 24; implicitHeight: 24
