@@ -12,8 +12,8 @@ from kvchat.core.config import SamplingParams
 from kvchat.app.controllers.conversations import ConversationController
 from kvchat.app.controllers.desktop import DesktopController
 from kvchat.app.controllers.models import ModelController
-from kvchat.app.controllers.personas import PersonaController
 from kvchat.app.controllers.memory_tally import MemoryTally
+from kvchat.app.controllers.personas import PersonaController
 from kvchat.app.controllers.prefill import PrefillMeter
 from kvchat.app.controllers.replies import WAITING_NOTE, ReplyController
 from kvchat.app.models.sampling_defaults import model_defaults
