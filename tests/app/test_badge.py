@@ -33,7 +33,7 @@ def test_the_badge_says_what_the_engine_holds_across_a_restart(qtbot, tmp_path, 
     try:
         win.chats.new()
         win.persona_box.setCurrentIndex(2)  # a persona longer than one block
-        qtbot.waitUntil(lambda: badge(win) == "not prepared yet", timeout=10000)  # known before the first reply
+        qtbot.waitUntil(lambda: badge(win) == "cold", timeout=10000)  # known before the first reply
         assert win.persona_badge.text() == "not prepared yet"
         send(qtbot, win, "Hello")
         qtbot.waitUntil(lambda: badge(win) == "warm", timeout=10000)
