@@ -146,7 +146,7 @@ def test_personas_hit_the_servers_cache_and_the_memory_panel_shows_the_servers_f
         qtbot.mouseClick(win.new_button, Qt.LeftButton)
         send(qtbot, win, question)
         replies.append(store.messages(win.conversation_id)[-1])
-    qtbot.waitUntil(lambda: win.persona_badge.text() == "server's own cache", timeout=5000)
+    qtbot.waitUntil(lambda: win.persona_badge.text() == "cached by the server", timeout=5000)
     cold, warm = (r.stats for r in replies)
     assert cold["prompt_tokens"] > 300 and warm["cached_tokens"] >= cold["prompt_tokens"] - 32  # the persona's blocks
 
