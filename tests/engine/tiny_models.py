@@ -1,5 +1,6 @@
 """Tiny random Llama / Qwen2 (qkv bias) / Qwen3 (q/k norm) models with GQA and head_dim 64."""
 import copy
+import hashlib
 
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -30,5 +31,14 @@ def tiny_model(arch: str, seed: int = 0):
 
 
 def as_loaded(model, tokenizer, name: str = "tiny") -> LoadedModel:
-    return LoadedModel(copy.deepcopy(model), tokenizer, ModelSource("folder", name), f"test:{name}",
-                       torch.device("cpu"), torch.float32)
+    """The identity names the weights, as a real load's does (the file's hash): the KV tiers key
+    blocks by it, and two tiny models under one name restored each other's KV from disk."""
+    return LoadedModel(copy.deepcopy(model), tokenizer, ModelSource("folder", name),
+                       f"test:{name}:{fingerprint(model)}", torch.device("cpu"), torch.float32)
+
+
+def fingerprint(model) -> str:
+    digest = hashlib.sha256()
+    for name, p in model.state_dict().items():  # a sample of each tensor tells random seeds apart
+        digest.update(name.encode() + str(tuple(p.shape)).encode() + p.flatten()[:256].float().numpy().tobytes())
+    return digest.hexdigest()[:16]
