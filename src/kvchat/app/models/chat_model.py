@@ -1,14 +1,15 @@
 """The open conversation as a list model for the QML chat view. A streaming reply changes one row,
 and only that row's blocks are rebuilt; the other messages keep what they rendered."""
-from PySide6.QtCore import QAbstractListModel, QByteArray, QModelIndex, Qt
+from PySide6.QtCore import Qt
 
 from kvchat.app.models.attachments import chip, decode
 from kvchat.app.models.blocks import blocks, stats_line
+from kvchat.app.models.row_model import RowModel, role_ids
 
 ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note",
          "version", "versions"]
 ROLES.append("attachments")  # a user message's pasted documents, as chips (models/attachments.py)
-ROLE_IDS = {name: Qt.UserRole + 1 + i for i, name in enumerate(ROLES)}
+ROLE_IDS = role_ids(ROLES)
 
 
 def with_attachments(row: dict) -> dict:
@@ -20,18 +21,13 @@ def with_attachments(row: dict) -> dict:
     return row
 
 
-class ChatModel(QAbstractListModel):
+class ChatModel(RowModel):
+    ROLE_IDS = ROLE_IDS
+
     def __init__(self, dark: bool = False):
         super().__init__()
-        self.rows: list[dict] = []
         self.dark = dark
         self.author = "Assistant"
-
-    def roleNames(self) -> dict:
-        return {rid: QByteArray(name.encode()) for name, rid in ROLE_IDS.items()}
-
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows)
 
     def data(self, index, role=Qt.DisplayRole):
         if not index.isValid():

@@ -2,12 +2,13 @@
 planner's badge, the loaded one first."""
 from pathlib import Path
 
-from PySide6.QtCore import QAbstractListModel, QByteArray, QModelIndex, Qt
+from PySide6.QtCore import Qt
 
+from kvchat.app.models.row_model import RowModel, role_ids
 from kvchat.core.model_library import LocalModel, fit
 
 ROLES = ["name", "details", "source", "path", "kind", "badge", "tip", "loaded"]
-ROLE_IDS = {name: Qt.UserRole + 1 + i for i, name in enumerate(ROLES)}
+ROLE_IDS = role_ids(ROLES)
 UNKNOWN_MEMORY = "unknown until the engine reports memory"
 
 
@@ -34,17 +35,12 @@ def same(path: str, other: str) -> bool:
         return path == other
 
 
-class LibraryModel(QAbstractListModel):
+class LibraryModel(RowModel):
+    ROLE_IDS = ROLE_IDS
+
     def __init__(self, parent=None):
         super().__init__(parent)
         self.models: list[LocalModel] = []
-        self.rows: list[dict] = []
-
-    def roleNames(self) -> dict:
-        return {rid: QByteArray(name.encode()) for name, rid in ROLE_IDS.items()}
-
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows)
 
     def data(self, index, role=Qt.DisplayRole):
         if not index.isValid():
