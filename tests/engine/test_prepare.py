@@ -1,12 +1,12 @@
 """kvchat prepare waits for each compile a reply started, from the engine's notices."""
 import threading
 
-from kvchat.cli.prepare import _Compiles
+from kvchat.engine.precompile import Compiles
 from kvchat.core.events import Notice
 
 
 def test_a_compile_is_waited_for_until_it_is_said_ready_or_eager():
-    compiles = _Compiles()
+    compiles = Compiles()
     assert compiles.wait(0)  # nothing announced: nothing to wait for
     compiles.on_event(Notice("warm-up", "preparing fast decoding in the background: replies start at once"))
     compiles.on_event(Notice("evict", "3 cached block(s) evicted"))  # other notices change nothing

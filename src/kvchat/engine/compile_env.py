@@ -1,5 +1,8 @@
 """What compiling the decode step needs on this machine, and where its caches go."""
+import builtins
+import functools
 import os
+import threading
 
 from kvchat.core.paths import cache_dir
 from kvchat.engine import toolchain
@@ -18,3 +21,36 @@ def use_disk_cache() -> None:
     expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
     own default into the environment the first time anything asks it for its cache dir."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+def confine_fx_patches() -> None:
+    """While torch.fx's tracer traces (inductor's compile does, via make_fx), it swaps
+    ``nn.Module.__call__`` and ``__getattr__`` for its own, process-wide. A compile on one thread
+    then sent the eager step's module calls on the engine thread through the tracer, and a reply
+    failed ("module is not installed as a submodule"). Each swap is confined here to the thread
+    that traces; every other thread keeps what was there."""
+    from torch.fx import _symbolic_trace as fx_trace
+
+    patcher = fx_trace._Patcher
+    if getattr(patcher, "_kvchat_confined", False):
+        return
+    patch, patch_method = patcher.patch, patcher.patch_method
+
+    def confined(original, replacement):
+        tracer_thread = threading.get_ident()
+
+        @functools.wraps(replacement)
+        def call(*args, **kwargs):
+            chosen = replacement if threading.get_ident() == tracer_thread else original
+            return chosen(*args, **kwargs)
+        return call
+
+    def confined_patch(self, frame_dict, name, new_fn, deduplicate=True):
+        original = frame_dict[name] if name in frame_dict else getattr(builtins, name)
+        return patch(self, frame_dict, name, confined(original, new_fn), deduplicate)
+
+    def confined_patch_method(self, cls, name, new_fn, deduplicate=True):
+        return patch_method(self, cls, name, confined(getattr(cls, name), new_fn), deduplicate)
+
+    patcher.patch, patcher.patch_method = confined_patch, confined_patch_method
+    patcher._kvchat_confined = True

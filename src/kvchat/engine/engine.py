@@ -214,6 +214,7 @@ class Engine:
     def _shutdown(self, command: Shutdown) -> None:
         with self._lock:
             self._closed = True
+        self.host.end_compiles()
         self._refuse_queued("the engine is shut down")
         command.future.set_result(None)  # the model stays readable (stats, tests); the process is ending
 

@@ -21,9 +21,11 @@ from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.memory_probe import MemoryProbe
+from kvchat.engine.model.compile_child import CacheWarmer
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
 
 log = logging.getLogger("kvchat.engine")
+PREPARING = "preparing fast decoding in the background: replies start at once, faster when it is ready"
 
 
 class ModelHost:
@@ -34,6 +36,7 @@ class ModelHost:
         self.disk = (persona_store is True) if disk_tier is None else disk_tier
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
         self.warmed = self.fallback_told = False  # CUDA's smallest graph captured for this pool; a fallback told once
+        self.warmer: CacheWarmer | None = None  # the children compiling the loaded model's graphs
 
     # -- loading and dropping --
 
@@ -105,6 +108,9 @@ class ModelHost:
         e.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode, cfg.ram_cache_bytes,
                           self.disk_tier(cfg), e.notice)
         self.warmed = self.fallback_told = False
+        if loaded is None:  # a model handed in may have no source a child could load
+            total, used = e.probe.totals()
+            self.warmer = CacheWarmer.for_model(cfg, total - used, e.weights_bytes)
         e.governor.next_snapshot = 0.0
 
     def disk_tier(self, cfg: EngineConfig) -> DiskTier | None:
@@ -122,6 +128,7 @@ class ModelHost:
         expected = e.weights_bytes + (e.kvpool.kv.nbytes if e.kvpool else 0)
         ours = check and self.good is not None and self.good[1] is None  # not a model a caller still holds
         before = e.probe.own() if ours else 0
+        self.end_compiles()
         e.kvpool = e.loaded = e.formatter = None
         e.handle = None
         gc.collect()
@@ -186,17 +193,23 @@ class ModelHost:
     # -- the decode step --
 
     def prepare_decode(self, between_tokens: bool = False) -> None:
-        """Have the decode step prepared for the pool without making anything wait for it: on the
-        CPU it compiles on a thread of its own (a minute or two the first time, the seconds of a
-        disk-cache hit after) while replies decode eagerly; on CUDA the smallest graph is captured
-        in an idle second (a second), never between two tokens of a reply. Also says when a
-        compile has ended."""
+        """Have the decode step prepared for the pool without making anything wait for it. On the
+        CPU a child process compiles the graph into the disk cache while replies decode eagerly
+        (a minute or two the first time); in an idle moment after, a thread of this process
+        compiles it from that cache (seconds), or from scratch where the RAM holds no child. On
+        CUDA the smallest graph is captured in an idle second, never between two tokens of a
+        reply. Also says when a compile has ended."""
         e = self.engine
         if e.kvpool is None:
             return
-        step = e.kvpool.runner.step
-        if step.prepare(e.kvpool.kv):
-            e.notice("warm-up", "preparing fast decoding in the background: replies start at once, faster when it is ready")
+        step, kv, warmer = e.kvpool.runner.step, e.kvpool.kv, self.warmer
+        kind = step.graph_wanted(kv)
+        if warmer is not None and kind is not None:  # a child compiles the graph; this process, from its result when idle
+            if warmer.start(kind):
+                e.notice("warm-up", PREPARING)
+            step.prepare(kv, graph=not between_tokens and not warmer.running(kind))
+        elif step.prepare(kv):
+            e.notice("warm-up", PREPARING)
         if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:
             self.warmed = True
             e.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")
@@ -218,8 +231,15 @@ class ModelHost:
         for job, seconds in e.kvpool.runner.step.background.take_finished():
             log.info("%s compiled in %.1f s", job, seconds)
             if job != "weights":
+                seconds = max(seconds, self.warmer.seconds(job) if self.warmer else 0.0)  # from the child's start
                 e.notice("warm-up", f"fast decoding ready ({seconds:.0f} s)")
         self.report_fallback()
+
+    def end_compiles(self) -> None:
+        """Stop the model's compile children (a model change, the engine's end)."""
+        if self.warmer is not None:
+            self.warmer.close()
+            self.warmer = None
 
     def report_fallback(self) -> None:
         e = self.engine

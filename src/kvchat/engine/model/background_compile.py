@@ -16,6 +16,8 @@ import torch
 
 from kvchat.kernels import traced
 
+from kvchat.engine.compile_env import confine_fx_patches
+
 from kvchat.engine.model.attention import StepMeta, running
 
 SWITCH_S = float(os.environ.get("KVCHAT_SWITCH_S", "0.0002"))
@@ -24,6 +26,7 @@ STAND_IN_BLOCKS = 4  # the pool a background compile traces on: its size is a dy
 
 class BackgroundCompile:
     def __init__(self, on_failure):
+        confine_fx_patches()  # a trace on the compile thread must not reach the engine thread's modules
         self.on_failure = on_failure  # called with the exception, on the compile thread
         self.ready: set[str] = set()
         self.failed: Exception | None = None

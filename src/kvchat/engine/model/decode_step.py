@@ -167,22 +167,22 @@ class DecodeStep:
             return False
         return window is None or position >= window.sinks
 
-    def prepare(self, kv) -> bool:
+    def prepare(self, kv, graph: bool = True) -> bool:
         """Start compiling, in the background, what decoding on ``kv`` needs: the int8 weights'
-        eager paths, then (CPU, compiled mode) the step's graph for this kind of pool. True when
-        the graph's compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
+        eager paths, then (``graph``) the step's graph for this kind of pool, on the compile thread
+        while the engine thread decodes eagerly (``running`` is per thread). True when the graph's
+        compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
         self.background.want("weights", lambda: warm_weights(self.model))
-        if not self.captured or self.device.type == "cuda":
-            return False
-        kind = graph_kind(kv)
-        if self.background.known(kind):
+        kind = self.graph_wanted(kv) if graph else None
+        if kind is None:
             return False
         layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
-        return self.background.want(kind, lambda: self._compile(kind, layers))
+        return self.background.want(kind, lambda: run_on_stand_ins(self._compiled_forward(), kind, layers, self.device))
 
-    def _compile(self, kind: str, layers: list[dict]) -> None:
-        """On the compile thread, while the engine thread decodes eagerly (``running`` is per thread)."""
-        run_on_stand_ins(self._compiled_forward(), kind, layers, self.device)
+    def graph_wanted(self, kv) -> str | None:
+        """The kind of graph decoding on ``kv`` still needs compiled on the CPU, or None."""
+        kind = graph_kind(kv)
+        return None if not self.captured or self.device.type == "cuda" or self.background.known(kind) else kind
 
     def warm_up(self, kv) -> None:
         """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the

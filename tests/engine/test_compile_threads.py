@@ -1,0 +1,70 @@
+"""Compiling beside a running reply: torch.fx's process-wide patches stay on the tracing thread,
+and a compile child is started once per graph, stopped with the engine, and only where it fits."""
+import threading
+
+import torch
+from torch import nn
+
+from kvchat.core.config import EngineConfig
+from kvchat.engine.compile_env import confine_fx_patches
+from kvchat.engine.model import compile_child
+from kvchat.engine.model.compile_child import SPARE_BYTES, CacheWarmer
+
+
+class _Held(nn.Module):
+    """A module whose forward waits, so that a trace of it holds fx's patches in place."""
+
+    def __init__(self, inside: threading.Event, release: threading.Event):
+        super().__init__()
+        self.lin, self.inside, self.release = nn.Linear(2, 2), inside, release
+
+    def forward(self, x):
+        self.inside.set()
+        self.release.wait(10)
+        return self.lin(x)
+
+
+def test_a_module_called_on_another_thread_during_a_trace_runs_as_itself():
+    confine_fx_patches()
+    inside, release = threading.Event(), threading.Event()
+    traced = {}
+    tracer = threading.Thread(target=lambda: traced.update(graph=torch.fx.symbolic_trace(_Held(inside, release))))
+    tracer.start()
+    try:
+        assert inside.wait(10)
+        other = nn.Sequential(nn.Linear(2, 3))
+        x = torch.ones(1, 2)
+        # unconfined, the call went through the tracer: NameError "module is not installed as a submodule"
+        assert torch.equal(other(x), torch.nn.functional.linear(x, other[0].weight, other[0].bias))
+        assert other.training is True  # __getattr__ as well
+    finally:
+        release.set()
+        tracer.join(10)
+    calls = [n.target for n in traced["graph"].graph.nodes if n.op == "call_module"]
+    assert calls == ["lin"]  # the tracing thread still traced through its own module
+
+
+def test_the_warmer_starts_only_where_a_second_copy_of_the_weights_fits(monkeypatch):
+    monkeypatch.delenv(compile_child.HERE, raising=False)
+    cpu = EngineConfig(model="starter", device="cpu", weights="int8", decode="auto")
+    weights = 300 << 20
+    assert CacheWarmer.for_model(cpu, weights + SPARE_BYTES, weights).spec == {
+        "model": "starter", "device": "cpu", "dtype": "auto", "weights": "int8", "decode": "auto"}
+    assert CacheWarmer.for_model(cpu, weights + SPARE_BYTES - 1, weights) is None
+    assert CacheWarmer.for_model(EngineConfig(device="cuda"), 1 << 40, weights) is None
+    assert CacheWarmer.for_model(EngineConfig(decode="eager"), 1 << 40, weights) is None
+    monkeypatch.setenv(compile_child.HERE, "1")  # a child makes no child of its own
+    assert CacheWarmer.for_model(cpu, 1 << 40, weights) is None
+
+
+def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):
+    started = []
+    monkeypatch.setattr(compile_child, "CHILD_CODE", "import time, sys; time.sleep(60)")
+    warmer = CacheWarmer({"model": "starter", "device": "cpu", "dtype": "auto", "weights": "int8"})
+    real_popen = compile_child.subprocess.Popen
+    monkeypatch.setattr(compile_child.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or real_popen(cmd, **kw))
+    assert warmer.start("traced") and not warmer.start("traced")
+    assert warmer.running("traced") and not warmer.running("op")
+    assert len(started) == 1 and '"kind": "traced"' in started[0][-1] and '"threads": ' in started[0][-1]
+    warmer.close()
+    assert not warmer.running("traced")
