@@ -65,6 +65,10 @@ def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):
     monkeypatch.setattr(compile_child.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or real_popen(cmd, **kw))
     assert warmer.start("traced") and not warmer.start("traced")
     assert warmer.running("traced") and not warmer.running("op")
+    assert not warmer.start("op")  # one child at a time: each holds a copy of the weights
+    assert not warmer.done("traced") and not warmer.done("op")
     assert len(started) == 1 and '"kind": "traced"' in started[0][-1] and '"threads": ' in started[0][-1]
     warmer.close()
-    assert not warmer.running("traced")
+    assert not warmer.running("traced") and warmer.done("traced")
+    assert warmer.start("op") and len(started) == 2  # the next graph's child, once the first has ended
+    warmer.close()

@@ -207,7 +207,7 @@ class ModelHost:
         if warmer is not None and kind is not None:  # a child compiles the graph; this process, from its result when idle
             if warmer.start(kind):
                 e.notice("warm-up", PREPARING)
-            step.prepare(kv, graph=not between_tokens and not warmer.running(kind))
+            step.prepare(kv, graph=not between_tokens and warmer.done(kind))
         elif step.prepare(kv):
             e.notice("warm-up", PREPARING)
         if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:

@@ -56,8 +56,9 @@ class CacheWarmer:
                     "decode": config.decode})
 
     def start(self, kind: str) -> bool:
-        """Start the child for ``kind`` unless one was started; True when it was started now."""
-        if kind in self._children:
+        """Start the child for ``kind`` unless one was started, or another is running (each
+        holds a copy of the weights); True when it was started now."""
+        if kind in self._children or any(child.poll() is None for child in self._children.values()):
             return False
         env = dict(os.environ, **{HERE: "1"})
         spec = {**self.spec, "kind": kind, "threads": torch.get_num_threads()}
@@ -84,6 +85,11 @@ class CacheWarmer:
     def running(self, kind: str) -> bool:
         child = self._children.get(kind)
         return child is not None and child.poll() is None
+
+    def done(self, kind: str) -> bool:
+        """The child for ``kind`` has ended, compiled or not."""
+        child = self._children.get(kind)
+        return child is not None and child.poll() is not None
 
     def seconds(self, kind: str) -> float:
         """Since the child for ``kind`` started (0 where none did)."""

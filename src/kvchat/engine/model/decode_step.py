@@ -150,12 +150,10 @@ class DecodeStep:
         return self._table.buffer[:len(block_ids)]
 
     def traced_inputs(self, kv, block_ids: list[int]) -> dict:
-        """What ``attention.traced_step`` reads, every per-step value in a tensor updated in place:
-        the slot, the block table (a view of a buffer, at least 2 long so that its length is never
-        specialized as 1) and the length. The table's length and the pool's size are dynamic
-        dimensions of the graph (``run_on_stand_ins``), so one graph serves every context and every pool:
-        a context change compiles nothing. Dynamic pool tensors cost the starter's first compile
-        103 s against 89 s, and a warm start 13.3 s against 11.4 s, both now off the reply's path."""
+        """What ``attention.traced_step`` reads, each in a tensor updated in place: the slot, the
+        block table (a view, at least 2 long so that its length is never specialized as 1) and the
+        length. The table's length and the pool's size are dynamic dimensions (``run_on_stand_ins``):
+        one graph serves every context and pool (it cost a first compile 103 s against 89 s)."""
         self._traced_table.hold(block_ids)
         table = self._traced_table.buffer[:max(len(block_ids), 2)]
         torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -174,15 +172,16 @@ class DecodeStep:
         compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
         self.background.want("weights", lambda: warm_weights(self.model))
         kind = self.graph_wanted(kv) if graph else None
-        if kind is None:
-            return False
         layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
-        return self.background.want(kind, lambda: run_on_stand_ins(self._compiled_forward(), kind, layers, self.device))
+        return kind is not None and self.background.want(kind, lambda: self._compile(kind, layers))
+
+    def _compile(self, kind: str, layers: list[dict]) -> None:  # a test holds it
+        run_on_stand_ins(self._compiled_forward(), kind, layers, self.device)
 
     def graph_wanted(self, kv) -> str | None:
         """The kind of graph decoding on ``kv`` still needs compiled on the CPU, or None."""
-        kind = graph_kind(kv)
-        return None if not self.captured or self.device.type == "cuda" or self.background.known(kind) else kind
+        wanted = self.captured and self.device.type == "cpu" and not self.background.known(graph_kind(kv))
+        return graph_kind(kv) if wanted else None
 
     def warm_up(self, kv) -> None:
         """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the
