@@ -48,13 +48,13 @@ def test_the_warmer_starts_only_where_a_second_copy_of_the_weights_fits(monkeypa
     monkeypatch.delenv(compile_child.HERE, raising=False)
     cpu = EngineConfig(model="starter", device="cpu", weights="int8", decode="auto")
     weights = 300 << 20
-    assert CacheWarmer.for_model(cpu, weights + SPARE_BYTES, weights).spec == {
+    assert CacheWarmer.for_model(cpu, "cpu", weights + SPARE_BYTES, weights).spec == {
         "model": "starter", "device": "cpu", "dtype": "auto", "weights": "int8", "decode": "auto"}
-    assert CacheWarmer.for_model(cpu, weights + SPARE_BYTES - 1, weights) is None
-    assert CacheWarmer.for_model(EngineConfig(device="cuda"), 1 << 40, weights) is None
-    assert CacheWarmer.for_model(EngineConfig(decode="eager"), 1 << 40, weights) is None
+    assert CacheWarmer.for_model(cpu, "cpu", weights + SPARE_BYTES - 1, weights) is None
+    assert CacheWarmer.for_model(EngineConfig(device="auto"), "cuda", 1 << 40, weights) is None
+    assert CacheWarmer.for_model(EngineConfig(decode="eager"), "cpu", 1 << 40, weights) is None
     monkeypatch.setenv(compile_child.HERE, "1")  # a child makes no child of its own
-    assert CacheWarmer.for_model(cpu, 1 << 40, weights) is None
+    assert CacheWarmer.for_model(cpu, "cpu", 1 << 40, weights) is None
 
 
 def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):

@@ -110,7 +110,7 @@ class ModelHost:
         self.warmed = self.fallback_told = False
         if loaded is None:  # a model handed in may have no source a child could load
             total, used = e.probe.totals()
-            self.warmer = CacheWarmer.for_model(cfg, total - used, e.weights_bytes)
+            self.warmer = CacheWarmer.for_model(cfg, lm.device.type, total - used, e.weights_bytes)
         e.governor.next_snapshot = 0.0
 
     def disk_tier(self, cfg: EngineConfig) -> DiskTier | None:

@@ -42,11 +42,11 @@ class CacheWarmer:
         self._started: dict[str, float] = {}
 
     @classmethod
-    def for_model(cls, config, free_bytes: int, weights_bytes: int) -> "CacheWarmer | None":
-        """A warmer for a model the engine loaded from ``config`` on the CPU, or None where the
+    def for_model(cls, config, device: str, free_bytes: int, weights_bytes: int) -> "CacheWarmer | None":
+        """A warmer for a model the engine loaded from ``config`` on ``device``, or None where the
         compile stays in this process: a child itself, a CUDA device (it captures graphs instead),
         eager decoding, or too little free RAM for a second copy of the weights."""
-        if compiles_here() or config.device == "cuda" or config.decode == "eager":
+        if compiles_here() or device != "cpu" or config.decode == "eager":
             return None
         if free_bytes < weights_bytes + SPARE_BYTES:
             log.info("compiling in this process: %d MiB free, a child needs %d", free_bytes >> 20,
