@@ -61,6 +61,17 @@ def reply_done(db: Path) -> bool:
     return bool(rows) and rows[-1][0].strip() and not rows[-1][1]
 
 
+def compile_settled(pid: int) -> None:
+    """Wait for the first start's compile: a child compiles the decode step, then the app loads it
+    from the cache on a thread of its own for 20-25 s, and meanwhile the GUI thread, short of the
+    GIL, drew the library dialog black."""
+    import psutil
+
+    app = psutil.Process(pid)
+    wait_for(lambda: not any("compile_graphs" in " ".join(c.cmdline()) for c in app.children()), 600, 1.0)
+    time.sleep(40.0)
+
+
 def snap(window: str, target: Path) -> None:
     subprocess.run(["import", "-window", window, str(target)], check=True)
     print(target)
@@ -71,10 +82,10 @@ def library(theme: str, out: Path) -> None:
     xdotool("key", "ctrl+l")
     dialog = wait_for(lambda: xdotool("search", "--onlyvisible", "--name", "^Models on this computer$"), 30)
     dialog = dialog.split()[0]
-    time.sleep(3.0)  # the scan of the model folders
+    time.sleep(10.0)  # the scan of the model folders (3 s showed "Looking for models…")
     snap(dialog, out / f"screenshot-{theme}-library.png")
     xdotool("key", "--window", dialog, "Escape")
-    time.sleep(1.0)
+    time.sleep(4.0)  # with no window manager, the window under the dialog stayed black for a second or two
 
 
 def attachment(window: str, db: Path, theme: str, out: Path) -> None:
@@ -111,7 +122,7 @@ def shoot(theme: str, out: Path, app: str, home: Path) -> None:
         except SystemExit:
             subprocess.run(["import", "-window", "root", str(out / f"screenshots-failed-{theme}.png")])
             raise
-        time.sleep(1.5)  # the last frame and a memory snapshot
+        compile_settled(proc.pid)
         for width, height in SIZES:
             if width < 1400:  # no room for the memory panel beside the chat
                 xdotool("key", "ctrl+m")

@@ -2,6 +2,7 @@
 // a click shows its text below (scrollable), another hides it.
 import QtQuick
 import QtQuick.Controls
+import QtQuick.Controls.impl
 
 Column {
     id: attachment
@@ -26,7 +27,13 @@ Column {
             anchors.verticalCenter: parent.verticalCenter
             x: 12
             spacing: 8
-            Text { text: "📄"; font.pixelSize: 16; anchors.verticalCenter: parent.verticalCenter }
+            IconImage {  // an icon of the app's set: an emoji showed as an empty box without an emoji font
+                source: iconDir + "/document.svg"
+                sourceSize.width: 18
+                sourceSize.height: 18
+                color: theme.colours.muted
+                anchors.verticalCenter: parent.verticalCenter
+            }
             Column {
                 Text {
                     text: attachment.modelData.name

@@ -4,9 +4,11 @@ read and set the message as one text (toPlainText, setPlainText, clear), as they
 were attachments: the attachments ride along in it, between tags (models/attachments.py), so that
 sending, editing and resending carry them without knowing of them."""
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QToolButton, QWidget
 
 from kvchat.app.models.attachments import LONG_PASTE, chip, decode, encode, name_for
+from kvchat.app.views.icons import icon
 
 TRAY_HEIGHT = 34
 
@@ -17,13 +19,16 @@ class AttachmentChip(QFrame):
     def __init__(self, name: str, text: str):
         super().__init__(objectName="attachmentChip")
         shown = chip(name, text)
-        self.label = QLabel(f"📄 {name} · {shown['size']}")
+        self.label = QLabel(f"{name} · {shown['size']}")
         self.label.setToolTip(shown["tip"])
+        self.icon = QLabel()  # the app's icon: an emoji showed as an empty box without an emoji font
+        self.icon.setPixmap(icon("document", self.palette().color(QPalette.WindowText).name(), 16).pixmap(16, 16))
         self.remove_button = QToolButton(text="✕", toolTip="Remove the attachment", autoRaise=True)
         self.remove_button.clicked.connect(self.removed)
         row = QHBoxLayout(self)
         row.setContentsMargins(8, 2, 2, 2)
         row.setSpacing(4)
+        row.addWidget(self.icon)
         row.addWidget(self.label)
         row.addWidget(self.remove_button)
 
