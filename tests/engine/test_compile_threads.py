@@ -7,8 +7,8 @@ from torch import nn
 
 from kvchat.core.config import EngineConfig
 from kvchat.engine.compile_env import confine_fx_patches
-from kvchat.engine.model import compile_child
-from kvchat.engine.model.compile_child import SPARE_BYTES, CacheWarmer
+from kvchat.engine import compile_child
+from kvchat.engine.compile_child import SPARE_BYTES, CacheWarmer
 
 
 class _Held(nn.Module):

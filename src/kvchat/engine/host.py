@@ -17,11 +17,11 @@ from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
 from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
 from kvchat.engine.chat import ChatFormatter
+from kvchat.engine.compile_child import CacheWarmer
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.memory_probe import MemoryProbe
-from kvchat.engine.model.compile_child import CacheWarmer
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
 
 log = logging.getLogger("kvchat.engine")

@@ -1,5 +1,5 @@
 """Compiling the decode step's graphs in a process that does nothing else: ``kvchat prepare``,
-and the compile child (``model/compile_child.py``) that keeps a compile off the app's GIL. Each
+and the compile child (``compile_child.py``) that keeps a compile off the app's GIL. Each
 graph is compiled by what starts it for a user, a reply's first token, and waited for from the
 engine's notices."""
 import json
@@ -9,7 +9,7 @@ import time
 
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.core.events import Notice, Request
-from kvchat.engine.model.compile_child import HERE, exit_with_parent
+from kvchat.engine.compile_child import HERE
 
 WAIT_S = 1800  # a cold compile took 2-3 min on 2 busy cores; a machine several times slower still ends
 
@@ -66,7 +66,7 @@ def compile_for(config: EngineConfig, precisions, out=None) -> dict:
 
 
 def compile_graphs(spec: str) -> int:
-    """A compile child's body (``engine/model/compile_child.py``): the graph of one kind for the
+    """A compile child's body (``engine/compile_child.py``): the graph of one kind for the
     model in ``spec`` (JSON), into inductor's disk cache, at low priority: the app's eager
     tokens keep the CPU, and the compile goes on in the moments between replies. Exit status 0
     when it compiled."""
@@ -84,3 +84,15 @@ def compile_graphs(spec: str) -> int:
                           ram_cache_bytes=0, disk_cache_bytes=0)
     done = compile_for(config, (precision,))
     return 0 if any(n.startswith("fast decoding ready") for n in done["notices"]) else 1
+
+
+def exit_with_parent() -> None:
+    """In a child: end when the app does (its parent gone, the child is re-parented)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvchat-parent-watch", daemon=True).start()

@@ -166,22 +166,23 @@ class DecodeStep:
         return window is None or position >= window.sinks
 
     def prepare(self, kv, graph: bool = True) -> bool:
-        """Start compiling, in the background, what decoding on ``kv`` needs: the int8 weights'
-        eager paths, then (``graph``) the step's graph for this kind of pool, on the compile thread
-        while the engine thread decodes eagerly (``running`` is per thread). True when the graph's
+        """Start compiling on the compile thread what decoding on ``kv`` needs: the int8 weights'
+        eager paths, then (``graph``) the step's graph for this kind of pool; True when the graph's
         compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
         self.background.want("weights", lambda: warm_weights(self.model))
         kind = self.graph_wanted(kv) if graph else None
+        if kind is None:  # every token asks: nothing more to do
+            return False
         layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
-        return kind is not None and self.background.want(kind, lambda: self._compile(kind, layers))
+        return self.background.want(kind, lambda: self._compile(kind, layers))
 
     def _compile(self, kind: str, layers: list[dict]) -> None:  # a test holds it
         run_on_stand_ins(self._compiled_forward(), kind, layers, self.device)
 
     def graph_wanted(self, kv) -> str | None:
         """The kind of graph decoding on ``kv`` still needs compiled on the CPU, or None."""
-        wanted = self.captured and self.device.type == "cpu" and not self.background.known(graph_kind(kv))
-        return graph_kind(kv) if wanted else None
+        kind = graph_kind(kv)
+        return kind if self.captured and self.device.type == "cpu" and not self.background.known(kind) else None
 
     def warm_up(self, kv) -> None:
         """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the

@@ -103,14 +103,3 @@ class CacheWarmer:
                 child.kill()
                 child.wait()
 
-
-def exit_with_parent() -> None:
-    """In a child: end when the app does (its parent gone, the child is re-parented)."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kvchat-parent-watch", daemon=True).start()
