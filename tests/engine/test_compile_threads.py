@@ -72,3 +72,56 @@ def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):
     assert not warmer.running("traced") and warmer.done("traced")
     assert warmer.start("op") and len(started) == 2  # the next graph's child, once the first has ended
     warmer.close()
+
+
+class _Step:
+    """What ``prepare_decode`` asks of a decode step: the graph it wants, and what it queued."""
+
+    def __init__(self):
+        self.device, self.captured, self.fallback, self.prepared = torch.device("cpu"), False, None, 0
+        self.background = type("Background", (), {"take_finished": staticmethod(lambda: [])})()
+
+    def graph_wanted(self, kv):
+        return "traced"
+
+    def prepare(self, kv):
+        self.prepared += 1
+        return True
+
+
+class _Warmer:
+    def __init__(self):
+        self.started, self.ended = [], False
+
+    def start(self, kind):
+        self.started.append(kind)
+        return len(self.started) == 1
+
+    def done(self, kind):
+        return self.ended
+
+
+def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_then_only_when_idle():
+    """A compile on a thread here holds the GIL: a reply's tokens slowed to 2 tok/s for the int8
+    twins' compile. With a child compiling the graph and the twins, this process queues its own
+    compile (from the child's cache) only once the child ended, and never between two tokens."""
+    from types import SimpleNamespace
+
+    from kvchat.engine.host import PREPARING, ModelHost
+
+    class Engine:  # held by a weak proxy
+        def notice(self, kind, message):
+            notices.append((kind, message))
+
+    step, notices, engine = _Step(), [], Engine()
+    engine.kvpool = SimpleNamespace(runner=SimpleNamespace(step=step), kv=object())
+    host = ModelHost(engine, None, None)
+    host.warmer = warmer = _Warmer()
+    host.prepare_decode()
+    host.prepare_decode(between_tokens=True)
+    assert (warmer.started, notices, step.prepared) == (["traced", "traced"], [("warm-up", PREPARING)], 0)
+    warmer.ended = True
+    host.prepare_decode(between_tokens=True)
+    assert step.prepared == 0
+    host.prepare_decode()
+    assert step.prepared == 1 and len(notices) == 1

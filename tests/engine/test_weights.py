@@ -36,6 +36,21 @@ def test_int8_forward_is_the_product_with_its_dequantized_weight(rows):
     torch.testing.assert_close(q(x), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_eager_product_in_slices_covers_every_output_once(monkeypatch, rows):
+    """Before its twin is compiled a layer runs in slices of the weight's output rows: slices of
+    5 rows of 96 (480 floats), the last one short, give the whole product in order."""
+    monkeypatch.setattr(weights, "_ready_twins", {})
+    monkeypatch.setattr(weights, "SLICE_FLOATS", 480)
+    q = Int8Linear(linear(n=23, k=96, seed=4))
+    calls = []
+    monkeypatch.setattr(weights, "_dequantized", lambda qw, sc, dtype: calls.append(qw.shape[0]) or
+                        (qw.view(qw.shape[0], -1, 32).to(dtype) * sc.to(dtype)[..., None]).view(qw.shape))
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)
+    assert calls == [5, 5, 5, 5, 3, 23]  # the slices, then weight_as for the reference
+
+
 def test_int8_compiled_single_row_equals_eager():
     q = Int8Linear(linear(n=64, k=96, seed=1))
     x = torch.randn(1, 1, 96)
@@ -48,7 +63,7 @@ def test_int8_eager_paths_run_compiled_after_the_warm_up_for_every_shape_and_equ
     layers = [Int8Linear(linear(n=n, k=k, seed=n)) for n, k in ((96, 128), (64, 64), (160, 96))]  # n == k: dynamic shapes specialise it
     weights.warm_up(nn.Sequential(*layers, nn.LayerNorm(8)))  # the norm: a parameter to take the dtype from
     assert {fn: twin.compiled is not None for fn, twin in weights._ready_twins.items()} == {
-        weights._dequantized: True, weights._row_product: True}
+        weights._rows_product: True, weights._row_product: True}
     for q in layers:
         for rows in (1, 3):
             x = torch.randn(rows, q.in_features)

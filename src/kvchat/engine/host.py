@@ -194,20 +194,23 @@ class ModelHost:
 
     def prepare_decode(self, between_tokens: bool = False) -> None:
         """Have the decode step prepared for the pool without making anything wait for it. On the
-        CPU a child process compiles the graph into the disk cache while replies decode eagerly
-        (a minute or two the first time); in an idle moment after, a thread of this process
-        compiles it from that cache (seconds), or from scratch where the RAM holds no child. On
-        CUDA the smallest graph is captured in an idle second, never between two tokens of a
-        reply. Also says when a compile has ended."""
+        CPU a child process compiles the graph and the int8 weights' twins into the disk cache
+        while replies decode eagerly (a minute or two the first time); once it ended, in an idle
+        moment, a thread of this process compiles both from that cache (seconds), or from scratch
+        where the RAM holds no child. A compile here holds the GIL: during the twins' compile
+        (25 s in a venv, 108 s packaged) a reply crawled at 2 tok/s. On CUDA the smallest graph
+        is captured in an idle second, never between two tokens of a reply. Also says when a
+        compile has ended."""
         e = self.engine
         if e.kvpool is None:
             return
         step, kv, warmer = e.kvpool.runner.step, e.kvpool.kv, self.warmer
         kind = step.graph_wanted(kv)
-        if warmer is not None and kind is not None:  # a child compiles the graph; this process, from its result when idle
+        if warmer is not None and kind is not None:  # a child compiles; this process, from its result when idle
             if warmer.start(kind):
                 e.notice("warm-up", PREPARING)
-            step.prepare(kv, graph=not between_tokens and warmer.done(kind))
+            if not between_tokens and warmer.done(kind):
+                step.prepare(kv)
         elif step.prepare(kv):
             e.notice("warm-up", PREPARING)
         if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:

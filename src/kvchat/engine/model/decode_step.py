@@ -165,12 +165,12 @@ class DecodeStep:
             return False
         return window is None or position >= window.sinks
 
-    def prepare(self, kv, graph: bool = True) -> bool:
+    def prepare(self, kv) -> bool:
         """Start compiling on the compile thread what decoding on ``kv`` needs: the int8 weights'
-        eager paths, then (``graph``) the step's graph for this kind of pool; True when the graph's
-        compile was queued now. CUDA captures on the engine thread (``warm_up``)."""
+        eager paths, then the step's graph for this kind of pool; True when the graph's compile
+        was queued now. CUDA captures on the engine thread (``warm_up``)."""
         self.background.want("weights", lambda: warm_weights(self.model))
-        kind = self.graph_wanted(kv) if graph else None
+        kind = self.graph_wanted(kv)
         if kind is None:  # every token asks: nothing more to do
             return False
         layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
