@@ -5,8 +5,10 @@ loads them, but for the hub model, loaded end to end by a real engine."""
 import json
 
 from PySide6.QtCore import QPoint, QPointF, Qt
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QApplication
 
+from kvchat.app.views.theme import COLOURS
 from kvchat.core.model_source import starter_path
 
 from qt_helpers import shown
@@ -239,3 +241,24 @@ def test_the_load_bar_stays_put_while_the_stage_beside_it_changes(qtbot, app_par
         left = win.load_bar.mapTo(win, QPoint(0, 0)).x()
         edges.append((left, left + win.load_bar.width()))
     assert len(set(edges)) == 1, edges
+
+
+def test_the_library_draws_its_buttons_and_field_in_the_dark_theme(qtbot, app_parts, tmp_path, monkeypatch):
+    """Issue 29: in the dark theme the library's buttons and hub field stayed light."""
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    while win.theme.mode != "dark":  # system, light, dark: the button cycles
+        qtbot.mouseClick(win.theme_button, Qt.LeftButton)
+    library = open_library(qtbot, win, monkeypatch, [(tmp_path / "empty", "hub cache")])
+    frame = library.view.grabFramebuffer()
+
+    def lightness(name):
+        item = library.item(name)
+        point = item.mapToScene(QPointF(item.width() / 2, 3)).toPoint()  # above the label's text
+        return frame.pixelColor(point).lightnessF()
+
+    dark_bg = QColor(COLOURS[True]["bg"]).lightnessF()
+    for name in ("closeLibrary", "addFolder", "openGguf", "download", "hubId"):
+        assert lightness(name) < dark_bg + 0.15, name  # the stock Fusion button is 0.9 light
+    click(qtbot, library, library.item("closeLibrary"))
+    qtbot.waitUntil(lambda: not library.isVisible())

@@ -7,6 +7,20 @@ import QtQuick.Layouts
 Rectangle {
     id: root
     color: theme.colours.bg
+    // the controls' colours: the application's palette does not reach a QQuickWidget's window, so
+    // the buttons and the text field stayed light in the dark theme
+    palette.window: theme.colours.bg
+    palette.windowText: theme.colours.text
+    palette.base: theme.colours.panel
+    palette.text: theme.colours.text
+    palette.button: theme.colours.chip
+    palette.buttonText: theme.colours.text
+    palette.highlight: theme.colours.accent
+    palette.highlightedText: theme.colours.accentText
+    palette.placeholderText: theme.colours.muted
+    palette.mid: theme.colours.border
+    palette.disabled.buttonText: theme.colours.muted
+    palette.disabled.text: theme.colours.muted
     readonly property var badgeColours: ({"fits": theme.colours.warm, "kv": theme.colours.accent,
                                           "weights": "#b45309", "too-large": theme.colours.danger,
                                           "unknown": theme.colours.muted})
