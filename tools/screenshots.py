@@ -68,7 +68,17 @@ def compile_settled(pid: int) -> None:
     import psutil
 
     app = psutil.Process(pid)
-    wait_for(lambda: not any("compile_graphs" in " ".join(c.cmdline()) for c in app.children()), 600, 1.0)
+
+    def compiling() -> bool:
+        for child in app.children():
+            try:
+                if "compile_graphs" in " ".join(child.cmdline()):
+                    return True
+            except psutil.Error:  # it ended: a zombie until the app reaps it
+                pass
+        return False
+
+    wait_for(lambda: not compiling(), 600, 1.0)
     time.sleep(40.0)
 
 

@@ -51,8 +51,8 @@ def engine_parts(qtbot, tmp_path, engine_model):
         """The starter from memory (no reload per test); any other model loads for real."""
         if settings.get("model", "starter") == "starter":
             return Engine(EngineConfig(max_context=settings.get("max_context", 512)),
-                          loaded=LoadedModel(**vars(engine_model)), persona_store=None)
-        return Engine(EngineConfig(model=settings["model"], max_context=512), persona_store=None)
+                          loaded=LoadedModel(**vars(engine_model)), disk_tier=None)
+        return Engine(EngineConfig(model=settings["model"], max_context=512), disk_tier=None)
 
     engine = make_engine({})
     win, store, bridge = window(qtbot, tmp_path, engine, make_engine)

@@ -6,14 +6,14 @@ from kvchat.app.store import Store
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.loading import LoadedModel
-from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.disk_tier import DiskTier
 
 from qt_helpers import send, shown
 
 
 def window(qtbot, store, engine_model, kv_folder):
     engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)),
-                    persona_store=PersonaStore(kv_folder))
+                    disk_tier=DiskTier(kv_folder))
     win = MainWindow(store, EngineBridge(engine), SamplingParams(max_new_tokens=8, temperature=0))
     qtbot.addWidget(win)
     shown(qtbot, win)

@@ -63,7 +63,7 @@ def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_pat
     from kvchat.core.model_source import starter_path
     from kvchat.engine.engine import Engine
 
-    engine = Engine(EngineConfig(max_context=512, weights="int8"), persona_store=None)
+    engine = Engine(EngineConfig(max_context=512, weights="int8"), disk_tier=None)
     bridge = EngineBridge(engine, lambda settings: None)
     win = shown(qtbot, MainWindow(Store(tmp_path / "chat.db"), bridge, SamplingParams(max_new_tokens=4)))
     qtbot.addWidget(win)

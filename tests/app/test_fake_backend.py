@@ -53,7 +53,7 @@ def test_the_fake_gives_the_engines_events_in_the_engines_order(engine_model):
     from kvchat.engine.engine import Engine
     from kvchat.engine.model.loading import LoadedModel
 
-    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), persona_store=None)
+    engine = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)), disk_tier=None)
     real, fake = script(engine), script(FakeBackend(EngineConfig(max_context=512)))
     assert isinstance(FakeBackend(EngineConfig()), Backend)
     for got in (real, fake):

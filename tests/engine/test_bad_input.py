@@ -9,7 +9,7 @@ import torch
 
 from kvchat.engine.model import loading as models
 from kvchat.core.config import ConfigError, EngineConfig, SamplingParams
-from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.sampler import Sampler
 
 from test_cli import kvchat
@@ -48,27 +48,19 @@ def fill(folder, name, size, age=0.0):
     return path
 
 
-def test_persona_cache_cap_holds_past_a_folder_named_like_an_entry_and_counts_tmp_files(tmp_path, caplog):
-    store = PersonaStore(tmp_path, cap_bytes=3000)
-    (tmp_path / "x.safetensors").mkdir()
-    oldest = fill(tmp_path, "a.safetensors", 1000, age=50)
-    fill(tmp_path, "b.safetensors", 1000, age=40)
+def test_the_disk_tiers_cap_holds_past_a_folder_named_like_an_entry_and_counts_tmp_files(tmp_path):
+    tier = DiskTier(tmp_path, cap_bytes=3000)
+    (tmp_path / "x.kvb").mkdir()
+    oldest = fill(tmp_path, "a.kvb", 1000, age=50)
+    fill(tmp_path, "b.kvb", 1000, age=40)
     stale = fill(tmp_path, "c.123.tmp", 1000, age=3600)  # a write that died an hour ago
     live = fill(tmp_path, "d.456.tmp", 1000, age=1)  # a write under way elsewhere: counted, kept
-    newest = fill(tmp_path, "e.safetensors", 1000)
-    store.trim()
+    newest = fill(tmp_path, "e.kvb", 1000)
+    tier.trim()
     assert not stale.exists() and not oldest.exists()
-    assert live.exists() and newest.exists() and (tmp_path / "x.safetensors").is_dir()
-    files = [p for p in tmp_path.iterdir() if p.is_file()]
+    assert live.exists() and newest.exists() and (tmp_path / "x.kvb").is_dir()
+    files = [p for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"]
     assert sum(p.stat().st_size for p in files) <= 3000
-
-
-def test_persona_save_that_succeeds_says_nothing_even_when_trim_meets_a_folder(tmp_path, caplog):
-    store = PersonaStore(tmp_path, cap_bytes=1)
-    (tmp_path / "x.safetensors").mkdir()
-    key = bytes(16)
-    store.save(key, "extra", [1, 2, 3], {"k": torch.zeros(2, 2)})
-    assert "could not write" not in caplog.text and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_converted_model_cut_short_on_disk_is_converted_again(tmp_path, monkeypatch, caplog):

@@ -12,7 +12,7 @@ from kvchat.core.events import Request
 
 def test_a_chat_turn_computes_only_the_new_tokens_after_a_cached_history():
     lm = random_model(str(Path(__file__).parents[2] / "src/kvchat/bench/shapes/tiny-llama.json"), torch.device("cpu"), torch.float32)
-    engine = Engine(EngineConfig(max_context=1024, kv_precision="fp16"), loaded=lm, persona_store=None)
+    engine = Engine(EngineConfig(max_context=1024, kv_precision="fp16"), loaded=lm, disk_tier=None)
     engine.wait_ready()
     try:
         prompt = list(range(3, 803))

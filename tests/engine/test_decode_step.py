@@ -161,7 +161,7 @@ def test_a_step_that_cannot_compile_falls_back_to_eager_and_says_so_once(starter
     monkeypatch.setattr(torch, "compile", broken)
     lm = copy.copy(starter)
     lm.model = copy.deepcopy(starter.model)  # a fresh step, not one another test compiled
-    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, persona_store=False)
+    engine = Engine(EngineConfig(decode="compiled", max_context=512), loaded=lm, disk_tier=None)
     notices = []
     engine.add_listener(lambda e: notices.append(e) if isinstance(e, Notice) else None)
     engine.wait_ready(60)
@@ -210,14 +210,14 @@ def test_a_reply_starts_eagerly_while_the_step_compiles_and_moves_to_it_between_
     prompt = prompt_ids(30, seed=9)
     sampling = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     eager = Engine(EngineConfig(decode="eager", max_context=256, kv_precision="fp16"),
-                   loaded=as_loaded(tiny_model("llama", seed=11), IdTokenizer(512), "llama"), persona_store=False)
+                   loaded=as_loaded(tiny_model("llama", seed=11), IdTokenizer(512), "llama"), disk_tier=None)
     want = eager.submit(Request(prompt_ids=prompt, sampling=sampling)).result()
     assert eager.close()
 
     gate = held_compiles(monkeypatch)
     lm = as_loaded(tiny_model("llama", seed=11), IdTokenizer(512), "llama")
     engine = Engine(EngineConfig(decode="compiled", max_context=256, kv_precision="fp16"), loaded=lm,
-                    persona_store=False)
+                    disk_tier=None)
     notices = []
     engine.add_listener(lambda e: notices.append(e.message) if isinstance(e, Notice) and e.kind == "warm-up" else None)
     engine.wait_ready(60)

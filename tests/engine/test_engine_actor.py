@@ -26,7 +26,7 @@ def small(**kw) -> EngineConfig:
 
 @pytest.fixture
 def engine(engine_model):
-    e = Engine(small(), loaded=engine_model, persona_store=None)
+    e = Engine(small(), loaded=engine_model, disk_tier=None)
     e.wait_ready(60)
     yield e
     e.close()
@@ -35,7 +35,7 @@ def engine(engine_model):
 @pytest.fixture
 def own_engine(starter):
     """An engine on a model of its own, which nothing else holds: a switch must free it."""
-    e = Engine(small(), loaded=as_loaded(starter.model, starter.tokenizer, "starter"), persona_store=None)
+    e = Engine(small(), loaded=as_loaded(starter.model, starter.tokenizer, "starter"), disk_tier=None)
     e.wait_ready(60)
     yield e
     e.close()
@@ -178,7 +178,7 @@ def test_a_context_past_the_trained_length_is_capped_and_said(engine_model):
     from kvchat.engine.memory_probe import ScriptedProbe
 
     e = Engine(EngineConfig(max_context=100_000), loaded=engine_model,
-               persona_store=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
+               disk_tier=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
     seen = events_of(e)
     e.wait_ready(60)
     trained = engine_model.model.config.max_position_embeddings
@@ -237,7 +237,7 @@ def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figur
     gib = 1 << 30
     probe = ScriptedProbe(total=8 * gib)
     e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=engine_model,
-               persona_store=None, probe=probe)
+               disk_tier=None, probe=probe)
     e.wait_ready(60)
     seen = events_of(e)
     kv, budget = e.kvpool.kv, e.kvpool.budget

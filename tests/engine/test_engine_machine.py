@@ -34,7 +34,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.futures, self.models, self.closed = [], [], False
         self.engine = Engine(EngineConfig(max_context=384, prefill_chunk=64), loaded=self.copy(),
-                             persona_store=None)
+                             disk_tier=None)
         self.engine.wait_ready(RESOLVE_S)
         self.folder = tempfile.TemporaryDirectory(prefix="kvchat-machine-")
         self.store = Store(Path(self.folder.name) / "chats.db")

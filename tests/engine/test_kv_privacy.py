@@ -1,5 +1,5 @@
 """A deleted chat's KV leaves every tier (its persona's stays); "Clear cached conversations" empties
-RAM and disk and the pool's unpinned cached blocks."""
+RAM and disk and the pool's cached blocks, but for the personas' (pinned)."""
 from kvchat.core.config import EngineConfig
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.engine import Engine
@@ -15,7 +15,7 @@ def small_engine(lm, tmp_path) -> Engine:
     """8 blocks: a second chat pushes the first one's own blocks (not its pinned persona) to RAM."""
     per_token = bytes_per_token(KVShape.from_config(lm.model.config), "fp16", lm.dtype.itemsize)
     config = EngineConfig(max_context=1024, kv_budget_bytes=int(128 * per_token), ram_cache_bytes=1 << 30)
-    e = Engine(config, loaded=LoadedModel(**vars(lm)), persona_store=None, disk_tier=DiskTier(tmp_path))
+    e = Engine(config, loaded=LoadedModel(**vars(lm)), disk_tier=DiskTier(tmp_path))
     e.wait_ready()
     return e
 
@@ -70,10 +70,11 @@ def test_clear_cached_conversations_empties_ram_and_disk_and_keeps_pinned_person
         assert len(e.kvpool.tiers.host) > 0 and list(tmp_path.glob("*.kvb"))
         assert e.forget(None).result(10) > 0
         assert len(e.kvpool.tiers.host) == 0 and e.kvpool.tiers.host.used == 0
-        assert list(tmp_path.glob("*.kvb")) == [] and e.kvpool.tiers.disk.used == 0
+        pinned = list(tmp_path.glob("*.pin"))  # the persona's blocks: shared by its chats, kept
+        assert list(tmp_path.glob("*.kvb")) == [] and e.kvpool.tiers.disk.used == sum(p.stat().st_size for p in pinned)
         assert all(b.pinned for b in e.kvpool.pool.cached.values())
         again = e.generate(first[:2], **GREEDY)
     finally:
         e.close()
     persona = e.formatter.encode(first[:2]).message_starts[1] // 16
-    assert again.stats.cached_tokens == persona * 16
+    assert again.stats.cached_tokens == persona * 16 and len(pinned) == persona

@@ -34,7 +34,7 @@ def engine(lm, precision: str, pool_tokens: int, ram=None, disk=None) -> Engine:
     per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, lm.dtype.itemsize)
     config = EngineConfig(max_context=1024, kv_precision=precision, kv_budget_bytes=int(pool_tokens * per_token),
                           ram_cache_bytes=ram, disk_cache_bytes=0 if disk is None else 1 << 30)
-    e = Engine(config, loaded=LoadedModel(**vars(lm)), persona_store=None, disk_tier=disk or False)
+    e = Engine(config, loaded=LoadedModel(**vars(lm)), disk_tier=disk)
     e.wait_ready()
     return e
 

@@ -9,7 +9,7 @@ from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
 from kvchat.engine.model.loading import LoadedModel
-from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.disk_tier import DiskTier
 
 from tiny_models import as_loaded, tiny_model
 
@@ -19,7 +19,7 @@ GREEDY = dict(max_new_tokens=12, temperature=0)
 
 
 def new_engine(engine_model, store=None, **config):
-    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(engine_model)), persona_store=store)
+    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(engine_model)), disk_tier=store)
     e.wait_ready()
     return e
 
@@ -97,8 +97,8 @@ def test_edit_reuses_everything_before_the_edited_message(engine_model, warm):
 def test_persona_blocks_are_pinned_after_use(warm):
     warm.generate([PERSONA_B, {"role": "user", "content": "Hi"}], **GREEDY)
     n = len(warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids) // 16
-    key = warm.kvpool.personas.key(type("S", (), {"token_ids": warm.formatter.encode(
-        [PERSONA_B], add_generation_prompt=False).token_ids})(), n)
+    ids = warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids
+    key = list(warm.kvpool.manager.chain(ids, n))[-1][1]  # the chained hash of its last full block
     pinned = [b for b, _ in warm.kvpool.personas.pinned[key]]
     assert len(pinned) == n and all(b.pinned and b.ref_cnt == 0 for b in pinned)
     assert all(b.id in warm.kvpool.pool.pinned_queue for b in pinned)
@@ -106,59 +106,17 @@ def test_persona_blocks_are_pinned_after_use(warm):
 
 def test_restart_restores_the_persona_from_disk(engine_model, tmp_path):
     messages = [PERSONA_A, {"role": "user", "content": "What is the longest river?"}]
-    first = new_engine(engine_model, PersonaStore(tmp_path))
+    first = new_engine(engine_model, DiskTier(tmp_path))
     expected = first.generate(messages, **GREEDY)
     first.close()
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1
-    restarted = new_engine(engine_model, PersonaStore(tmp_path))
+    persona = len(first.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
+    assert len(list(tmp_path.glob("*.pin"))) == persona // 16  # the persona's blocks, pinned in the disk tier
+    assert DiskTier(tmp_path).clear() > 0 and len(list(tmp_path.glob("*.pin"))) == persona // 16  # the chat's went
+    restarted = new_engine(engine_model, DiskTier(tmp_path))
     done = restarted.generate(messages, **GREEDY)
     restarted.close()
-    persona = len(restarted.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
     assert done.stats.cached_tokens == persona // 16 * 16
     assert done.token_ids == expected.token_ids
-
-
-def test_disk_round_trip_is_bit_exact(tmp_path):
-    store = PersonaStore(tmp_path)
-    tensors = {"k": torch.randn(2, 3, 16, 2, 8), "v": torch.randn(2, 3, 16, 2, 8)}
-    store.save(b"\x01" * 16, "model|fp16", list(range(48)), tensors)
-    back = store.load(b"\x01" * 16, "model|fp16", list(range(48)))
-    assert set(back) == {"k", "v"} and all(torch.equal(back[n], tensors[n]) for n in tensors)
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "tokens", "garbage"])
-def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tmp_path, damage):
-    store = PersonaStore(tmp_path)
-    key = b"\x02" * 16
-    store.save(key, "model|fp16", list(range(16)), {"k": torch.ones(1, 1, 16, 1, 4), "v": torch.ones(1, 1, 16, 1, 4)})
-    path = store.path(key)
-    data = bytearray(path.read_bytes())
-    extra, tokens = "model|fp16", list(range(16))
-    if damage == "flip":
-        data[-10] ^= 0x40
-    elif damage == "truncate":
-        data = data[:len(data) // 2]
-    elif damage == "garbage":
-        data = bytearray(b"\xff" * 64)
-    elif damage == "foreign":
-        extra = "other-model|fp16"
-    else:
-        tokens = list(range(1, 17))
-    path.write_bytes(bytes(data))
-    assert store.load(key, extra, tokens) is None
-    assert not path.exists()
-
-
-def test_disk_cache_is_capped_least_recent_first(tmp_path):
-    import os
-    import time
-
-    store = PersonaStore(tmp_path, cap_bytes=10_000)
-    t = {"k": torch.zeros(1, 1, 16, 2, 32), "v": torch.zeros(1, 1, 16, 2, 32)}  # about 8.5 kB a file
-    store.save(b"\x01" * 16, "m", [0] * 16, t)
-    os.utime(store.path(b"\x01" * 16), (time.time() - 100, time.time() - 100))
-    store.save(b"\x02" * 16, "m", [0] * 16, t)
-    assert not store.has(b"\x01" * 16) and store.has(b"\x02" * 16)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -171,7 +129,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = Engine(EngineConfig(max_context=160, kv_budget_bytes=12 * 16 * 2 * 2 * 2 * 64 * 4,
                                           prefill_chunk=24),
-                             loaded=self.loaded, persona_store=None)
+                             loaded=self.loaded, disk_tier=None)
         self.engine.wait_ready()
         self.handles = []
 
@@ -418,3 +376,20 @@ def test_engine_state_machine(tokenizer):
 
     run_state_machine_as_test(EngineMachine, settings=settings(
         max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+def test_the_default_disk_tier_takes_the_place_of_the_old_persona_folder(engine_model, tmp_path, monkeypatch):
+    """Earlier versions kept personas in a second store, ``persona-kv/``: a persona's KV is its
+    text in another form, so the folder nothing reads any more goes at the first start."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+    old = tmp_path / "cache" / "persona-kv"
+    old.mkdir(parents=True)
+    (old / ("ab" * 16 + ".safetensors")).write_bytes(b"\0" * 64)
+    e = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)))
+    try:
+        e.wait_ready()
+        e.generate([PERSONA_A, {"role": "user", "content": "Hi"}], max_new_tokens=2, temperature=0)
+    finally:
+        e.close()
+    persona = len(e.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
+    assert not old.exists() and len(list((tmp_path / "cache" / "kv-blocks").glob("*.pin"))) == persona

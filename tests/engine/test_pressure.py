@@ -19,7 +19,7 @@ PERSONA = {"role": "system", "content": "You are a calm travel guide for the Alp
 
 
 def engine(engine_model, probe=None, **config):
-    e = Engine(EngineConfig(**config), loaded=LoadedModel(**vars(engine_model)), persona_store=None, probe=probe)
+    e = Engine(EngineConfig(**config), loaded=LoadedModel(**vars(engine_model)), disk_tier=None, probe=probe)
     e.wait_ready()
     return e
 
@@ -98,12 +98,12 @@ def test_downshift_keeps_outputs_close_to_an_unpressured_run(engine_model):
     distributions stay within the quantized modes' KL bounds of the fp16 run."""
     ids = engine_model.tokenizer("The Alps are a mountain range in Europe. " * 12)["input_ids"]
     lm = LoadedModel(**vars(engine_model))
-    reference = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4, None)
+    reference = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4)
     seq = Sequence(list(ids))
     reference.manager.reserve(seq, len(ids))
     reference.runner.forward(seq, len(ids) - 1, want_logits=False)
     for target, bound in (("int8", 2.5e-6), ("int4", 0.001)):  # twice the measured 1.26e-6 and 0.00051
-        pool = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4, None)
+        pool = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4)
         s = Sequence(list(ids))
         pool.manager.reserve(s, len(ids))
         pool.runner.forward(s, len(ids) - 1, want_logits=False)
@@ -121,12 +121,12 @@ def test_a_shrink_moves_live_blocks_off_the_dropped_ids(engine_model):
     lm = LoadedModel(**vars(engine_model))
     per_block = 16 * 2 * 30 * 3 * 64 * 4
     ids = engine_model.tokenizer("The Alps are a mountain range in Europe. " * 8)["input_ids"]
-    reference = KVPool(lm, 16, "fp16", 32 * per_block, None)
+    reference = KVPool(lm, 16, "fp16", 32 * per_block)
     ref_seq = Sequence(list(ids))
     reference.manager.reserve(ref_seq, len(ids))
     reference.runner.forward(ref_seq, len(ids) - 1, want_logits=False)
     want = reference.runner.forward(ref_seq, len(ids), want_logits=True)
-    pool = KVPool(lm, 16, "fp16", 32 * per_block, None)
+    pool = KVPool(lm, 16, "fp16", 32 * per_block)
     filler = Sequence(list(range(100, 420)))
     pool.manager.reserve(filler, 320)  # ids 0..19
     seq = Sequence(list(ids))

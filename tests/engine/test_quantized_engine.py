@@ -6,7 +6,7 @@ from kvchat.core.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.bench.evaluate import kl_divergence, perplexity, window_logprobs
 from kvchat.engine.model.loading import LoadedModel
-from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.disk_tier import DiskTier
 
 
 # Measured on the first 1,024 tokens of the GPL-3 text, windows of 256, chunks of 48:
@@ -52,7 +52,7 @@ def test_perplexity_scores_the_second_half_of_each_window(engine_model, tokens):
 
 def shared_engine(lm, precision, store=None):
     e = Engine(EngineConfig(max_context=512, kv_precision=precision), loaded=LoadedModel(**vars(lm)),
-               persona_store=store)
+               disk_tier=store)
     e.wait_ready()
     return e
 
@@ -62,14 +62,14 @@ PERSONA = {"role": "system", "content": "You are a meticulous archivist who answ
 
 def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(engine_model, tmp_path):
     messages = [PERSONA, {"role": "user", "content": "What is the capital of France?"}]
-    engine = shared_engine(engine_model, "int4", PersonaStore(tmp_path))
+    engine = shared_engine(engine_model, "int4", DiskTier(tmp_path))
     first = engine.generate(messages, max_new_tokens=8, temperature=0)
     again = engine.generate(messages, max_new_tokens=8, temperature=0)
     engine.close()
     assert first.stats.kv_precision == "int4" and first.token_ids
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1  # its partly filled last block too
     assert again.token_ids == first.token_ids
-    restarted = shared_engine(engine_model, "int4", PersonaStore(tmp_path))
+    restarted = shared_engine(engine_model, "int4", DiskTier(tmp_path))
     done = restarted.generate(messages, max_new_tokens=8, temperature=0)
     restarted.close()
     assert done.stats.cached_tokens > 0 and done.token_ids == first.token_ids
@@ -77,10 +77,10 @@ def test_int4_engine_chats_reuses_its_prefix_and_restores_from_disk(engine_model
 
 def test_precisions_never_share_cached_blocks(engine_model, tmp_path):
     messages = [PERSONA, {"role": "user", "content": "Hello"}]
-    int8 = shared_engine(engine_model, "int8", PersonaStore(tmp_path))
+    int8 = shared_engine(engine_model, "int8", DiskTier(tmp_path))
     int8.generate(messages, max_new_tokens=2, temperature=0)
     int8.close()
-    fp16 = shared_engine(engine_model, "fp16", PersonaStore(tmp_path))
+    fp16 = shared_engine(engine_model, "fp16", DiskTier(tmp_path))
     done = fp16.generate(messages, max_new_tokens=2, temperature=0)
     fp16.close()
     assert done.stats.cached_tokens == 0  # the int8 file on disk is for another layout
@@ -155,11 +155,11 @@ def test_a_persona_restored_from_disk_keeps_its_exact_sinks(engine_model, tmp_pa
     """The persona file carries the full-precision rows of the first tokens, so a restarted app
     attends to them as exactly as a warm one, not to their int4 copies."""
     messages = [PERSONA, {"role": "user", "content": "Name a river."}]
-    engine = shared_engine(engine_model, "int4", PersonaStore(tmp_path))
+    engine = shared_engine(engine_model, "int4", DiskTier(tmp_path))
     engine.generate(messages, max_new_tokens=2, temperature=0)
     (key, (warm_k, warm_v)), = engine.kvpool.kv.sink_cache.items()
     engine.close()
-    restarted = shared_engine(engine_model, "int4", PersonaStore(tmp_path))
+    restarted = shared_engine(engine_model, "int4", DiskTier(tmp_path))
     done = restarted.generate(messages, max_new_tokens=2, temperature=0)
     restored = restarted.kvpool.kv.sink_cache.get(key)
     restarted.close()

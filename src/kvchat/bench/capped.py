@@ -32,7 +32,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory / total), dev)
     lm = random_model(random_weights, dev, pick_dtype(dtype, dev))
-    engine = Engine(EngineConfig(max_context=max(prompts), kv_precision="auto"), loaded=lm, persona_store=None,
+    engine = Engine(EngineConfig(max_context=max(prompts), kv_precision="auto"), loaded=lm, disk_tier=None,
                     probe=ScriptedProbe(total=memory))
     engine.wait_ready()
     base = _allocated(dev)

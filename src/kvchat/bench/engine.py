@@ -86,10 +86,10 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     import tempfile
     from pathlib import Path
 
-    from kvchat.engine.kv.persona_store import PersonaStore
+    from kvchat.engine.kv.disk_tier import DiskTier
 
     store_dir = Path(tempfile.mkdtemp(prefix="kvchat-bench-"))
-    engine = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
+    engine = Engine(EngineConfig(model=model, max_context=4096), disk_tier=DiskTier(store_dir))
     engine.wait_ready()
     at_full_speed(engine)
     tok = engine.loaded.tokenizer
@@ -120,7 +120,7 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     })
     engine.close()
 
-    restarted = Engine(EngineConfig(model=model, max_context=4096), persona_store=PersonaStore(store_dir))
+    restarted = Engine(EngineConfig(model=model, max_context=4096), disk_tier=DiskTier(store_dir))
     restarted.wait_ready()
     at_full_speed(restarted)
     restarted.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
@@ -150,7 +150,7 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 5, 
     over the cached context is the one cost that grows with the chat. Both chats are cached in the
     one pool and their turns taken in turn, so that a machine busy with something else for a while
     slows both alike, not one of the two medians."""
-    engine = Engine(EngineConfig(model=model, max_context=DEFAULT_CONTEXT, kv_precision=precision), persona_store=None)
+    engine = Engine(EngineConfig(model=model, max_context=DEFAULT_CONTEXT, kv_precision=precision), disk_tier=None)
     engine.wait_ready()
     histories = {n: long_chat(n) for n in lengths}
     for history in histories.values():
@@ -215,7 +215,7 @@ def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 12
     rows = {}
     for precision in (p.value for p in LADDER):
         engine = Engine(EngineConfig(model=model, kv_precision=precision, max_context=prompt_len + new_tokens + 64),
-                        loaded=lm, persona_store=None)
+                        loaded=lm, disk_tier=None)
         engine.wait_ready()
         at_full_speed(engine)
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -257,7 +257,7 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
     budget = int(pool_tokens * bytes_per_token(shape, "fp16", lm.dtype.itemsize))  # fp32 on the CPU, bf16 on a GPU
     target = int(pool_tokens * growth)
     engine = Engine(EngineConfig(model=model, kv_precision="auto", kv_budget_bytes=budget,
-                                 max_context=int(pool_tokens * (growth + 1))), loaded=lm, persona_store=None)
+                                 max_context=int(pool_tokens * (growth + 1))), loaded=lm, disk_tier=None)
     engine.wait_ready()
     persona = {"role": "system", "content": "You are Marlowe, a patient reference librarian. Answer in full sentences."}
     messages, shifts, errors, turn, last = [persona], [], 0, 0, None
@@ -329,7 +329,7 @@ def bench_switch(model: str = "starter") -> dict:
 
     proc = psutil.Process()
     config = EngineConfig(model=model)
-    engine = Engine(config, persona_store=None)
+    engine = Engine(config, disk_tier=None)
     engine.wait_ready()
     at_full_speed(engine)
     engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=4, temperature=0)
@@ -361,7 +361,7 @@ import sys
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request, TokenDelta
-engine = Engine(EngineConfig(model=sys.argv[1]), persona_store=None)
+engine = Engine(EngineConfig(model=sys.argv[1]), disk_tier=None)
 engine.wait_ready()
 handle = engine.submit(Request(messages=[{"role": "user", "content": "Write a long story."}],
                                sampling=SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)))

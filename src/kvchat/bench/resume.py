@@ -68,7 +68,7 @@ class Timed:
 def new_engine(lm, precision: str, disk: DiskTier | None, ram: int | None = None) -> Engine:
     config = EngineConfig(max_context=CONTEXT, kv_precision=precision, ram_cache_bytes=ram,
                           disk_cache_bytes=0 if disk is None else 4 << 30)
-    engine = Engine(config, loaded=lm, persona_store=None, disk_tier=disk if disk is not None else False)
+    engine = Engine(config, loaded=lm, disk_tier=disk)
     engine.wait_ready()
     at_full_speed(engine)
     engine.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)

@@ -17,7 +17,7 @@ from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
 from kvchat.engine.host import ModelHost
 from kvchat.engine.kv.forget import answer_forget
 from kvchat.engine.kv.persona_probe import answer_persona_query
-from kvchat.engine.kv.persona_store import PersonaStore
+from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.model.loading import LoadedModel
 
@@ -27,7 +27,7 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 persona_store: PersonaStore | None | bool = True, probe=None, disk_tier=None):
+                 probe=None, disk_tier: DiskTier | bool | None = True):
         # what the model host loads, and what the governor and the runner work on
         self.config = config or EngineConfig()
         self.loaded: LoadedModel | None = None
@@ -40,7 +40,7 @@ class Engine:
         self.ready = threading.Event()  # set while no load is under way
         self.load_error: str | None = None  # why no model is loaded, when none is
         self.handle: RequestHandle | None = None  # the request running now
-        self.host = ModelHost(self, persona_store, probe, disk_tier)  # disk_tier None: on where persona_store is True
+        self.host = ModelHost(self, probe, disk_tier)
         self.governor = MemoryGovernor(self)
         self.requests = RequestRunner(self)
         # the actor's own bookkeeping

@@ -53,13 +53,14 @@ class RequestRunner:
         handle.put(last)
 
     def release(self, seq: Sequence, persona_len: int) -> None:
-        """After the reply (never before the first token): pin and persist the persona, free blocks."""
+        """After the reply (never before the first token): pin the persona, persist, free blocks."""
         kvpool = self.engine.kvpool
+        persona_blocks = 0
         try:
-            kvpool.personas.remember(seq, persona_len)
+            persona_blocks = kvpool.personas.remember(seq, persona_len)
         except Exception:
             log.exception("could not remember the persona")
-        kvpool.tiers.persist(seq)  # the turn's new full blocks on disk: a restart resumes the chat
+        kvpool.tiers.persist(seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes the chat
         kvpool.manager.free(seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def tokenize(self, command: Tokenize) -> None:
@@ -135,7 +136,7 @@ class RequestRunner:
         kvpool, cfg, sp = e.kvpool, e.config, handle.request.sampling
         stats = Stats(prompt_tokens=prompt_len)
         limit = self.context_limit()
-        stats.ram_tokens, stats.disk_tokens = kvpool.match(seq, persona_len)  # pool, RAM, disk
+        stats.ram_tokens, stats.disk_tokens = kvpool.match(seq)  # pool, RAM, disk
         stats.cached_tokens = seq.num_computed
         logits = None
         while seq.num_computed < prompt_len:

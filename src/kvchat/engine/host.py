@@ -4,6 +4,7 @@ what it loads on the Engine (config, loaded, kvpool and what follows from them).
 import ctypes
 import gc
 import logging
+import shutil
 import weakref
 from dataclasses import replace
 from time import perf_counter
@@ -16,10 +17,10 @@ from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
 from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
+from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
 from kvchat.engine.compile_child import CacheWarmer
 from kvchat.engine.kv.disk_tier import DiskTier
-from kvchat.engine.kv.persona_store import PersonaStore
 from kvchat.engine.kv.pool import KVPool, kv_dtype
 from kvchat.engine.memory_probe import MemoryProbe
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
@@ -29,11 +30,10 @@ PREPARING = "preparing fast decoding in the background: replies start at once, f
 
 
 class ModelHost:
-    def __init__(self, engine, persona_store: PersonaStore | None | bool, probe, disk_tier=None):
+    def __init__(self, engine, probe, disk_tier: DiskTier | bool | None = True):
         self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
-        self.store_arg, self.given_probe = persona_store, probe
-        # the disk tier: as given, or True (kvchat's cache dir) where personas go to disk too
-        self.disk = (persona_store is True) if disk_tier is None else disk_tier
+        self.given_probe = probe
+        self.disk = disk_tier  # as given, True: kvchat's cache dir at the config's cap, None: off
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
         self.warmed = self.fallback_told = False  # CUDA's smallest graph captured for this pool; a fallback told once
         self.warmer: CacheWarmer | None = None  # the children compiling the loaded model's graphs
@@ -103,9 +103,8 @@ class ModelHost:
         e.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize, cfg.max_context)
         e.config = cfg = self.capped(cfg)
         e.auto = cfg.kv_precision == Precision.AUTO
-        store = PersonaStore() if self.store_arg is True else (self.store_arg or None)
         precision, budget = self.layout(cfg)
-        e.kvpool = KVPool(lm, cfg.block_size, precision, budget, store, cfg.decode, cfg.ram_cache_bytes,
+        e.kvpool = KVPool(lm, cfg.block_size, precision, budget, cfg.decode, cfg.ram_cache_bytes,
                           self.disk_tier(cfg), e.notice)
         self.warmed = self.fallback_told = False
         if loaded is None:  # a model handed in may have no source a child could load
@@ -116,6 +115,7 @@ class ModelHost:
     def disk_tier(self, cfg: EngineConfig) -> DiskTier | None:
         """The engine's disk tier (made once: the cache dir outlives models), or None when off."""
         if self.disk is True:
+            shutil.rmtree(cache_dir() / "persona-kv", ignore_errors=True)  # earlier versions' persona store
             self.disk = DiskTier(cap_bytes=cfg.disk_cache_bytes) if cfg.disk_cache_bytes else None
         return self.disk or None
 

@@ -1,13 +1,13 @@
 """Is a persona's prefix warm? The question the app's badge asks: the answer comes from the pool's
-prefix cache and the persona store, not from what a window remembers.
+prefix cache and its RAM and disk tiers, not from what a window remembers.
 
 "warm": every full block of the persona's prefix is in the pool now (the next reply skips it);
-"disk": not in the pool, but its saved KV matches this model and precision (restored, not computed);
+"disk": not in the pool, but RAM or disk holds its KV for this model and precision (restored, not computed);
 "cold": it would be computed; "short": the persona is shorter than one block, nothing to cache.
 """
 
 
-def persona_state(formatter, manager, store, system_prompt: str) -> str:
+def persona_state(formatter, manager, tiers, system_prompt: str) -> str:
     """The blocks are named exactly as a request names them: the persona rendered as the system
     message ahead of a user message, chained hashes with the pool's extra key (model, precision)."""
     encoded = formatter.encode([{"role": "system", "content": system_prompt}, {"role": "user", "content": "."}])
@@ -18,7 +18,7 @@ def persona_state(formatter, manager, store, system_prompt: str) -> str:
     chain = list(manager.chain(encoded.token_ids, n))
     if all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain):
         return "warm"
-    if store is not None and store.has(chain[-1][1]):
+    if tiers.holds(chain[-1][1]):
         return "disk"
     return "cold"
 
@@ -27,7 +27,7 @@ def answer_persona_query(engine, command) -> None:
     """A ``PersonaQuery``, on the engine thread: "cold" while no model is loaded."""
     try:
         state = "cold" if engine.kvpool is None else persona_state(
-            engine.formatter, engine.kvpool.manager, engine.kvpool.personas.store, command.system_prompt)
+            engine.formatter, engine.kvpool.manager, engine.kvpool.tiers, command.system_prompt)
     except Exception as error:  # the future resolves whatever happens
         return command.future.set_exception(error)
     command.future.set_result(state)

@@ -26,7 +26,7 @@ def kv_dtype(lm) -> torch.dtype:
 
 
 class KVPool:
-    def __init__(self, lm, block_size: int, precision: Precision, budget: int, store, decode: str = "eager",
+    def __init__(self, lm, block_size: int, precision: Precision, budget: int, decode: str = "eager",
                  host_cap: int = 0, disk: DiskTier | None = None, notice=None):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
@@ -39,7 +39,7 @@ class KVPool:
         self.pool = BlockPool(num_blocks)
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
-        self.personas = PersonaCache(self.manager, self.kv, store)
+        self.personas = PersonaCache(self.manager)
         self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
         if self.tiers.host.cap_bytes or disk is not None:  # host_cap None: the default share of RAM
             self.pool.on_evict = self.tiers.evicted
@@ -48,7 +48,7 @@ class KVPool:
     def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
         """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
         per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
-        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), None)
+        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token))
 
     @property
     def precision(self) -> Precision:
@@ -98,7 +98,7 @@ class KVPool:
         self.pool.grow(n)
         self.budget = budget
         self.manager.relayout(self.extra_key(), list(live))
-        self.runner.kv = self.personas.kv = self.kv
+        self.runner.kv = self.kv
         self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
         return True
 
@@ -126,12 +126,11 @@ class KVPool:
                 out.append((seq, window, fill))
         return out
 
-    def match(self, seq: Sequence, persona_len: int) -> tuple[int, int]:
+    def match(self, seq: Sequence) -> tuple[int, int]:
         """A new request's cached prefix: the pool's blocks, then RAM's and disk's (loaded back),
-        a persona from disk, a partly filled block. Returns the tokens restored from RAM and disk."""
+        a partly filled block. Returns the tokens restored from RAM and disk."""
         self.manager.match_prefix(seq)
         ram, disk = self.tiers.restore(seq)
-        disk += self.personas.restore(seq, persona_len)
         self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         return ram, disk
 

@@ -75,20 +75,28 @@ class KVTiers:
             self.notice("disk-full", f"the disk is full: conversations are no longer saved to {self.disk.folder} "
                                      "(chats go on; clear cached conversations or free space)")
 
-    def persist(self, seq: Sequence) -> None:
-        """A finished turn: its full blocks that the disk does not hold yet are written there."""
+    def persist(self, seq: Sequence, persona_blocks: int = 0) -> None:
+        """A finished turn: its full blocks that the disk does not hold yet are written there, the
+        first ``persona_blocks`` (a persona's, shared by its chats) pinned: trimmed last, kept by
+        "Clear cached conversations"."""
         if self.disk is None or self.disk.full:
             return
+        for i in range(min(persona_blocks, len(seq.hashes))):
+            self.disk.pin(seq.hashes[i])  # written plain by an earlier turn, before it was a persona's
         parents = [None] + seq.hashes[:-1]
         new = [i for i, h in enumerate(seq.hashes) if not self.disk.has(h)]
         for i in new:
             bs = self.block_size
             block = self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i])
-            self._save(seq.hashes[i], block)
+            self._save(seq.hashes[i], block, pinned=i < persona_blocks)
             if self.disk.full:
                 break
         if new:
             self.disk.trim()
+
+    def holds(self, hash_: bytes) -> bool:
+        """Whether RAM or disk has this block: a match would restore it, not compute it."""
+        return hash_ in self.host or self.disk is not None and self.disk.has(hash_)
 
     # -- up: RAM, disk -> pool --
 
