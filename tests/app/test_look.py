@@ -108,3 +108,26 @@ def test_new_chat_shows_its_hover_in_dark_mode(qtbot, app_parts):
     accent = QColor(COLOURS[True]["accent"])
     got = after.pixelColor(edge)
     assert abs(got.red() - accent.red()) + abs(got.green() - accent.green()) + abs(got.blue() - accent.blue()) < 90
+
+
+def test_the_memory_gauge_and_its_keys_take_the_themes_shade(qtbot, app_parts):
+    """Issue 29: the free part of the bar, most of it on a big machine, was a pale green block on
+    the dark panel."""
+    from kvchat.app.views.gauge import DARK, SEGMENTS
+
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    if not win.memory_button.isChecked():
+        qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1 and win.gauge.isVisible(), timeout=10000)
+    free_light = dict((label, colour) for _, label, colour in SEGMENTS)["free"]
+
+    def free_pixel():
+        image = win.gauge.grab().toImage()
+        return image.pixelColor(image.width() - 4, image.height() // 2).name()  # the bar ends with "free"
+
+    assert free_pixel() == free_light and free_light in win.memory_panel.keys["free"].text()
+    to_dark(qtbot, win)
+    qtbot.waitUntil(lambda: free_pixel() == DARK["free"], timeout=5000)
+    assert DARK["free"] in win.memory_panel.keys["free"].text()
+    assert QColor(DARK["free"]).lightnessF() < 0.3 < QColor(free_light).lightnessF()

@@ -1,7 +1,7 @@
 """The live memory gauge: one stacked bar, from the engine's snapshots."""
 from PySide6.QtCore import QRectF, Qt
-from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import QLabel, QWidget
+from PySide6.QtGui import QColor, QPainter, QPalette
+from PySide6.QtWidgets import QWidget
 
 from kvchat.core.memory import GiB
 
@@ -14,13 +14,24 @@ SEGMENTS = [  # snapshot key, label, colour
     ("activations_reserve", "activations", "#8d6e63"),
     ("free", "free", "#e8f5e9"),
 ]
+DARK = {"kv_free": "#6b5a40", "free": "#2e4a36"}  # the light theme's pale keys glared on the dark panel
 
 
-def segments(snapshot: dict) -> list[tuple[str, int, str]]:
+def is_dark(widget: QWidget) -> bool:
+    return widget.palette().color(QPalette.Window).lightness() < 128
+
+
+def colours(dark: bool) -> dict[str, str]:
+    """Each segment's colour by label, in the theme's shade."""
+    return {label: DARK.get(key, colour) if dark else colour for key, label, colour in SEGMENTS}
+
+
+def segments(snapshot: dict, dark: bool = False) -> list[tuple[str, int, str]]:
     """(label, bytes, colour) in bar order; the pool's unused blocks are their own segment."""
     values = dict(snapshot)
     values["kv_free"] = max(0, snapshot["kv_total"] - snapshot["kv_in_use"] - snapshot["kv_reclaimable"])
-    return [(label, int(values[key]), colour) for key, label, colour in SEGMENTS]
+    shade = colours(dark)
+    return [(label, int(values[key]), shade[label]) for key, label, _ in SEGMENTS]
 
 
 class MemoryGauge(QWidget):
@@ -43,16 +54,11 @@ class MemoryGauge(QWidget):
         rect = QRectF(self.rect()).adjusted(0, 2, -1, -2)
         painter.setPen(Qt.NoPen)
         if not self.snapshot or not self.snapshot["total"]:
-            painter.fillRect(rect, QColor("#eeeeee"))
+            painter.fillRect(rect, self.palette().color(QPalette.AlternateBase))
             return
         x = rect.left()
-        for _, size, colour in segments(self.snapshot):
+        for _, size, colour in segments(self.snapshot, is_dark(self)):
             width = rect.width() * size / self.snapshot["total"]
             painter.fillRect(QRectF(x, rect.top(), width, rect.height()), QColor(colour))
             x += width
 
-
-def legend() -> QLabel:
-    """Colour keys for the bar, in its order."""
-    keys = " ".join(f'<span style="color:{colour}">&#9632;</span> {label}' for _, label, colour in SEGMENTS)
-    return QLabel(keys)

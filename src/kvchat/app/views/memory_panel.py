@@ -2,12 +2,12 @@
 precision, and the largest context each precision would hold here, capped at what the model was
 trained on. On a connection: the server's own KV-cache usage and prefix-cache hit rate, from its
 /metrics, or "not reported"."""
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from kvchat.core.memory import GiB
 
-from kvchat.app.views.gauge import SEGMENTS, MemoryGauge, segments
+from kvchat.app.views.gauge import MemoryGauge, colours, is_dark, segments
 
 ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "other programs", "free"]
 
@@ -60,9 +60,9 @@ class MemoryPanel(QFrame):
         grid = QGridLayout()
         grid.setHorizontalSpacing(8)
         self.values: dict[str, QLabel] = {}
-        colours = {label: colour for _, label, colour in SEGMENTS}
+        self.keys: dict[str, QLabel] = {}
         for row, label in enumerate(ROWS):
-            key = QLabel(f'<span style="color:{colours[label]}">&#9632;</span> {label}')
+            key = self.keys[label] = QLabel()
             value = QLabel("–")
             value.setAlignment(Qt.AlignRight)
             grid.addWidget(key, row, 0)
@@ -97,6 +97,17 @@ class MemoryPanel(QFrame):
         layout.addWidget(self.local)
         layout.addWidget(self.server)
         layout.addStretch(1)
+        self.colour_keys()
+
+    def colour_keys(self) -> None:
+        shade = colours(is_dark(self))
+        for label, key in self.keys.items():
+            key.setText(f'<span style="color:{shade[label]}">&#9632;</span> {label}')
+
+    def changeEvent(self, event) -> None:
+        if event.type() == QEvent.PaletteChange:  # the theme changed
+            self.colour_keys()
+        super().changeEvent(event)
 
     def show_server(self, memory: dict | None, url: str) -> None:
         self.local.hide()
