@@ -37,7 +37,7 @@ $(VENV)/.prepared: $(VENV)/.installed
 	touch $@
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 # -- the packaged app -----------------------------------------------------------------------------
 # dist/kvchat/: a one-folder app (PyInstaller), rebuilt when the code or the spec changed. Its
