@@ -35,7 +35,7 @@ class ChatModel(RowModel):
         row = self.rows[index.row()]
         if role == ROLE_IDS["blocks"]:
             if row["blocks"] is None:  # rendered when first shown: a long chat opens at the cost of a screenful
-                row["blocks"] = blocks(row["content"], self.dark) if row["role"] == "assistant" else []
+                row["blocks"] = blocks(row["content"], self.dark, row["streaming"]) if row["role"] == "assistant" else []
             return row["blocks"]
         if role == ROLE_IDS["lastReply"]:
             return index.row() == len(self.rows) - 1 and row["role"] == "assistant"

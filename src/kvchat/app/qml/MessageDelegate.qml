@@ -99,10 +99,14 @@ Item {
         }
 
         Item {
+            id: userPart
             visible: msg.isUser && msg.content.length > 0  // a message may be only a pasted document
             width: column.width
             height: visible ? bubble.height : 0
-            Text { id: measure; visible: false; text: msg.content; font.pixelSize: 14 }
+            // a reply's text stays out of the bubble's hidden items: a streaming one laid it out
+            // twice more each frame
+            readonly property string typed: msg.isUser ? msg.content : ""
+            Text { id: measure; visible: false; text: userPart.typed; font.pixelSize: 14 }
             Rectangle {
                 id: bubble
                 anchors.right: parent.right
@@ -113,10 +117,10 @@ Item {
                 TextEdit {
                     id: userText
                     objectName: "messageText"
-                    property string plain: msg.content
+                    property string plain: userPart.typed
                     x: 14; y: 10
                     width: parent.width - 28
-                    text: msg.content
+                    text: plain
                     textFormat: TextEdit.PlainText  // Shift+Enter newlines stay as typed
                     wrapMode: TextEdit.Wrap
                     readOnly: true
