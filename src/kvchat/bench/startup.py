@@ -3,7 +3,7 @@
 Each run is a new process in one KVCHAT_HOME (empty for the fresh run, left as the fresh run left it
 for the warm one), with the app's default settings (Auto KV, 8,192 tokens, Auto weights). It sends a
 message the moment the engine is made, as a user who types while the model loads, and keeps
-replying until the decode step runs at full speed; then changes the context, the KV precision and
+replying, with a reader's pause between replies, until the decode step runs at full speed; then changes the context, the KV precision and
 the weights in turn and sends a message after each. The window is timed apart (the app offscreen,
 its own first-frame trace), since it shows before the engine is made.
 
@@ -34,6 +34,9 @@ ROWS = (
 MESSAGE = [{"role": "user", "content": "Name three colors."}]
 TOKENS = 16  # per reply: replies follow each other until the step runs compiled
 PATIENCE_S = 900  # how long a run waits for full speed before it gives up on that row
+# a reader's pause between replies: the compile child (niced) gets the CPU mostly then, and the
+# app loads its result only in an idle moment; back-to-back replies left it 10 % of a core
+READ_S = 10.0
 
 
 def bench_startup(model: str = "starter", home: str | None = None) -> dict:
@@ -127,6 +130,8 @@ class Watch:
                 later = [t for t in tokens if t > full_at]
                 if later:
                     return later[0]
+            elif tokens:
+                time.sleep(READ_S)
             tokens = tokens + self.reply(engine)
         return None
 
