@@ -124,7 +124,8 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     restarted.wait_ready()
     at_full_speed(restarted)
     restarted.generate([{"role": "user", "content": "warm-up"}], max_new_tokens=2, temperature=0)
-    again, third = _ttft(restarted, [persona, {"role": "user", "content": question}])
+    # a question not asked before: the disk tier holds every turn, and (c) is the persona's restore
+    again, third = _ttft(restarted, [persona, {"role": "user", "content": question.replace("this", "last")}])
     restarted.close()
     result.update({"c_restart_ttft_ms": again, "c_restart_cached_tokens": third.stats.cached_tokens,
                    "c_ratio": again / cold})
