@@ -13,7 +13,7 @@ import torch
 from kvchat.kernels.quant import SINKS
 
 from kvchat.engine.kv.block_pool import Block, PoolExhausted
-from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.disk_tier import PINNED, DiskTier
 from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_out
 from kvchat.engine.kv.manager import Sequence
 
@@ -81,17 +81,18 @@ class KVTiers:
         "Clear cached conversations"."""
         if self.disk is None or self.disk.full:
             return
-        for i in range(min(persona_blocks, len(seq.hashes))):
-            self.disk.pin(seq.hashes[i])  # written plain by an earlier turn, before it was a persona's
-        parents = [None] + seq.hashes[:-1]
-        new = [i for i, h in enumerate(seq.hashes) if not self.disk.has(h)]
-        for i in new:
-            bs = self.block_size
-            block = self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i])
-            self._save(seq.hashes[i], block, pinned=i < persona_blocks)
+        parents, bs, wrote = [None] + seq.hashes[:-1], self.block_size, False
+        for i, h in enumerate(seq.hashes):
+            pinned, held = i < persona_blocks, self.disk.find(h)
+            if held is not None:
+                if pinned and held.suffix != PINNED:  # written plain by a turn before it was a persona's
+                    self.disk.pin(h)
+                continue
+            self._save(h, self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i]), pinned)
+            wrote = True
             if self.disk.full:
                 break
-        if new:
+        if wrote:
             self.disk.trim()
 
     def holds(self, hash_: bytes) -> bool:
