@@ -292,7 +292,9 @@ def cmd_bench(args) -> int:
 
         bench_resume.report(bench_resume.bench_resume(args.model, args.kv_precision), args.json)
     elif args.which == "prefix":
-        bench.report_prefix(bench.bench_prefix(args.model), args.json)
+        from kvchat.bench import prefix as bench_prefix
+
+        bench_prefix.report_prefix(bench_prefix.bench_prefix(args.model), args.json)
     elif args.which == "memory":
         bench.report_memory(bench.bench_memory(args.model), args.json)
     elif args.which == "switch":
