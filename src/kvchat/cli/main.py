@@ -146,6 +146,7 @@ def make_sampling(args) -> SamplingParams:
 
 
 def start_engine(config: EngineConfig):
+    _quiet_transformers()  # torch and transformers load in seconds: only once the arguments are good
     from kvchat.engine.engine import Engine
 
     engine = Engine(config)
@@ -225,14 +226,14 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    check_engine_args(args)
+    check_serve_args(args)
     import uvicorn
 
     from kvchat.core.events import ModelReady
     from kvchat.serve.server import create_app
     from kvchat.serve.transport import server_config
 
-    check_engine_args(args)
-    check_serve_args(args)
     engine = start_engine(make_config(args))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
@@ -247,10 +248,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from kvchat.bench import engine as bench
-
     if args.random_weights and not os.path.exists(os.path.expanduser(args.random_weights)):
         raise ConfigError(f"--random-weights {args.random_weights}: no such file or folder")
+    _quiet_transformers()
+    from kvchat.bench import engine as bench
+
     if args.which == "decode":
         from kvchat.bench import decode as bench_decode
 
@@ -348,10 +350,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from kvchat.bench import evaluate
-
     if not os.path.isfile(os.path.expanduser(args.text)):
         raise ConfigError(f"--text {args.text}: no such file")
+    _quiet_transformers()
+    from kvchat.bench import evaluate
 
     evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
                   args.chunk)
@@ -360,12 +362,13 @@ def cmd_eval(args) -> int:
 
 def main(argv=None) -> int:
     from kvchat.core.events import EngineError
-    from kvchat.engine.model.loading import ModelError
+    from kvchat.core.model_source import ModelError
 
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="kvchat: %(message)s")
-    _quiet_transformers()
     command = args.command or "chat"
+    if command in ("prepare", "plan"):  # the others quiet it once their arguments passed: it imports torch
+        _quiet_transformers()
     if args.command is None:
         args = parser().parse_args(["chat"])
     try:
