@@ -73,6 +73,15 @@ def engine_model(starter):
     return as_loaded(starter.model, starter.tokenizer, "starter")
 
 
+@pytest.fixture(scope="session")
+def short_starter(starter):
+    """The starter's first 4 of 30 layers, one copy for the engine-logic tests that share it
+    (``tiny_models.first_layers``)."""
+    from tiny_models import first_layers
+
+    return first_layers(starter)
+
+
 @pytest.fixture(autouse=True)
 def _no_compile_left_running():
     """A background compile a test started (the int8 weights' twins of an engine it made, a decode

@@ -52,14 +52,14 @@ def script(e: Engine, others=OTHERS):
     return ask(e, A + first.token_ids + QUESTION)
 
 
-@pytest.mark.parametrize("precision", ["fp16"] + [pytest.param(p, marks=pytest.mark.slow) for p in ("int8", "k8v4", "int4")])
-def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(engine_model, tmp_path, precision):
+@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
+def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(short_starter, tmp_path, precision):
     """Pushed out of a small pool by two other chats, the conversation comes back from RAM; after a
     restart, from disk (with the full-precision sinks a quantized pool needs: the new engine has
     none of its own). Both times the next turn's greedy tokens are the reference's, whose pool
     never evicted it."""
-    reference = engine(engine_model, precision, 4096, ram=0)
-    tiered = engine(engine_model, precision, 384, ram=1 << 30)  # 24 blocks: the others evict the conversation
+    reference = engine(short_starter, precision, 4096, ram=0)
+    tiered = engine(short_starter, precision, 384, ram=1 << 30)  # 24 blocks: the others evict the conversation
     try:
         want, from_ram = script(reference), script(tiered)
         tiers = tiered.governor.snapshot(64 << 30, 0).tiers  # what the memory panel and /metrics show
@@ -68,14 +68,14 @@ def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(en
         tiered.close()
     assert tiers["ram_hits"] * 16 == from_ram.stats.ram_tokens and tiers["ram_capacity"] == 1 << 30
     assert tiers["ram_used"] >= tiers["ram_hits"] * 16 * bytes_per_token(
-        KVShape.from_config(engine_model.model.config), precision, 4)
-    first = engine(engine_model, precision, 4096, ram=0, disk=DiskTier(tmp_path))
+        KVShape.from_config(short_starter.model.config), precision, 4)
+    first = engine(short_starter, precision, 4096, ram=0, disk=DiskTier(tmp_path))
     try:
         generated = ask(first, A).token_ids
     finally:
         first.close()
     assert len(list(tmp_path.glob("*.kvb"))) == 16
-    restarted = engine(engine_model, precision, 4096, ram=0, disk=DiskTier(tmp_path))
+    restarted = engine(short_starter, precision, 4096, ram=0, disk=DiskTier(tmp_path))
     try:
         from_disk = ask(restarted, A + generated + QUESTION)
     finally:
@@ -87,9 +87,9 @@ def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(en
     assert from_disk.token_ids == want.token_ids
 
 
-def test_the_ram_tier_is_on_by_default(engine_model):
+def test_the_ram_tier_is_on_by_default(short_starter):
     """No cap set (a quarter of the free RAM) and no disk tier: the conversation still comes back."""
-    e = engine(engine_model, "fp16", 384)
+    e = engine(short_starter, "fp16", 384)
     try:
         done = script(e)
     finally:
@@ -97,9 +97,9 @@ def test_the_ram_tier_is_on_by_default(engine_model):
     assert done.stats.cached_tokens == 256 and done.stats.ram_tokens > 0
 
 
-def test_without_tiers_the_same_conversation_is_computed_again(engine_model):
+def test_without_tiers_the_same_conversation_is_computed_again(short_starter):
     """The scenario above evicts: with the tiers off, nothing of the conversation is left."""
-    e = engine(engine_model, "fp16", 384, ram=0)
+    e = engine(short_starter, "fp16", 384, ram=0)
     try:
         done = script(e)
     finally:
@@ -174,7 +174,7 @@ def test_the_cap_drops_the_least_recently_used_and_pinned_blocks_last(tmp_path):
     assert [tier.has(bytes([i]) * 16) for i in range(3)] == [True, False, False]
 
 
-def test_a_full_disk_stops_the_writes_with_one_notice_and_the_chat_goes_on(engine_model, tmp_path, monkeypatch):
+def test_a_full_disk_stops_the_writes_with_one_notice_and_the_chat_goes_on(short_starter, tmp_path, monkeypatch):
     class Full:
         def __init__(self, path):
             self.f = open(path, "xb")
@@ -189,7 +189,7 @@ def test_a_full_disk_stops_the_writes_with_one_notice_and_the_chat_goes_on(engin
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("kvchat.engine.kv.disk_tier._create", Full)
-    e = engine(engine_model, "fp16", 4096, ram=0, disk=DiskTier(tmp_path))
+    e = engine(short_starter, "fp16", 4096, ram=0, disk=DiskTier(tmp_path))
     notices = []
     e.add_listener(lambda event: notices.append(event) if isinstance(event, Notice) else None)
     try:

@@ -42,3 +42,14 @@ def fingerprint(model) -> str:
     for name, p in model.state_dict().items():  # a sample of each tensor tells random seeds apart
         digest.update(name.encode() + str(tuple(p.shape)).encode() + p.flatten()[:256].float().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def first_layers(lm: LoadedModel, n: int = 4) -> LoadedModel:
+    """A copy of ``lm`` cut to its first ``n`` layers: its shapes (the starter's 9 query heads over 3
+    KV heads, head_dim 64), weights and vocabulary, at n/30 of the starter's cost per token. For
+    the tests of the engine's own logic (tiers, pressure, steps): what they check does not depend
+    on the depth, and the whole starter made each of them 15-28 s."""
+    model = copy.deepcopy(lm.model)
+    model.model.layers = model.model.layers[:n]
+    model.config.num_hidden_layers = n
+    return LoadedModel(model, lm.tokenizer, lm.source, f"{lm.identity}|first {n} layers", lm.device, lm.dtype)
