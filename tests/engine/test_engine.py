@@ -119,9 +119,12 @@ def test_internal_failure_is_an_error_event_and_frees_blocks(engine, monkeypatch
     assert engine.generate(HELLO, max_new_tokens=2, temperature=0).finish_reason == "length"
 
 
-@pytest.mark.slow
-def test_generation_stops_at_the_context_limit(engine):
-    done = engine.generate(HELLO, max_new_tokens=1000, temperature=0, ignore_eos=True)
+def test_generation_stops_at_the_context_limit(short_starter):
+    engine = Engine(EngineConfig(max_context=256, prefill_chunk=64), loaded=short_starter)
+    try:
+        done = engine.generate(HELLO, max_new_tokens=1000, temperature=0, ignore_eos=True)
+    finally:
+        engine.close()
     assert done.finish_reason == "length"
     assert done.stats.prompt_tokens + done.stats.generated_tokens == 256
 

@@ -194,8 +194,8 @@ def _contains(whole: list[int], part: list[int]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def machine_model(engine_model):
-    EngineMachine.shared = engine_model
+def machine_model(short_starter):
+    EngineMachine.shared = short_starter
     yield
     EngineMachine.shared = None
 

@@ -15,11 +15,12 @@ from kvchat.engine.model.loading import LoadedModel
 from polling import wait_for
 
 GiB = 1 << 30
+PER_TOKEN_FP32 = 2 * 4 * 3 * 64 * 4  # K and V, the short starter's 4 layers, 3 KV heads, head_dim 64, fp32
 PERSONA = {"role": "system", "content": "You are a calm travel guide for the Alps. " * 6}
 
 
-def engine(engine_model, probe=None, **config):
-    e = Engine(EngineConfig(**config), loaded=LoadedModel(**vars(engine_model)), disk_tier=None, probe=probe)
+def engine(short_starter, probe=None, **config):
+    e = Engine(EngineConfig(**config), loaded=LoadedModel(**vars(short_starter)), disk_tier=None, probe=probe)
     e.wait_ready()
     return e
 
@@ -30,22 +31,22 @@ def collect(e):
     return events
 
 
-def test_snapshots_arrive_about_once_a_second_and_add_up(engine_model):
-    e = engine(engine_model, max_context=512)
+def test_snapshots_arrive_about_once_a_second_and_add_up(short_starter):
+    e = engine(short_starter, max_context=512)
     events = collect(e)
     assert wait_for(lambda: sum(isinstance(x, MemorySnapshot) for x in events) >= 2, timeout=6)
     snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
     e.close()
     assert snap.on_cpu and snap.device == "cpu" and snap.precision == "fp16"
     assert snap.kv_total == e.kvpool.pool.num_blocks * 16 * e.kvpool.bytes_per_token()
-    assert snap.weights == sum(t.numel() * t.element_size() for t in engine_model.model.state_dict().values())
+    assert snap.weights == sum(t.numel() * t.element_size() for t in short_starter.model.state_dict().values())
     assert 0 <= snap.kv_in_use <= snap.kv_total and snap.free >= 0
     assert snap.max_context["int4"] > snap.max_context["int8"] > snap.max_context["fp16"] > 0
 
 
-def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(engine_model):
+def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_starter):
     probe = ScriptedProbe(total=8 * GiB)
-    e = engine(engine_model, probe=probe, max_context=1024, kv_precision="auto", headroom_bytes=GiB)
+    e = engine(short_starter, probe=probe, max_context=1024, kv_precision="auto", headroom_bytes=GiB)
     events = collect(e)
     first = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
@@ -65,9 +66,8 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(engine_mo
 
 
 @pytest.mark.slow
-def test_a_full_pool_steps_down_instead_of_failing(engine_model):
-    per_token_fp32 = 2 * 30 * 3 * 64 * 4
-    e = engine(engine_model, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * per_token_fp32)
+def test_a_full_pool_steps_down_instead_of_failing(short_starter):
+    e = engine(short_starter, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * PER_TOKEN_FP32)
     assert e.precision.value == "fp16" and e.kvpool.pool.num_blocks == 16
     handle = e.submit(Request(messages=[PERSONA, {"role": "user", "content": "Tell me about the Alps. " * 25}],
                               sampling=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
@@ -80,9 +80,8 @@ def test_a_full_pool_steps_down_instead_of_failing(engine_model):
     e.close()
 
 
-def test_evicting_cached_prefixes_is_told(engine_model):
-    per_token_fp32 = 2 * 30 * 3 * 64 * 4
-    e = engine(engine_model, max_context=256, kv_precision="fp16", kv_budget_bytes=256 * per_token_fp32)
+def test_evicting_cached_prefixes_is_told(short_starter):
+    e = engine(short_starter, max_context=256, kv_precision="fp16", kv_budget_bytes=256 * PER_TOKEN_FP32)
     events = collect(e)
     e.generate([{"role": "user", "content": "Tell me about the Alps. " * 20}], max_new_tokens=4, temperature=0)
     assert not [x for x in events if isinstance(x, Notice)]
@@ -93,17 +92,17 @@ def test_evicting_cached_prefixes_is_told(engine_model):
 
 
 @torch.inference_mode()
-def test_downshift_keeps_outputs_close_to_an_unpressured_run(engine_model):
+def test_downshift_keeps_outputs_close_to_an_unpressured_run(short_starter):
     """Prefill at fp16, convert the pool to int8 and int4 in place, decode on: the next-token
     distributions stay within the quantized modes' KL bounds of the fp16 run."""
-    ids = engine_model.tokenizer("The Alps are a mountain range in Europe. " * 12)["input_ids"]
-    lm = LoadedModel(**vars(engine_model))
-    reference = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4)
+    ids = short_starter.tokenizer("The Alps are a mountain range in Europe. " * 12)["input_ids"]
+    lm = LoadedModel(**vars(short_starter))
+    reference = KVPool(lm, 16, "fp16", 64 * 16 * PER_TOKEN_FP32)
     seq = Sequence(list(ids))
     reference.manager.reserve(seq, len(ids))
     reference.runner.forward(seq, len(ids) - 1, want_logits=False)
     for target, bound in (("int8", 2.5e-6), ("int4", 0.001)):  # twice the measured 1.26e-6 and 0.00051
-        pool = KVPool(lm, 16, "fp16", 64 * 16 * 2 * 30 * 3 * 64 * 4)
+        pool = KVPool(lm, 16, "fp16", 64 * 16 * PER_TOKEN_FP32)
         s = Sequence(list(ids))
         pool.manager.reserve(s, len(ids))
         pool.runner.forward(s, len(ids) - 1, want_logits=False)
@@ -117,10 +116,10 @@ def test_downshift_keeps_outputs_close_to_an_unpressured_run(engine_model):
 
 
 @torch.inference_mode()
-def test_a_shrink_moves_live_blocks_off_the_dropped_ids(engine_model):
-    lm = LoadedModel(**vars(engine_model))
-    per_block = 16 * 2 * 30 * 3 * 64 * 4
-    ids = engine_model.tokenizer("The Alps are a mountain range in Europe. " * 8)["input_ids"]
+def test_a_shrink_moves_live_blocks_off_the_dropped_ids(short_starter):
+    lm = LoadedModel(**vars(short_starter))
+    per_block = 16 * PER_TOKEN_FP32
+    ids = short_starter.tokenizer("The Alps are a mountain range in Europe. " * 8)["input_ids"]
     reference = KVPool(lm, 16, "fp16", 32 * per_block)
     ref_seq = Sequence(list(ids))
     reference.manager.reserve(ref_seq, len(ids))
@@ -139,8 +138,8 @@ def test_a_shrink_moves_live_blocks_off_the_dropped_ids(engine_model):
     torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want)
 
 
-def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(engine_model):
-    e = engine(engine_model, max_context=512)
+def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(short_starter):
+    e = engine(short_starter, max_context=512)
     model = e.loaded.model
     messages = [PERSONA, {"role": "user", "content": "Which lake is the largest?"}]
     e.generate(messages, max_new_tokens=4, temperature=0)
@@ -158,8 +157,8 @@ def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(en
     e.close()
 
 
-def test_a_long_chat_drops_its_oldest_messages_never_the_persona(engine_model):
-    e = engine(engine_model, max_context=256)
+def test_a_long_chat_drops_its_oldest_messages_never_the_persona(short_starter):
+    e = engine(short_starter, max_context=256)
     messages = [PERSONA]
     for i in range(8):
         messages += [{"role": "user", "content": f"Question {i}: tell me one fact about the Alps, please."},
