@@ -25,8 +25,8 @@ def small(**kw) -> EngineConfig:
 
 
 @pytest.fixture
-def engine(engine_model):
-    e = Engine(small(), loaded=engine_model, disk_tier=None)
+def engine(short_starter):
+    e = Engine(small(), loaded=short_starter, disk_tier=None)
     e.wait_ready(60)
     yield e
     e.close()
@@ -174,14 +174,14 @@ def test_cancel_resolves_and_stops_the_request(engine):
     assert handle.future.result(timeout=10).finish_reason == "cancelled" and no_leak(engine)
 
 
-def test_a_context_past_the_trained_length_is_capped_and_said(engine_model):
+def test_a_context_past_the_trained_length_is_capped_and_said(short_starter):
     from kvchat.engine.memory_probe import ScriptedProbe
 
-    e = Engine(EngineConfig(max_context=100_000), loaded=engine_model,
+    e = Engine(EngineConfig(max_context=100_000), loaded=short_starter,
                disk_tier=None, probe=ScriptedProbe(total=64 << 30))  # plenty: only the cap may limit
     seen = events_of(e)
     e.wait_ready(60)
-    trained = engine_model.model.config.max_position_embeddings
+    trained = short_starter.model.config.max_position_embeddings
     assert e.config.max_context == trained and e.requests.context_limit() == trained
     assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
     assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
@@ -231,12 +231,12 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
     assert engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)["kv_precision"] == "int8"
 
 
-def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(engine_model):
+def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figure(short_starter):
     from kvchat.engine.memory_probe import ScriptedProbe
 
     gib = 1 << 30
     probe = ScriptedProbe(total=8 * gib)
-    e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=engine_model,
+    e = Engine(small(kv_precision="auto", headroom_bytes=0), loaded=short_starter,
                disk_tier=None, probe=probe)
     e.wait_ready(60)
     seen = events_of(e)

@@ -37,8 +37,8 @@ def where(e: Engine, hashes) -> dict:
             "disk": sum(tiers.disk.has(h) for h in hashes)}
 
 
-def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_persona(engine_model, tmp_path):
-    e = small_engine(engine_model, tmp_path)
+def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_persona(short_starter, tmp_path):
+    e = small_engine(short_starter, tmp_path)
     try:
         doomed = chat(e, "Which book should I read first to learn about the history of Rome?")
         kept = chat(e, "How do I find a quiet place to study in a busy city?")
@@ -62,8 +62,8 @@ def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_person
     assert again.stats.ram_tokens == again.stats.disk_tokens == 0
 
 
-def test_clear_cached_conversations_empties_ram_and_disk_and_keeps_pinned_personas(engine_model, tmp_path):
-    e = small_engine(engine_model, tmp_path)
+def test_clear_cached_conversations_empties_ram_and_disk_and_keeps_pinned_personas(short_starter, tmp_path):
+    e = small_engine(short_starter, tmp_path)
     try:
         first = chat(e, "Which book should I read first to learn about the history of Rome?")
         chat(e, "How do I find a quiet place to study in a busy city?")

@@ -18,14 +18,14 @@ PERSONA_B = {"role": "system", "content": "You are a cheerful chef who loves sou
 GREEDY = dict(max_new_tokens=12, temperature=0)
 
 
-def new_engine(engine_model, store=None, **config):
-    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(engine_model)), disk_tier=store)
+def new_engine(short_starter, store=None, **config):
+    e = Engine(EngineConfig(max_context=1024, **config), loaded=LoadedModel(**vars(short_starter)), disk_tier=store)
     e.wait_ready()
     return e
 
 
-def cold(engine_model, messages):
-    e = new_engine(engine_model)
+def cold(short_starter, messages):
+    e = new_engine(short_starter)
     try:
         return e.generate(messages, **GREEDY)
     finally:
@@ -33,8 +33,8 @@ def cold(engine_model, messages):
 
 
 @pytest.fixture(scope="module")
-def warm(engine_model):
-    e = new_engine(engine_model)
+def warm(short_starter):
+    e = new_engine(short_starter)
     yield e
     e.close()
 
@@ -43,7 +43,7 @@ def reply(done):
     return {"role": "assistant", "content": done.text, "token_ids": done.token_ids}
 
 
-def test_multi_turn_reuses_the_whole_history_and_matches_cold(engine_model, warm):
+def test_multi_turn_reuses_the_whole_history_and_matches_cold(short_starter, warm):
     messages = [PERSONA_A, {"role": "user", "content": "What is the capital of Peru?"}]
     first = warm.generate(messages, **GREEDY)
     messages += [reply(first), {"role": "user", "content": "And of Chile?"}]
@@ -55,10 +55,10 @@ def test_multi_turn_reuses_the_whole_history_and_matches_cold(engine_model, warm
     assert second.stats.cached_tokens == first.stats.prompt_tokens + len(first.token_ids) - 1
     assert second.stats.cached_tokens > len(history) // 16 * 16
     assert prompt[:len(history)] == history
-    assert second.token_ids == cold(engine_model, messages).token_ids
+    assert second.token_ids == cold(short_starter, messages).token_ids
 
 
-def test_persona_switch_and_back_stays_warm(engine_model, warm):
+def test_persona_switch_and_back_stays_warm(short_starter, warm):
     q = {"role": "user", "content": "Tell me something nice."}
     a1 = warm.generate([PERSONA_A, q], **GREEDY)
     b1 = warm.generate([PERSONA_B, q], **GREEDY)
@@ -66,20 +66,20 @@ def test_persona_switch_and_back_stays_warm(engine_model, warm):
     b2 = warm.generate([PERSONA_B, {"role": "user", "content": "Another thing?"}], **GREEDY)
     persona_blocks = len(warm.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
     assert a2.stats.cached_tokens >= persona_blocks * 16 and b2.stats.cached_tokens >= persona_blocks * 16
-    assert b1.token_ids == cold(engine_model, [PERSONA_B, q]).token_ids
-    assert a1.token_ids == cold(engine_model, [PERSONA_A, q]).token_ids
+    assert b1.token_ids == cold(short_starter, [PERSONA_B, q]).token_ids
+    assert a1.token_ids == cold(short_starter, [PERSONA_A, q]).token_ids
 
 
-def test_regenerate_reuses_everything_before_the_reply(engine_model, warm):
+def test_regenerate_reuses_everything_before_the_reply(short_starter, warm):
     messages = [PERSONA_A, {"role": "user", "content": "Name a river in Africa."}]
     first = warm.generate(messages, **GREEDY)
     again = warm.generate(messages, **GREEDY)
     # all but the last token (its logits are needed), the partly filled last block included
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
-    assert again.token_ids == first.token_ids == cold(engine_model, messages).token_ids
+    assert again.token_ids == first.token_ids == cold(short_starter, messages).token_ids
 
 
-def test_edit_reuses_everything_before_the_edited_message(engine_model, warm):
+def test_edit_reuses_everything_before_the_edited_message(short_starter, warm):
     base = [PERSONA_A, {"role": "user", "content": "Name a mountain."}]
     first = warm.generate(base, **GREEDY)
     convo = base + [reply(first), {"role": "user", "content": "How high is it?"}]
@@ -91,7 +91,7 @@ def test_edit_reuses_everything_before_the_edited_message(engine_model, warm):
     shared_tokens = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     # up to the first token the edit changed, in the middle of a cached block (copied) or not
     assert done.stats.cached_tokens == shared_tokens >= before_edit
-    assert done.token_ids == cold(engine_model, edited).token_ids
+    assert done.token_ids == cold(short_starter, edited).token_ids
 
 
 def test_persona_blocks_are_pinned_after_use(warm):
@@ -104,15 +104,15 @@ def test_persona_blocks_are_pinned_after_use(warm):
     assert all(b.id in warm.kvpool.pool.pinned_queue for b in pinned)
 
 
-def test_restart_restores_the_persona_from_disk(engine_model, tmp_path):
+def test_restart_restores_the_persona_from_disk(short_starter, tmp_path):
     messages = [PERSONA_A, {"role": "user", "content": "What is the longest river?"}]
-    first = new_engine(engine_model, DiskTier(tmp_path))
+    first = new_engine(short_starter, DiskTier(tmp_path))
     expected = first.generate(messages, **GREEDY)
     first.close()
     persona = len(first.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
     assert len(list(tmp_path.glob("*.pin"))) == persona // 16  # the persona's blocks, pinned in the disk tier
     assert DiskTier(tmp_path).clear() > 0 and len(list(tmp_path.glob("*.pin"))) == persona // 16  # the chat's went
-    restarted = new_engine(engine_model, DiskTier(tmp_path))
+    restarted = new_engine(short_starter, DiskTier(tmp_path))
     done = restarted.generate(messages, **GREEDY)
     restarted.close()
     assert done.stats.cached_tokens == persona // 16 * 16
@@ -378,14 +378,14 @@ def test_engine_state_machine(tokenizer):
         max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
 
 
-def test_the_default_disk_tier_takes_the_place_of_the_old_persona_folder(engine_model, tmp_path, monkeypatch):
+def test_the_default_disk_tier_takes_the_place_of_the_old_persona_folder(short_starter, tmp_path, monkeypatch):
     """Earlier versions kept personas in a second store, ``persona-kv/``: a persona's KV is its
     text in another form, so the folder nothing reads any more goes at the first start."""
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     old = tmp_path / "cache" / "persona-kv"
     old.mkdir(parents=True)
     (old / ("ab" * 16 + ".safetensors")).write_bytes(b"\0" * 64)
-    e = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(engine_model)))
+    e = Engine(EngineConfig(max_context=512), loaded=LoadedModel(**vars(short_starter)))
     try:
         e.wait_ready()
         e.generate([PERSONA_A, {"role": "user", "content": "Hi"}], max_new_tokens=2, temperature=0)
