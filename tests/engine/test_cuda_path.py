@@ -121,11 +121,11 @@ def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
     made = []
     with on_cuda_path(), torch.inference_mode():
         runner.forward(seq, len(seq), want_logits=False)
-        for token in range(7, 27):  # 40 -> 60 tokens: a new block at 48
+        for token in range(7, 17):  # 40 -> 50 tokens: a new block at 48
             seq.token_ids.append(token)
             manager.reserve(seq, len(seq))
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 runner.forward(seq, len(seq), want_logits=True)
             made.append(sum(e.name == "aten::lift_fresh" for e in prof.events()))
     window = 1 if precision == "int4" else 0
-    assert made[0] <= 1 + window and made[1:] == [window] * 19, made  # the table's ids may be there from before
+    assert made[0] <= 1 + window and made[1:] == [window] * 9, made  # the table's ids may be there from before

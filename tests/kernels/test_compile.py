@@ -9,7 +9,8 @@ sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB), which still keeps 32+ KB in flight
 the ~6 KB a 4090's SM needs (``kvchat bench kernels``' model). The other kernels (write,
 dequantize, merge) hold no pipeline: 168 registers, 3 programs an SM. No variant spills.
 
-A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s): every decode
+A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s in one process, in two
+here): every decode
 variant on the 8B shape, the merge, the heaviest write (int4 keys, clipped) and dequantize, and
 decode kernels of Qwen2.5-7B (a group of 7) and of head_dim 64. ``kvchat bench kernels --compile``
 compiles the whole matrix (every variant x 3 shapes x 3 targets).
@@ -24,26 +25,33 @@ import pytest
 from kvchat.kernels import compile_check
 
 _SCRIPT = """
-import json
+import json, sys
 from kvchat.kernels import compile_check as cc
 picked = {
     "llama-8b": lambda n: n.startswith(("decode", "merge")) or n in ("write int4 K", "dequantize int4"),
     "qwen2.5-7b": lambda n: n in ("decode int8 +window", "decode int4 +window"),
     "d64": lambda n: n in ("decode fp16", "decode int4 +window"),
 }
+part = (int(sys.argv[1]), int(sys.argv[2]))
 rows = []
 for shape in cc.SHAPES:
-    rows += cc.table([shape], which=picked[shape[0]])
+    rows += cc.table([shape], which=picked[shape[0]], part=part)
 print(json.dumps(rows))
 """
+PROCESSES = 2  # a compile is one thread: one process per core
 
 
 def compiled(tmp_path) -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
            "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    children = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(i), str(PROCESSES)], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(PROCESSES)]
+    rows = []
+    for child in children:
+        out, err = child.communicate(timeout=900)
+        assert child.returncode == 0, err[-3000:]
+        rows += json.loads(out.strip().splitlines()[-1])
+    return rows
 
 
 def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_occupancy(tmp_path):

@@ -183,14 +183,12 @@ def compile_variant(variant: Variant, capability: int) -> dict:
             "seconds": seconds}
 
 
-def table(shapes=SHAPES, targets=TARGETS, which=None) -> list[dict]:
-    """Compile every variant of every shape for every target (``which(name)`` filters variants)."""
-    rows = []
-    for label, heads, kv_heads, head_dim in shapes:
-        for variant in all_variants(heads, kv_heads, head_dim):
-            if which is not None and not which(variant.name):
-                continue
-            for cap in targets:
-                rows.append({"shape": label, **compile_variant(variant, cap)})
-    return rows
+def table(shapes=SHAPES, targets=TARGETS, which=None, part: tuple[int, int] = (0, 1)) -> list[dict]:
+    """Compile every variant of every shape for every target (``which(name)`` filters variants);
+    ``part`` (i, n): every n-th compile from the i-th, so that n processes share the work."""
+    jobs = [(label, variant, cap) for label, heads, kv_heads, head_dim in shapes
+            for variant in all_variants(heads, kv_heads, head_dim) if which is None or which(variant.name)
+            for cap in targets]
+    i, n = part
+    return [{"shape": label, **compile_variant(variant, cap)} for label, variant, cap in jobs[i::n]]
 
