@@ -9,10 +9,9 @@ sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB), which still keeps 32+ KB in flight
 the ~6 KB a 4090's SM needs (``kvchat bench kernels``' model). The other kernels (write,
 dequantize, merge) hold no pipeline: 168 registers, 3 programs an SM. No variant spills.
 
-A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s in one process, in two
-here): every decode
-variant on the 8B shape, the merge, the heaviest write (int4 keys, clipped) and dequantize, and
-decode kernels of Qwen2.5-7B (a group of 7) and of head_dim 64. ``kvchat bench kernels --compile``
+A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s in one process,
+split over two): every decode variant on the 8B shape, the merge, the heaviest write (int4 keys,
+clipped) and dequantize, and decode kernels of Qwen2.5-7B (a group of 7) and of head_dim 64. ``kvchat bench kernels --compile``
 compiles the whole matrix (every variant x 3 shapes x 3 targets).
 """
 import json
