@@ -35,9 +35,14 @@ def test_a_prefill_chunk_attends_to_its_own_tokens_exactly(engine_model, tokens,
     assert max((a - b).abs().max().item() for a, b in zip(ref, got)) < 2e-4
 
 
+@pytest.fixture(scope="module")
+def fp16_logprobs(engine_model, tokens):
+    return list(window_logprobs(engine_model, tokens, 256, "fp16", 48))
+
+
 @pytest.mark.parametrize("precision", ["int8", "k8v4", "int4"])
-def test_next_token_distributions_stay_close_to_fp16(engine_model, tokens, precision):
-    result = kl_divergence(engine_model, tokens, 256, precision, chunk=48)
+def test_next_token_distributions_stay_close_to_fp16(engine_model, tokens, fp16_logprobs, precision):
+    result = kl_divergence(engine_model, tokens, 256, precision, chunk=48, reference=fp16_logprobs)
     assert result["positions"] == 4 * 127
     assert result["kl_mean"] <= KL_BOUND[precision], result
 

@@ -46,11 +46,14 @@ def perplexity(lm: LoadedModel, tokens: list[int], context: int, precision: Prec
             "bytes_fraction_of_fp16": bytes_per_token(shape, precision) / bytes_per_token(shape, Precision.FP16)}
 
 
-def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int = 64) -> dict:
-    """Mean and 99th-percentile KL(fp16 || precision) over the scored positions."""
+def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: Precision, chunk: int = 64,
+                  reference: list | None = None) -> dict:
+    """Mean and 99th-percentile KL(fp16 || precision) over the scored positions. ``reference``:
+    the fp16 pool's ``window_logprobs`` of the same arguments, computed once for several precisions."""
     kls = []
-    pairs = zip(window_logprobs(lm, tokens, context, Precision.FP16, chunk),
-                window_logprobs(lm, tokens, context, precision, chunk))
+    if reference is None:
+        reference = window_logprobs(lm, tokens, context, Precision.FP16, chunk)
+    pairs = zip(reference, window_logprobs(lm, tokens, context, precision, chunk))
     for (ref, _), (q, _) in pairs:
         kls.append((ref.exp() * (ref - q)).sum(-1))
     kl = torch.cat(kls)
