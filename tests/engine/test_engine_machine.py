@@ -141,9 +141,10 @@ class EngineMachine(RuleBasedStateMachine):
         if self.closed or self.engine.kvpool is None:
             return
         self.engine.ready.wait(RESOLVE_S)
-        gc.collect()
-        alive = [ref() for ref in self.models if ref() is not None]
-        assert alive == [self.engine.loaded]
+        alive = lambda: [ref() for ref in self.models if ref() is not None]
+        if alive() != [self.engine.loaded]:
+            gc.collect()  # only a cycle may hold a dropped copy now: a real leak outlives it (0.2 s a call)
+        assert alive() == [self.engine.loaded]
         pool = self.engine.kvpool.pool
         assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
@@ -200,9 +201,8 @@ def machine_model(short_starter):
     EngineMachine.shared = None
 
 
-@pytest.mark.slow
 def test_random_command_sequences_keep_the_engine_whole(machine_model):
     run = EngineMachine.TestCase
-    run.settings = settings(max_examples=8, stateful_step_count=6, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=20, stateful_step_count=6, deadline=None, derandomize=True,
                             suppress_health_check=list(HealthCheck))
     run("runTest").runTest()
