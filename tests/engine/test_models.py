@@ -129,3 +129,34 @@ def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch
     assert seen[3:] == [(i, n, "convert") for i in range(n + 1)]
     seen.clear()
     assert models.gguf_to_folder(path, digest, lambda *a: seen.append(a)) == folder and not seen  # cached
+
+
+def test_the_gguf_header_reads_as_gguf_reader_does(tmp_path):
+    """The library's header reader against gguf's own on the starter: every field (an array as its
+    type and length), every tensor's element count; a cut or foreign file is a ValueError."""
+    import gguf
+
+    from kvchat.core.gguf_header import Array, read_header
+
+    path = starter_path()
+    header, reader = read_header(path), gguf.GGUFReader(path)
+    fields = {name: f for name, f in reader.fields.items() if not name.startswith("GGUF.")}  # its own counters
+    assert set(header.metadata) == set(fields) and len(fields) == 33
+    for name, f in fields.items():
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            want = Array(int(f.types[1]), len(f.data))
+        elif f.types[0] == gguf.GGUFValueType.STRING:
+            want = bytes(f.parts[f.data[0]]).decode()
+        else:
+            want = f.parts[f.data[0]].tolist()[0]
+        assert header.metadata[name] == want, name
+    assert header.metadata["tokenizer.ggml.tokens"] == Array(8, 49152)
+    assert header.tensors == {t.name: int(t.n_elements) for t in reader.tensors} and len(header.tensors) == 272
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:300_000])
+    with pytest.raises(ValueError, match="not a complete GGUF header"):
+        read_header(cut)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_header(foreign)

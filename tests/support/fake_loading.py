@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from kvchat.core.events import LoadProgress
-from kvchat.core.model_library import GGUF_KEYS, field_value
+from kvchat.core.gguf_header import read_header
+from kvchat.core.model_library import gguf_config as library_gguf_config
 from kvchat.core.model_source import SUPPORTED, ModelError, download, resolve
 
 from support.fake_model import STARTER_CONFIG, STARTER_GENERATION, STARTER_LABEL, FakeModel
@@ -53,18 +54,9 @@ def load(fake, spec: str, seq: int | None) -> FakeModel:
 
 @functools.lru_cache(maxsize=8)
 def gguf_config(path: Path) -> tuple[dict, int]:
-    """The config a GGUF's header gives (as the model library reads it) and its tensor count; read
-    once per file in a session (the starter's header takes seconds to parse)."""
-    from gguf import GGUFReader
-
+    """The config a GGUF's header gives (as the model library reads it) and its tensor count."""
     try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError, KeyError) as e:
+        header = read_header(path)
+    except (OSError, ValueError) as e:
         raise ModelError(f"cannot read GGUF file {path}: {e}") from None
-    meta = {name: field_value(f) for name, f in reader.fields.items()}
-    arch = meta.get("general.architecture", "?")
-    config = {key: meta.get(f"{arch}.{gguf_key}") for key, gguf_key in GGUF_KEYS.items()}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    config.update(model_type=arch, vocab_size=len(tokens.data) if tokens is not None else None,
-                  tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors})
-    return config, len(reader.tensors)
+    return library_gguf_config(header), len(header.tensors)

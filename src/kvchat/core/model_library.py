@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchat.core.gguf_header import Array, Header, read_header
 from kvchat.core.memory import GiB, plan
 from kvchat.core.paths import data_dir
 
@@ -114,35 +115,24 @@ def gguf_quantization(file_type) -> str:
 
 
 def describe_gguf(path: Path, source: str) -> LocalModel:
-    from gguf import GGUFReader
+    header = read_header(path)
+    config = gguf_config(header)
+    # the file's name, as the user saw it in the folder (general.name is often a training run's id)
+    return LocalModel(str(path), source, path.stem, config["model_type"], sum(header.tensors.values()),
+                      path.stat().st_size, config.get("max_position_embeddings"), config,
+                      gguf_quantization(header.metadata.get("general.file_type")))
 
-    reader = GGUFReader(path)
-    meta = {name: field_value(f) for name, f in reader.fields.items()}
+
+def gguf_config(header: Header) -> dict:
+    """The config.json keys the planner reads, from a GGUF's header (an array field: None)."""
+    meta = header.metadata
     arch = meta.get("general.architecture", "?")
     config = {key: meta.get(f"{arch}.{gguf_key}") for key, gguf_key in GGUF_KEYS.items()}
-    config["model_type"] = arch
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    config["vocab_size"] = len(tokens.data) if tokens is not None else None
-    names = {t.name for t in reader.tensors}
-    config["tie_word_embeddings"] = "output.weight" not in names
-    parameters = sum(int(t.n_elements) for t in reader.tensors)
-    # the file's name, as the user saw it in the folder (general.name is often a training run's id)
-    return LocalModel(str(path), source, path.stem, arch, parameters,
-                      path.stat().st_size, config.get("max_position_embeddings"), config,
-                      gguf_quantization(meta.get("general.file_type")))
-
-
-def field_value(f):
-    """A GGUF metadata field as a Python value (strings and scalars; arrays are left as they are)."""
-    if not f.types:
-        return None
-    from gguf import GGUFValueType
-
-    if f.types[0] == GGUFValueType.STRING and len(f.types) == 1:
-        return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-    if f.types[0] == GGUFValueType.ARRAY:
-        return None
-    return f.parts[f.data[0]].tolist()[0]
+    config = {key: None if isinstance(value, Array) else value for key, value in config.items()}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config.update(model_type=arch, vocab_size=tokens.count if isinstance(tokens, Array) else None,
+                  tie_word_embeddings="output.weight" not in header.tensors)
+    return config
 
 
 @dataclass
