@@ -322,7 +322,7 @@ def cmd_prepare(args) -> int:
 def cmd_plan(args) -> int:
     from kvchat.core import memory
     from kvchat.core.config import check_model_config
-    from kvchat.engine.model.loading import SUPPORTED, load_config, pick_device
+    from kvchat.core.model_source import SUPPORTED, plain_config
 
     try:
         headroom = memory.parse_bytes(args.headroom)
@@ -330,6 +330,7 @@ def cmd_plan(args) -> int:
             total = memory.parse_bytes(args.memory)
         else:
             from kvchat.engine.memory_probe import MemoryProbe
+            from kvchat.engine.model.loading import pick_device
 
             probe = MemoryProbe(pick_device("auto"))
             size, used = probe.totals()
@@ -339,7 +340,12 @@ def cmd_plan(args) -> int:
     if args.context <= 0:
         raise ConfigError("--context must be positive")
     try:
-        config = load_config(args.model)
+        config = plain_config(args.model)
+        if config is None:  # a GGUF: transformers (and torch) read its header
+            _quiet_transformers()
+            from kvchat.engine.model.loading import load_config
+
+            config = load_config(args.model)
     except ValueError as e:  # JSON that does not parse, a file that is not UTF-8
         raise ConfigError(f"{args.model}: not a readable config.json ({first_line(e)})") from None
     check_model_config(config, args.model, SUPPORTED)
@@ -367,7 +373,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="kvchat: %(message)s")
     command = args.command or "chat"
-    if command in ("prepare", "plan"):  # the others quiet it once their arguments passed: it imports torch
+    if command == "prepare":  # the others quiet it once their arguments passed: it imports torch
         _quiet_transformers()
     if args.command is None:
         args = parser().parse_args(["chat"])

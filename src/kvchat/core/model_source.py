@@ -2,6 +2,7 @@
 from the hub: no torch, so the app's model library can find and download models while the engine
 (engine/model/loading.py) is the one that loads them."""
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,3 +105,16 @@ def _progress_tqdm(progress):
                 progress(int(self.done), int(self.total or 0))
 
     return Reporter
+
+
+def plain_config(spec: str) -> dict | None:
+    """The model's config.json alone, for planning, without torch; None for a GGUF, whose config
+    transformers reads from its header (``loading.load_config``)."""
+    if spec.endswith(".json") and Path(spec).is_file():
+        return json.loads(Path(spec).read_text())
+    source = resolve(spec)
+    if source.kind == "hub":
+        return json.loads((download(source.location, config_only=True) / "config.json").read_text())
+    if source.kind == "folder":
+        return json.loads((Path(source.location) / "config.json").read_text())
+    return None

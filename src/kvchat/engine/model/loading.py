@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.core.model_source import SUPPORTED, ModelError, ModelSource, download, resolve
+from kvchat.core.model_source import SUPPORTED, ModelError, ModelSource, download, plain_config, resolve
 from kvchat.core.errors import first_line
 from kvchat.core.paths import cache_dir
 from kvchat.engine.model.weights import quantize_linears
@@ -27,16 +27,12 @@ class LoadedModel:
 
 def load_config(spec: str):
     """The model config alone (a dict, or a transformers config for a .gguf), for planning."""
-    if spec.endswith(".json") and Path(spec).is_file():
-        return json.loads(Path(spec).read_text())
-    source = resolve(spec)
-    if source.kind == "hub":
-        return json.loads((download(source.location, config_only=True) / "config.json").read_text())
-    if source.kind == "folder":
-        return json.loads((Path(source.location) / "config.json").read_text())
+    config = plain_config(spec)
+    if config is not None:
+        return config
     from transformers import AutoConfig
 
-    path = Path(source.location)
+    path = Path(resolve(spec).location)
     try:
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
