@@ -36,8 +36,12 @@ $(VENV)/.prepared: $(VENV)/.installed
 	$(BIN)/kvchat prepare
 	touch $@
 
+# two workers, a test file each at a time (its module fixtures stay in one process): many tests wait
+# on a subprocess, a server or a window, so the two cores overlap them; 2 whatever the machine, as
+# each worker holds its own copy of the starter. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -q --durations=20
+	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
 
 # -- the packaged app -----------------------------------------------------------------------------
 # dist/kvchat/: a one-folder app (PyInstaller), rebuilt when the code or the spec changed. Its

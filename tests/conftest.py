@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU, checked against the reference
 os.environ.setdefault("KVCHAT_DECODE", "eager")  # tests of the compiled step ask for it by name
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker a core: torch's OpenMP threads spin, two a worker starve
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # a fresh home per run, removed at the end (chats, personas' KV, settings), whose converted models and
 # inductor's compiled code live in a cache that outlives the run: a second run neither converts nor
 # compiles. Keyed by the versions that shape them; KVCHAT_TEST_CACHE moves it, KVCHAT_TEST_HOME
