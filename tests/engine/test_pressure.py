@@ -65,7 +65,6 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
     e.close()
 
 
-@pytest.mark.slow
 def test_a_full_pool_steps_down_instead_of_failing(short_starter):
     e = engine(short_starter, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * PER_TOKEN_FP32)
     assert e.precision.value == "fp16" and e.kvpool.pool.num_blocks == 16
