@@ -1,5 +1,5 @@
-"""The engine as one actor: model switches, shutdown, cancel and reconfigure on the starter model,
-each command's future resolved whatever happens."""
+"""The engine as one actor: model switches, shutdown, cancel and reconfigure on the starter's
+first 4 layers, each command's future resolved whatever happens."""
 import gc
 import threading
 import weakref

@@ -1,8 +1,8 @@
-"""Random sequences of the engine's five commands on the starter model; after each step: one
-model, no leaked block, every future resolved, and the database consistent. The engine owns no
-database: the machine keeps the conversation in the app's own Store and records each reply as the
-app does (a row made before the request, updated when it ends). Few, short examples: the suite
-must stay fast."""
+"""Random sequences of the engine's five commands on the starter's first 4 layers; after each step:
+one model, no leaked block, every future resolved, and the database consistent. The engine owns
+no database: the machine keeps the conversation in the app's own Store and records each reply as
+the app does (a row made before the request, updated when it ends). Few, short examples: the
+suite must stay fast."""
 import gc
 import queue
 import tempfile

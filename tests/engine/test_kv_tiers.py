@@ -1,6 +1,6 @@
-"""The KV tiers under the pool (host RAM, disk) on the starter: a conversation pushed out of the
-pool, or out of a closed engine, comes back from them with the greedy tokens of a pool that never
-lost it, in every precision."""
+"""The KV tiers under the pool (host RAM, disk) on the starter's first 4 layers: a conversation
+pushed out of the pool, or out of a closed engine, comes back from them with the greedy tokens of a
+pool that never lost it, in every precision."""
 import errno
 import os
 import random

@@ -4,8 +4,9 @@ Each run is a new process in one KVCHAT_HOME (empty for the fresh run, left as t
 for the warm one), with the app's default settings (Auto KV, 8,192 tokens, Auto weights). It sends a
 message the moment the engine is made, as a user who types while the model loads, and keeps
 replying, with a reader's pause between replies, until the decode step runs at full speed; then
-changes the context, the KV precision and the weights in turn and sends a message after each. The window is timed apart (the app offscreen,
-its own first-frame trace), since it shows before the engine is made.
+changes the context, the KV precision and the weights in turn and sends a message after each. The
+window is timed apart (the app offscreen, its own first-frame trace), since it shows before the
+engine is made.
 
 Every time is in seconds from what the user did: the launch, or the change.
 """

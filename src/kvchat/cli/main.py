@@ -322,7 +322,7 @@ def cmd_prepare(args) -> int:
 def cmd_plan(args) -> int:
     from kvchat.core import memory
     from kvchat.core.config import check_model_config
-    from kvchat.core.model_source import SUPPORTED, plain_config
+    from kvchat.core.model_source import SUPPORTED, plain_config, resolve
 
     try:
         headroom = memory.parse_bytes(args.headroom)
@@ -343,9 +343,9 @@ def cmd_plan(args) -> int:
         config = plain_config(args.model)
         if config is None:  # a GGUF: transformers (and torch) read its header
             _quiet_transformers()
-            from kvchat.engine.model.loading import load_config
+            from kvchat.engine.model.loading import gguf_file_config
 
-            config = load_config(args.model)
+            config = gguf_file_config(resolve(args.model).location)
     except ValueError as e:  # JSON that does not parse, a file that is not UTF-8
         raise ConfigError(f"{args.model}: not a readable config.json ({first_line(e)})") from None
     check_model_config(config, args.model, SUPPORTED)

@@ -5,6 +5,7 @@ field, each of the tokenizer's 49,152 tokens and 48,900 merges included: 2.2 s f
 header, per file, each time the library opened. Here an array is counted and skipped (its strings
 by their lengths), and only scalars are decoded: what the library shows needs no more.
 """
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ def read_header(path: Path) -> Header:
 
 class _Reader:
     def __init__(self, buf):
-        self.buf, self.at = buf, 0
+        self.buf = buf
         if buf[:4] != b"GGUF":
             raise ValueError("not a GGUF file (no GGUF magic)")
         version = struct.unpack_from("<I", buf, 4)[0]
@@ -93,10 +94,6 @@ class _Reader:
         counts = {}
         for _ in range(tensors):
             name = self.string()
-            dims = [self.take("Q") for _ in range(self.take("I"))]
+            counts[name] = math.prod(self.take("Q") for _ in range(self.take("I")))
             self.take("I"), self.take("Q")  # the tensor's type and offset
-            n = 1
-            for d in dims:
-                n *= d
-            counts[name] = n
         return Header(metadata, counts)

@@ -109,7 +109,7 @@ def _progress_tqdm(progress):
 
 def plain_config(spec: str) -> dict | None:
     """The model's config.json alone, for planning, without torch; None for a GGUF, whose config
-    transformers reads from its header (``loading.load_config``)."""
+    transformers reads from its header (``loading.gguf_file_config``)."""
     if spec.endswith(".json") and Path(spec).is_file():
         return json.loads(Path(spec).read_text())
     source = resolve(spec)

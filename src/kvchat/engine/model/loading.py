@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.core.model_source import SUPPORTED, ModelError, ModelSource, download, plain_config, resolve
+from kvchat.core.model_source import SUPPORTED, ModelError, ModelSource, download, resolve
 from kvchat.core.errors import first_line
 from kvchat.core.paths import cache_dir
 from kvchat.engine.model.weights import quantize_linears
@@ -25,14 +25,12 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def load_config(spec: str):
-    """The model config alone (a dict, or a transformers config for a .gguf), for planning."""
-    config = plain_config(spec)
-    if config is not None:
-        return config
+def gguf_file_config(location: str | Path):
+    """A GGUF's model config as transformers reads it from the header, for planning (a config.json
+    needs no torch: ``model_source.plain_config``)."""
     from transformers import AutoConfig
 
-    path = Path(resolve(spec).location)
+    path = Path(location)
     try:
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
