@@ -197,6 +197,7 @@ class RecentWindow:
                  sinks: int = SINKS, storage: WindowStorage | None = None, take: bool = True):
         self.size, self.sinks = size, sinks
         self.storage = storage or WindowStorage(layers, sinks + size, kv_heads, head_dim, dtype, device)
+        self.released = False  # its sequence ended (a next turn may still take it over)
         if take:
             self.storage.holder = weakref.ref(self)
         self.k, self.v = self.storage.k, self.storage.v

@@ -23,8 +23,9 @@ def supports(fmt: KVFormat) -> bool:
 
 
 def write(layer: dict, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor) -> None:
-    """One token's ``key``/``value`` ``[1, kv_heads, D]`` into ``slot`` ``[1]``. A slot of -1 (a
-    warm-up step) rewrites slot 0 with what it holds: the step has no branch on the slot."""
+    """Each row's ``key``/``value`` ``[rows, kv_heads, D]`` into its ``slot`` ``[rows]`` (one token of
+    each sequence of a batch). A slot of -1 (a warm-up step, a batch's padding row) rewrites slot 0
+    with what it holds: the step has no branch on the slot."""
     keep = (slot >= 0).view(-1, 1, 1)
     at = slot.clamp(min=0)
     for name, x in (("k", key), ("v", value)):
@@ -34,12 +35,17 @@ def write(layer: dict, key: torch.Tensor, value: torch.Tensor, slot: torch.Tenso
 
 def attend(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """Attention of one ``query`` ``[1, heads, D]`` over the ``length`` ``[1]`` positions whose K/V
-    are in ``table``'s blocks; positions past ``length`` (a padded table) are masked."""
-    k, v = (layer[name][table].flatten(0, 1).float() for name in ("k", "v"))  # [positions, kv_heads, D]
-    kv_heads, d = k.shape[1], k.shape[2]
-    q = query.float().view(kv_heads, -1, d)  # each KV head's query group
-    scores = (q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale  # [kv_heads, group, positions]
-    scores = scores.masked_fill(torch.arange(k.shape[0], device=k.device) >= length, float("-inf"))
-    out = (scores.softmax(-1)[..., None] * v.transpose(0, 1)[:, None]).sum(-2)  # [kv_heads, group, D]
-    return out.reshape(1, -1, d).to(query.dtype)
+    """Attention of each sequence's ``query`` ``[rows, heads, D]`` over the ``length`` ``[rows]``
+    positions whose K/V are in its row of ``table`` ``[rows, blocks]`` (one sequence: ``[blocks]``);
+    positions past a row's length (a padded table) are masked."""
+    if table.dim() == 1:
+        table = table[None]
+    k, v = (layer[name][table].flatten(1, 2).float() for name in ("k", "v"))  # [rows, positions, kv_heads, D]
+    rows, positions, kv_heads, d = k.shape
+    q = query.float().view(rows, kv_heads, -1, d)  # each KV head's query group
+    k, v = k.transpose(1, 2)[:, :, None], v.transpose(1, 2)[:, :, None]  # [rows, kv_heads, 1, positions, D]
+    scores = (q[:, :, :, None, :] * k).sum(-1) * scale  # [rows, kv_heads, group, positions]
+    past = torch.arange(positions, device=k.device) >= length.view(-1, 1)  # [rows, positions]
+    scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
+    out = (scores.softmax(-1)[..., None] * v).sum(-2)  # [rows, kv_heads, group, D]
+    return out.reshape(rows, -1, d).to(query.dtype)

@@ -20,8 +20,8 @@ class KVCache:
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
         self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
         self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
-        # the full-precision rows each new sequence's window takes over (one sequence decodes at a
-        # time): a captured CUDA graph reads them, so a new reply replays the graphs it has
+        # the full-precision rows each new sequence's window takes over once the last one's
+        # sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs it has
         self.window_storage: quant.WindowStorage | None = None
 
     @property
@@ -125,15 +125,18 @@ class KVCache:
 
     def new_window(self, precision: Precision | None = None, take: bool = True) -> quant.RecentWindow | None:
         """A sequence's full-precision window of newest tokens, on the pool's window storage (it
-        takes the rows over unless told not to: a capture borrows them); the fp16 mode needs none."""
+        takes the rows over unless told not to: a capture borrows them); rows of its own while a
+        running sequence's window holds the pool's (a batch). The fp16 mode needs none."""
         if not quant.FORMATS[Precision(precision or self.precision).value].quantized:
             return None
+        device = next(iter(self.layers[0].values())).device
         if self.window_storage is None:
-            device = next(iter(self.layers[0].values())).device
             self.window_storage = quant.WindowStorage(self.shape.num_layers, quant.SINKS + quant.WINDOW,
                                                       self.shape.num_kv_heads, self.shape.head_dim, self.dtype, device)
+        holder = self.window_storage.holder()
+        storage = self.window_storage if holder is None or holder.released or not take else None
         return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
-                                  None, storage=self.window_storage, take=take)
+                                  device, storage=storage, take=take)
 
     def move_blocks(self, moves: dict[int, int]) -> None:
         """Copy blocks to new ids (a compaction before a shrink): ``{old id: new id}``."""

@@ -69,6 +69,7 @@ class KVCacheManager:
         n = seq.num_computed
         if 0 < n <= len(tokens) and tokens[:n] == seq.token_ids[:n] and window.current:
             window.rewind(n)
+            window.released = False
             seq.window = window
 
     def _match_block_tail(self, seq: Sequence, copy) -> int:
@@ -130,6 +131,8 @@ class KVCacheManager:
     def free(self, seq: Sequence, keep_tail: bool = False) -> None:
         """Release the sequence's blocks; with ``keep_tail``, the computed rows of its partly
         filled last block stay findable by ``match_tail`` until the block is evicted."""
+        if seq.window is not None:
+            seq.window.released = True  # its rows may go to the next sequence
         if keep_tail:
             self._keep_tail(seq)
             self._last = (seq.token_ids[:seq.num_computed], seq.window) if seq.window is not None else None

@@ -34,6 +34,13 @@ class StepMeta:
     window_meta: torch.Tensor | None = None  # int32 [s, first, ring row]: likewise, the window's bounds
 
 
+@dataclass
+class BatchMeta:
+    """A batched decode step: one token of each sequence, row ``i`` of the forward served by
+    ``rows[i]`` (a padding row by a meta whose pool takes nothing and gives zeros)."""
+    rows: list[StepMeta]
+
+
 _running = threading.local()  # per thread: two engines (a model switch, a benchmark) never share a step
 
 
@@ -52,10 +59,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     sliding_window: int) -> torch.Tensor:
     """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` of the new tokens -> ``[T, H, D]``. Writes the
     new K/V into the pool of the running step (a side effect the op's schema cannot name: the pool is
-    not an argument), then attends over the sequence."""
+    not an argument), then attends over the sequence. In a batched step (``BatchMeta``) row ``i`` is
+    one token of sequence ``i``."""
     meta = getattr(_running, "meta", None)
     if meta is None:
         raise RuntimeError("kvchat attention was called outside a step (engine.attention.running)")
+    if isinstance(meta, BatchMeta):
+        return torch.cat([_attend(row, query[i:i + 1], key[i:i + 1], value[i:i + 1], layer, scale, sliding_window)
+                          for i, row in enumerate(meta.rows)])
+    return _attend(meta, query, key, value, layer, scale, sliding_window)
+
+
+def _attend(meta: StepMeta, query, key, value, layer: int, scale: float, sliding_window: int) -> torch.Tensor:
     if 0 <= sliding_window < meta.context_len:
         raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
     first_pos = meta.context_len - key.shape[0]
@@ -72,7 +87,8 @@ def _(query, key, value, layer, scale, sliding_window):
 
 def traced_step(step: dict, layer: int, query, key, value, scale: float) -> torch.Tensor:
     """The CPU's compiled decode step over an fp16 pool: ``kernels.traced`` on the tensors in
-    ``step`` (``DecodeStep.traced_inputs``), query ``[1, H, D]`` -> ``[1, H, D]``."""
+    ``step`` (``DecodeStep.traced_inputs``), query ``[rows, H, D]`` -> ``[rows, H, D]``, a row per
+    sequence of a batch."""
     pool = step["layers"][layer]
     traced.write(pool, key, value, step["slot"])
     return traced.attend(pool, query, step["table"], step["length"], scale)
@@ -80,19 +96,21 @@ def traced_step(step: dict, layer: int, query, key, value, scale: float) -> torc
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, kvchat_step=None, **kwargs):
-    """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` after RoPE; returns ``[1, T, H, D]``.
-    ``kvchat_step``, given by the CPU's compiled decode step, routes it to ``traced_step``."""
-    if query.shape[0] != 1:
-        raise ValueError("kvchat attention runs one sequence per forward")
+    """query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]`` after RoPE; returns ``[B, T, H, D]``.
+    One sequence (B = 1) or a batched decode step (T = 1, a sequence per row). ``kvchat_step``,
+    given by the CPU's compiled decode step, routes it to ``traced_step``."""
+    batch, _, tokens, _ = query.shape
+    if batch != 1 and tokens != 1:
+        raise ValueError("kvchat attention runs one sequence per forward, or one token of each")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # [B, H, T, D] -> [B * T, H, D]: one sequence's tokens, or one token of each sequence
+    q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))
     if kvchat_step is not None:
-        out = traced_step(kvchat_step, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                          value[0].transpose(0, 1), float(scale))
-        return out.unsqueeze(0), None
-    out = torch.ops.kvchat.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                           value[0].transpose(0, 1), module.layer_idx, float(scale),
-                                           -1 if sliding_window is None else int(sliding_window))
-    return out.unsqueeze(0), None
+        out = traced_step(kvchat_step, module.layer_idx, q, k, v, float(scale))
+    else:
+        out = torch.ops.kvchat.paged_attention(q, k, v, module.layer_idx, float(scale),
+                                               -1 if sliding_window is None else int(sliding_window))
+    return out.view(batch, tokens, *out.shape[1:]), None
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)

@@ -18,7 +18,7 @@ from kvchat.kernels import traced
 
 from kvchat.engine.compile_env import confine_fx_patches
 
-from kvchat.engine.model.attention import StepMeta, running
+from kvchat.engine.model.attention import BatchMeta, StepMeta, running
 
 SWITCH_S = float(os.environ.get("KVCHAT_SWITCH_S", "0.0002"))
 STAND_IN_BLOCKS = 4  # the pool a background compile traces on: its size is a dynamic dimension
@@ -109,31 +109,38 @@ def graph_kind(kv) -> str:
     return "traced" if traced.supports(kv.format) else "op"
 
 
-def run_on_stand_ins(forward, kind: str, layers: list[dict], device) -> None:
+def run_on_stand_ins(forward, kind: str, layers: list[dict], device, batch: int = 1) -> None:
     """Compile the decode step's graph of ``kind`` by running ``forward`` once on inputs of its
     own: a stand-in pool of ``STAND_IN_BLOCKS`` blocks shaped like ``layers`` (``{name: (shape
     after the block dim, dtype)}`` per layer), its size marked dynamic so the graph serves every
-    pool; or, for the op, a pool that is never read. The model's weights are only read. Plain
-    tensors run in inference mode, as the engine runs its step: an inference tensor where the step
-    has a plain one fails a guard (its dispatch keys), and the engine thread compiled again."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    positions = torch.zeros(1, 1, dtype=torch.long, device=device)
-    slot = torch.full((1,), -1, dtype=torch.long, device=device)
-    length = torch.ones(1, dtype=torch.int32, device=device)
+    pool; or, for the op, a pool that is never read. ``batch`` rows: a batched step's graph, its
+    block table ``[batch, blocks]``. The model's weights are only read. Plain tensors run in
+    inference mode, as the engine runs its step: an inference tensor where the step has a plain
+    one fails a guard (its dispatch keys), and the engine thread compiled again."""
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    slot = torch.full((batch,), -1, dtype=torch.long, device=device)
+    length = torch.ones(batch, dtype=torch.int32, device=device)
     if kind == "traced":
         pool = [{name: torch.zeros(STAND_IN_BLOCKS, *shape, dtype=dtype, device=device)
                  for name, (shape, dtype) in layer.items()} for layer in layers]
         for t in (t for layer in pool for t in layer.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        table = torch.zeros(2, dtype=torch.long, device=device)
-        torch._dynamo.maybe_mark_dynamic(table, 0)
+        table = torch.zeros(*([batch] if batch > 1 else []), 2, dtype=torch.long, device=device)
+        torch._dynamo.maybe_mark_dynamic(table, table.dim() - 1)
         with torch.inference_mode():
             forward(ids, positions, {"layers": pool, "slot": slot, "table": table, "length": length})
         return
-    meta = StepMeta(kv=_UnreadPool(), slots=slot, block_table=torch.zeros(1, dtype=torch.int32, device=device),
-                    context_len=1, context_lens=length)
-    with running(meta), torch.inference_mode():
+    meta = unread_meta(device)
+    with running(BatchMeta([meta] * batch) if batch > 1 else meta), torch.inference_mode():
         forward(ids, positions)
+
+
+def unread_meta(device) -> StepMeta:
+    """A step over a pool that takes no K/V and gives zeros: a stand-in, or a batch's padding row."""
+    return StepMeta(kv=_UnreadPool(), slots=torch.full((1,), -1, dtype=torch.long, device=device),
+                    block_table=torch.zeros(1, dtype=torch.int32, device=device), context_len=1,
+                    context_lens=torch.ones(1, dtype=torch.int32, device=device))
 
 
 class _UnreadPool:

@@ -201,21 +201,7 @@ class DecodeStep:
 
     def _compiled_forward(self):
         if self._compiled is None:
-            use_disk_cache()
-            # the weights never change under a step (another mode or model is another step), so
-            # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured. Then
-            # the compiled code must not be shared by steps of other models: every step's forward
-            # is the same code object, and dynamo caches per code object unless told to isolate
-            # On the CPU inductor inlines a pointwise producer into its consumers up to 50 ops: the
-            # query's RoPE (a sin and a cos) was recomputed for every key attention reads, 30% of a
-            # starter token. Below 8 ops the query is computed once; 61 -> 86 tok/s measured. The
-            # graph's ~550 input size asserts (1 ms a token) repeat what dynamo's guards check.
-            options = {"realize_cpu_opcount_threshold": 8, "size_asserts": False} if self.device.type == "cpu" else {}
-            kwargs = {}
-            if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
-                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-                kwargs["isolate_recompiles"] = True
-            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options, **kwargs)
+            self._compiled = compiled(self.forward, self.device)
         return self._compiled
 
     # -- CUDA graphs --
@@ -296,6 +282,25 @@ class DecodeStep:
             if kept is not None:
                 window.start, window.end, window.sink_len = kept
         return graph, logits
+
+
+def compiled(forward, device):
+    """``forward`` as the decode steps compile it."""
+    use_disk_cache()
+    # the weights never change under a step (another mode or model is another step), so
+    # checking ~300 parameter guards per token is pure cost: 1.5 ms a token measured. Then
+    # the compiled code must not be shared by steps of other models: every step's forward
+    # is the same code object, and dynamo caches per code object unless told to isolate
+    # On the CPU inductor inlines a pointwise producer into its consumers up to 50 ops: the
+    # query's RoPE (a sin and a cos) was recomputed for every key attention reads, 30% of a
+    # starter token. Below 8 ops the query is computed once; 61 -> 86 tok/s measured. The
+    # graph's ~550 input size asserts (1 ms a token) repeat what dynamo's guards check.
+    options = {"realize_cpu_opcount_threshold": 8, "size_asserts": False} if device.type == "cpu" else {}
+    kwargs = {}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        kwargs["isolate_recompiles"] = True
+    return torch.compile(forward, fullgraph=True, dynamic=False, options=options, **kwargs)
 
 
 class IdBuffer:

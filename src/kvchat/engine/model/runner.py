@@ -4,6 +4,7 @@ import torch
 from kvchat.kernels.reference import consecutive_start
 
 from kvchat.engine.model.attention import ATTN_NAME, StepMeta, running
+from kvchat.engine.model.batch_step import batch_step_for
 from kvchat.engine.model.decode_step import decode_step_for
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -16,6 +17,7 @@ class ModelRunner:
         self.decoder = getattr(model, model.base_model_prefix)
         self.device = next(model.parameters()).device
         self.step = decode_step_for(model, decode)
+        self.batch = batch_step_for(self.step)
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
@@ -50,6 +52,27 @@ class ModelRunner:
         if want_logits == "all":
             return self.model.lm_head(hidden[0]).float()
         return self.model.lm_head(hidden[0, -1:]).float()[0]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step of each sequence (its last token, all before it computed; blocks
+        reserved): fp32 logits ``[len(seqs), vocab]``. One sequence runs the single step, which
+        may be captured; several run as one batch (``batch_step``)."""
+        if len(seqs) == 1:
+            return self.forward(seqs[0], len(seqs[0]), want_logits=True)[None]
+        rows = []
+        for seq in seqs:
+            start = seq.num_computed
+            if len(seq) != start + 1:
+                raise ValueError(f"a decode step computes one token, not {len(seq) - start}")
+            if seq.window is None or not seq.window.current:
+                seq.window = self.kv.window_for(seq.token_ids, start)
+            block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(start + 1)]]
+            rows.append((seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids))
+        logits = self.batch(self.kv, rows)
+        for seq in seqs:
+            self._computed(seq, seq.num_computed, seq.num_computed + 1)
+        return logits
 
     def _computed(self, seq: Sequence, start: int, end: int) -> None:
         seq.num_computed = end

@@ -48,6 +48,8 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         # one row reads the codes once; a chunk's rows share the cost of rebuilding the weight
         product = _row_product if rows.shape[0] == 1 else _rows_product
+        if 1 < rows.shape[0] <= BATCH_ROWS and torch.compiler.is_dynamo_compiling():
+            product = _batch_product  # a batched decode step's rows, one per sequence
         out = _run(product, rows, self.qweight, self.scales).reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
@@ -62,6 +64,17 @@ def _row_product(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
     fuses into one pass; a matrix product would first write W out in floats (the output head:
     113 MB for one row)."""
     return (row * _dequantized(qweight, scales, row.dtype)).sum(-1)
+
+
+BATCH_ROWS = 16  # up to this many rows, a compiled step reads the codes once for all of them
+
+
+def _batch_product(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``rows @ W.T`` for a batched decode step's few rows, each a fused row product over the same
+    dequantized weight, which inductor reads once. Compiled, on the starter's output head: 8 rows
+    5.9 ms against 4.1 for one; as a matrix product on the rebuilt weight 61 ms."""
+    weight = _dequantized(qweight, scales, rows.dtype)
+    return torch.stack([(row * weight).sum(-1) for row in rows.unbind(0)])
 
 
 def _rows_product(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
