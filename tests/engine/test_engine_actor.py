@@ -76,13 +76,19 @@ def test_every_command_after_shutdown_is_refused_at_once(engine):
     assert list(engine.submit(Request(messages=STORY)))[-1].message == "the engine is shut down"
 
 
-def test_quit_mid_reply_returns_within_two_seconds_with_the_partial_reply(engine):
-    handle = engine.submit(Request(messages=STORY, sampling=LONG))
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_quit_mid_reply_returns_within_two_seconds_with_the_partial_reply(short_starter, max_running):
+    """Replies running end cancelled with what they had; a request still waiting is refused."""
+    engine = Engine(small(max_running=max_running), loaded=short_starter, disk_tier=None)
+    engine.wait_ready(60)
+    running = [engine.submit(Request(messages=STORY, sampling=LONG)) for _ in range(max_running)]
     queued = engine.submit(Request(messages=STORY, sampling=LONG))
-    started(handle)
+    for handle in running:
+        started(handle)
     assert engine.close()  # its thread ended within close()'s two seconds
-    done = handle.future.result(timeout=1)
-    assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 400 and done.text
+    for handle in running:
+        done = handle.future.result(timeout=1)
+        assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 400 and done.text
     with pytest.raises(EngineError, match="shut"):
         queued.future.result(timeout=1)
 
@@ -182,7 +188,7 @@ def test_a_context_past_the_trained_length_is_capped_and_said(short_starter):
     seen = events_of(e)
     e.wait_ready(60)
     trained = short_starter.model.config.max_position_embeddings
-    assert e.config.max_context == trained and e.requests.context_limit() == trained
+    assert e.config.max_context == trained and e.prompts.context_limit() == trained
     assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
     assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
     huge = EngineConfig(max_context=10 ** 12, allow_long_context=True, kv_precision="fp16")

@@ -3,7 +3,7 @@ the same tokens as rendering prefix by prefix, and a trim that re-encodes once."
 import pytest
 
 from kvchat.engine.chat import ChatFormatter
-from kvchat.engine.generate import drop_to_fit
+from kvchat.engine.prompt import drop_to_fit
 
 
 def conversation(n: int, tokenizer=None) -> list[dict]:

@@ -1,5 +1,6 @@
-"""The full-precision window's rows belong to the pool and each new sequence takes them over: a
-captured CUDA graph reads them, so a new reply replays the graphs the last one captured. A window
+"""The full-precision window's rows belong to the pool and each new sequence takes them over once
+the last one's sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs
+the last one captured. While a sequence runs (a batch), a new one gets rows of its own. A window
 whose rows were taken is stale: never handed to a next turn, replaced before its sequence decodes."""
 import torch
 
@@ -21,10 +22,14 @@ def pool(model, precision="int4", blocks=64) -> KVCache:
 def test_windows_take_the_pools_rows_in_turn_and_a_capture_only_borrows_them():
     kv = pool(tiny_model("llama"))
     first = kv.new_window()
+    running = kv.new_window()  # while the first one's sequence runs: rows of its own
+    assert running.k is not first.k and first.current and running.current
+    first.released = True  # its sequence ended (KVCacheManager.free)
     second = kv.new_window()
     borrowed = kv.new_window(take=False)
     assert first.k is second.k is borrowed.k and first.v is second.v
     assert second.current and not first.current and not borrowed.current
+    second.released = True
     converted = kv.converted(Precision.INT8, 32)
     assert converted.window_storage is kv.window_storage and converted.new_window().k is first.k
     assert pool(tiny_model("llama"), "fp16").new_window() is None
@@ -58,9 +63,10 @@ def decode(runner, manager, seq, tokens) -> torch.Tensor:
 
 
 def test_a_sequence_whose_window_was_taken_decodes_from_the_pool_not_from_the_new_rows():
-    """Another sequence prefilled on the pool between two of a sequence's steps takes the rows;
-    the first then reads its recent tokens back quantized (close to the exact result), never the
-    other sequence's rows (which put it far off), and its window is not handed to a next turn."""
+    """Another sequence prefilled on the pool between two of a sequence's steps takes the rows
+    (here forced: its window is marked released, as a model switch's leftovers could be); the first
+    then reads its recent tokens back quantized (close to the exact result), never the other
+    sequence's rows (which put it far off), and its window is not handed to a next turn."""
     model = tiny_model("llama")
     steps = (7, 11, 13, 17)
     results = {}
@@ -75,6 +81,7 @@ def test_a_sequence_whose_window_was_taken_decodes_from_the_pool_not_from_the_ne
             first = decode(runner, manager, seq, steps[:2])
             if interrupted:
                 stale = seq.window
+                stale.released = True
                 other = Sequence(list(range(100, 140)))
                 manager.reserve(other, len(other))
                 runner.forward(other, len(other), want_logits=False)

@@ -29,6 +29,9 @@ WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
 DECODE_MODES = ("auto", "eager", "compiled")
 
 
+MAX_RUNNING = 16  # the largest batched decode step (engine/model/batch_step.py's last bucket)
+
+
 @dataclass
 class EngineConfig:
     model: str = "starter"
@@ -44,6 +47,7 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # None: room for max_context tokens plus a prefix-cache reserve
     headroom_bytes: int = 1 << 30  # device memory left free for everything else
     prefill_chunk: int = 512
+    max_running: int = 8  # requests decoding together, in one batched step; the rest wait
     threads: int | None = None
     allow_long_context: bool = False  # a context past the model's trained length (warned), else capped
     # the KV tiers under the pool: host RAM (None: a quarter of the RAM free at start; 0: off) and
@@ -66,6 +70,8 @@ class EngineConfig:
         for name in ("block_size", "max_context", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if not isinstance(self.max_running, int) or not 1 <= self.max_running <= MAX_RUNNING:
+            raise ConfigError(f"max_running must be an integer from 1 to {MAX_RUNNING}, not {self.max_running!r}")
         for name in ("ram_cache_bytes", "disk_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):

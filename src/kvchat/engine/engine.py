@@ -1,10 +1,15 @@
 """The Engine: one long-lived actor. Its thread owns the model, the KV pool and every change to
 them, and takes typed commands (Submit, Tokenize, PersonaQuery, Cancel, Reconfigure, LoadModel,
 Shutdown) from one queue; each command's future always resolves. The work is delegated: loading to the model host
-(host.py), memory to the governor (governor.py), a request's life to the runner (generate.py)."""
+(host.py), memory to the governor (governor.py), which requests run each step to the scheduler
+(scheduler.py), a request's life to its job (generate.py), its prompt to the prompt builder
+(prompt.py). Requests run together, a step at a time; a command that changes the model or the
+pool, or asks about the pool, waits until none runs, and requests sent after it wait for it."""
 import logging
 import queue
 import threading
+import weakref
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict
 
@@ -12,7 +17,8 @@ from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQue
                                   Tokenize, refuse)
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Notice, Request, RequestHandle
-from kvchat.engine.generate import RequestRunner
+from kvchat.engine.prompt import PromptBuilder
+from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
 from kvchat.engine.host import ModelHost
 from kvchat.engine.kv.forget import answer_forget
@@ -39,14 +45,15 @@ class Engine:
         self.auto = False  # the pool's precision follows memory (kv_precision auto)
         self.ready = threading.Event()  # set while no load is under way
         self.load_error: str | None = None  # why no model is loaded, when none is
-        self.handle: RequestHandle | None = None  # the request running now
         self.host = ModelHost(self, probe, disk_tier)
         self.governor = MemoryGovernor(self)
-        self.requests = RequestRunner(self)
+        self.prompts = PromptBuilder(weakref.proxy(self))
+        self.scheduler = Scheduler(self)
         # the actor's own bookkeeping
         self._listeners: list = []
         self._status: ModelReady | LoadFailed | None = None  # how the last load ended
         self._commands: queue.Queue = queue.Queue()
+        self._held: deque[Command] = deque()  # taken, waiting for no request to run (and what came after)
         self._lock = threading.Lock()  # orders _closed against puts, so no command is queued after the drain
         self._closed = False
         self._stopping = threading.Event()
@@ -161,39 +168,66 @@ class Engine:
         return command.future
 
     def _cancel_running(self) -> None:
-        handle = self.handle
-        if handle is not None:
-            handle.cancel()
+        """Any thread: flags only; each request ends at its next step."""
+        self.scheduler.cancel_all()
 
     # -- the engine thread --
 
     def _main(self) -> None:
         try:
             while True:
+                busy = self.scheduler.busy()
                 try:
-                    command = self._commands.get(timeout=SNAPSHOT_PERIOD)
+                    command = self._commands.get(block=not busy, timeout=None if busy else SNAPSHOT_PERIOD)
                 except queue.Empty:
-                    self.host.prepare_decode()
-                    self.governor.tick()
-                    continue
+                    command = None
                 if isinstance(command, Shutdown):
                     return self._shutdown(command)
-                self._run(command)
-                self.governor.tick()
+                if command is not None:
+                    self._take(command)  # every queued command before the next step
+                elif busy:
+                    self._step()
+                else:
+                    self.host.prepare_decode()
+                    self.governor.tick()
+                self._run_held()
         finally:  # even a bug here leaves no caller waiting
             with self._lock:
                 self._closed = True
             self._refuse_queued("the engine has stopped")
             self.ready.set()
 
+    def _take(self, command: Command) -> None:
+        """A request joins the scheduler; a cancel or a tokenize is answered now; the rest waits
+        until no request runs. Requests taken after a waiting command wait behind it."""
+        if isinstance(command, Cancel):
+            command.handle.cancel()
+            return command.future.set_result(True)
+        if self._held or (self.scheduler.busy() and _needs_idle(command)):
+            self._held.append(command)
+            return
+        self._run(command)
+
+    def _run_held(self) -> None:
+        while self._held and (not _needs_idle(self._held[0]) or not self.scheduler.busy()):
+            self._run(self._held.popleft())
+            self.governor.tick()
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception as e:  # the scheduler ends its own jobs' failures; this is a last resort
+            log.exception("engine step failed")
+            for job in self.scheduler.running:
+                if job.last is None:
+                    job.end(Error(f"internal error: {type(e).__name__}: {e}", internal=True))
+            self.scheduler.retire()
+
     def _run(self, command: Command) -> None:
         if self._stopping.is_set():
             return refuse(command, "the engine is shutting down")
         if isinstance(command, LoadModel):
             return self.host.load(command)
-        if isinstance(command, Cancel):
-            command.handle.cancel()
-            return command.future.set_result(True)
         if isinstance(command, PersonaQuery):
             return answer_persona_query(self, command)
         if isinstance(command, Forget):
@@ -201,24 +235,30 @@ class Engine:
         if self.kvpool is None:
             return refuse(command, self.load_error or "no model is loaded")
         if isinstance(command, Tokenize):
-            return self.requests.tokenize(command)
+            return self.prompts.tokenize(command)
         try:
             if isinstance(command, Submit):
-                self.requests.serve(command.handle)  # its first token starts the compile (generate.py)
+                self.scheduler.add(command.handle)  # its first token starts the compile (scheduler.py)
             else:
                 self.governor.control(command)
-        except Exception as e:  # _serve and _control resolve their own; this is a last resort
+        except Exception as e:  # control resolves its own; this is a last resort
             log.exception("command failed")
             _fail(command, f"internal error: {type(e).__name__}: {e}")
 
     def _shutdown(self, command: Shutdown) -> None:
         with self._lock:
             self._closed = True
+        self.scheduler.cancel_all()
+        while self.scheduler.running:  # cancelled: each ends at this step, its blocks released
+            self._step()
         self.host.end_compiles()
         self._refuse_queued("the engine is shut down")
         command.future.set_result(None)  # the model stays readable (stats, tests); the process is ending
 
     def _refuse_queued(self, reason: str) -> None:
+        while self._held:
+            refuse(self._held.popleft(), reason)
+        self.scheduler.end_all(reason)
         while True:
             try:
                 refuse(self._commands.get_nowait(), reason)
@@ -255,8 +295,8 @@ class Engine:
     def notice(self, kind: str, message: str) -> None:
         notice = Notice(kind, message)
         log.info("%s: %s", kind, message)
-        if self.handle is not None:
-            self.handle.put(notice)
+        for handle in self.scheduler.handles():
+            handle.put(notice)
         self.emit(notice)
 
     def announce(self, status: ModelReady | LoadFailed) -> None:
@@ -272,6 +312,11 @@ class Engine:
                 callback(event)
             except Exception:
                 log.exception("an engine listener failed")
+
+
+def _needs_idle(command: Command) -> bool:
+    """Runs only while no request runs: it changes the model or the pool, or asks about the pool."""
+    return not isinstance(command, (Submit, Tokenize))
 
 
 def _fail(command: Command, message: str) -> None:

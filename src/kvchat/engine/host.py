@@ -130,7 +130,6 @@ class ModelHost:
         before = e.probe.own() if ours else 0
         self.end_compiles()
         e.kvpool = e.loaded = e.formatter = None
-        e.handle = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

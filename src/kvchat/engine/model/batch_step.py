@@ -16,11 +16,12 @@ import torch
 from kvchat.kernels import traced
 from kvchat.kernels.reference import consecutive_start
 
+from kvchat.core.config import MAX_RUNNING
 from kvchat.engine.model.attention import BatchMeta, StepMeta, running
 from kvchat.engine.model.background_compile import graph_kind, run_on_stand_ins, unread_meta
 from kvchat.engine.model.decode_step import DecodeStep, compiled
 
-BUCKETS = (2, 4, 8, 16)
+BUCKETS = (2, 4, 8, MAX_RUNNING)
 MAX_BATCH = BUCKETS[-1]
 TABLE_STEP = 4  # a compiled batch's block table widens 4 blocks at a time: few shapes, little padding
 

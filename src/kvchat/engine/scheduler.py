@@ -1,0 +1,192 @@
+"""Which requests run in this engine step (vLLM v1's and nano-vllm's shape).
+
+A step decodes one token of every running request in one batched forward, then spends a budget of
+``prefill_chunk`` tokens on the prompt of the oldest request still prefilling. Up to
+``max_running`` requests run; the rest wait in order. A request that cannot get blocks while
+others run gives its blocks back and waits (a prefill), or the newest other one is preempted (a
+decode): its full blocks stay in the prefix cache, and it computes what they lost when it runs
+again. Cancelled requests end at the next step. Nothing here survives a model switch: the engine
+runs a switch, a reconfigure or a query only once no request runs."""
+import logging
+import threading
+import weakref
+from collections import deque
+
+from kvchat.core.config import ConfigError
+from kvchat.core.events import EngineError, Error, Finished, Stats
+from kvchat.engine.chat import ChatError
+from kvchat.engine.generate import DECODE, DONE, NEW, PREFILL, Job
+from kvchat.engine.kv.block_pool import PoolExhausted
+
+log = logging.getLogger("kvchat.engine")
+
+
+class Scheduler:
+    def __init__(self, engine):
+        self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self._admitted = 0
+        self._lock = threading.Lock()  # the handles, which other threads cancel
+        self._handles: set = set()
+
+    def add(self, handle) -> None:
+        with self._lock:
+            self._handles.add(handle)
+        self.waiting.append(Job(self.engine, handle, 0))
+
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def handles(self) -> list:
+        return [job.handle for job in self.running]
+
+    def live(self) -> list:
+        """The sequences holding blocks now (a pool rebuild keeps them)."""
+        return [job.seq for job in self.running if job.seq is not None and job.seq.blocks]
+
+    def cancel_all(self) -> None:
+        """Any thread: each request ends at its next step."""
+        with self._lock:
+            handles = list(self._handles)
+        for handle in handles:
+            handle.cancel()
+
+    def step(self) -> None:
+        e = self.engine
+        evictions = e.kvpool.pool.evictions
+        self._admit()
+        for job in self.running:
+            if job.handle.cancelled and job.phase != DONE:
+                self._guard(job, job.finish, "cancelled")
+        decoding = [job for job in self.running if job.phase == DECODE]
+        if decoding:
+            self._decode(decoding)
+        prefilling = next((job for job in self.running if job.phase == PREFILL), None)
+        if prefilling is not None:
+            self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
+        self.retire()
+        evicted = e.kvpool.pool.evictions - evictions
+        if evicted:
+            e.notice("evict", f"{evicted} cached block(s) ({evicted * e.config.block_size} tokens of earlier "
+                              "prefixes) evicted to make room")
+        if decoding:
+            e.governor.tick(self.live())
+            # after a first token, not before it: a compile shares the GIL with the prefill
+            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
+            e.host.prepare_decode(between_tokens=True)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.engine.config.max_running:
+            job = self.waiting.popleft()
+            self.running.append(job)  # first: a notice its prompt gives (a trim) reaches it
+            if job.phase == NEW:
+                self._admitted += 1
+                job.order = self._admitted
+                self._guard(job, job.start)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        e = self.engine
+        for job in list(jobs):
+            if not self._guard(job, self.reserve, job, len(job.seq)) or job.phase != DECODE:
+                jobs.remove(job)  # ended, or preempted for another
+        jobs = [job for job in jobs if job.phase == DECODE]
+        if not jobs:
+            return
+        try:
+            logits = e.kvpool.runner.decode([job.seq for job in jobs])
+        except Exception as error:  # the step failed for all of them
+            for job in jobs:
+                job.end(_error(error))
+            return
+        for job, row in zip(jobs, logits):
+            e.kvpool.manager.commit(job.seq)  # a block it filled is findable by the next request
+            self._guard(job, job.take, row)
+
+    def reserve(self, job: Job, tokens: int) -> bool:
+        """Blocks for ``job`` up to ``tokens``. When the pool is full (unreferenced cached blocks
+        already evicted): Auto steps the precision down; else a prefilling job waits for the
+        others, or the newest other running job is preempted for a decoding one. False when
+        ``job`` itself went back to wait; PoolExhausted when it cannot fit even alone."""
+        e = self.engine
+        while True:
+            try:
+                e.kvpool.manager.reserve(job.seq, tokens)
+                return True
+            except PoolExhausted:
+                old = e.precision
+                if e.auto and e.kvpool.downshift(self.live()) is not None:
+                    e.notice("downshift", f"KV cache full: {old.value} -> {e.precision.value}, "
+                                          f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
+                    continue
+                others = [j for j in self.running if j is not job and j.phase != DONE and j.seq is not None]
+                if not others:
+                    raise
+                victim = job if job.phase == PREFILL else max(others, key=lambda j: j.order)
+                self._preempt(victim)
+                if victim is job:
+                    return False
+
+    def _preempt(self, job: Job) -> None:
+        e = self.engine
+        e.kvpool.manager.free(job.seq)
+        job.requeue()
+        self.running.remove(job)
+        self.waiting.appendleft(job)
+        log.info("request %d waits for KV blocks (%d tokens to compute again)", job.order, len(job.seq) - 1)
+
+    def retire(self) -> None:
+        """Ended jobs leave: blocks released before the last event, so a caller that saw Finished
+        or Error sees the pool as the engine leaves it."""
+        for job in [job for job in self.running if job.phase == DONE]:
+            self.running.remove(job)
+            if job.seq is not None and job.seq.blocks:
+                self.release(job)
+            with self._lock:
+                self._handles.discard(job.handle)
+            job.handle.put(job.last)
+
+    def end_all(self, reason: str) -> None:
+        """The engine is stopping: a request that never started is refused with ``reason``; one
+        that did ends as cancelled, if nothing ended it."""
+        for job in (*self.running, *self.waiting):
+            if job.phase == NEW:
+                job.handle.refuse(reason)
+                continue
+            if job.last is None:
+                job.end(Finished("", list(job.generated), "cancelled", Stats()))
+            job.handle.put(job.last)
+        self.running.clear()
+        self.waiting.clear()
+        with self._lock:
+            self._handles.clear()
+
+    def release(self, job: Job) -> None:
+        """After the reply (never before the first token): pin the persona, persist, free blocks."""
+        kvpool = self.engine.kvpool
+        persona_blocks = 0
+        try:
+            persona_blocks = kvpool.personas.remember(job.seq, job.persona_len)
+        except Exception:
+            log.exception("could not remember the persona")
+        try:
+            kvpool.tiers.persist(job.seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes
+        except Exception:
+            log.exception("could not persist the conversation's blocks")
+        kvpool.manager.free(job.seq, keep_tail=True)  # the next turn goes on from the last computed token
+
+    def _guard(self, job: Job, fn, *args) -> bool:
+        """``fn(*args)`` for one job; a failure ends that job only. True when it ran through."""
+        try:
+            fn(*args)
+            return True
+        except Exception as error:
+            job.end(_error(error))
+            return False
+
+
+def _error(error: Exception) -> Error:
+    if isinstance(error, (ChatError, ConfigError, PoolExhausted, EngineError)):
+        return Error(str(error))
+    log.error("request failed", exc_info=error)
+    return Error(f"internal error: {type(error).__name__}: {error}", internal=True)
