@@ -25,6 +25,7 @@ from kvchat.engine.kv.forget import answer_forget
 from kvchat.engine.kv.persona_probe import answer_persona_query
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.pool import KVPool
+from kvchat.engine.load_order import LoadOrder
 from kvchat.engine.model.loading import LoadedModel
 
 log = logging.getLogger("kvchat.engine")
@@ -57,7 +58,7 @@ class Engine:
         self._lock = threading.Lock()  # orders _closed against puts, so no command is queued after the drain
         self._closed = False
         self._stopping = threading.Event()
-        self._load_seq = self._cancelled_load = self._model_seq = 0  # the newest LoadModel asked for; the newest one cancelled
+        self.loads = LoadOrder()  # which LoadModel is the newest
         self.load_model(self.config, loaded)
         self._thread = threading.Thread(target=self._main, name="kvchat-engine", daemon=True)
         self._thread.start()
@@ -94,8 +95,7 @@ class Engine:
         """Switch to another model: what runs is cancelled, the current model is dropped before the
         new one loads, and a failure brings it back. A later call replaces a load still under way."""
         with self._lock:
-            self._load_seq += 1
-            command = LoadModel(config, loaded, self._load_seq)
+            command = LoadModel(config, loaded, self.loads.next())
         self._cancel_running()
         return self._put(command)
 
@@ -110,9 +110,8 @@ class Engine:
         return self._put(Forget(messages))
 
     def cancel_load(self) -> None:
-        """Stop the model load under way or queued (a download stops at its next chunk); the
-        previous model comes back."""
-        self._cancelled_load = self._load_seq
+        """Stop the model load under way or queued (a download stops at its next chunk)."""
+        self.loads.cancel()
 
     def add_listener(self, callback, replay: bool = False) -> None:
         """``callback(event)`` with MemorySnapshot (about once a second), Notice, LoadProgress,
@@ -186,7 +185,7 @@ class Engine:
                 if command is not None:
                     self._take(command)  # every queued command before the next step
                 elif busy:
-                    self._step()
+                    self.scheduler.step()
                 else:
                     self.host.prepare_decode()
                     self.governor.tick()
@@ -212,16 +211,6 @@ class Engine:
         while self._held and (not _needs_idle(self._held[0]) or not self.scheduler.busy()):
             self._run(self._held.popleft())
             self.governor.tick()
-
-    def _step(self) -> None:
-        try:
-            self.scheduler.step()
-        except Exception as e:  # the scheduler ends its own jobs' failures; this is a last resort
-            log.exception("engine step failed")
-            for job in self.scheduler.running:
-                if job.last is None:
-                    job.end(Error(f"internal error: {type(e).__name__}: {e}", internal=True))
-            self.scheduler.retire()
 
     def _run(self, command: Command) -> None:
         if self._stopping.is_set():
@@ -250,7 +239,7 @@ class Engine:
             self._closed = True
         self.scheduler.cancel_all()
         while self.scheduler.running:  # cancelled: each ends at this step, its blocks released
-            self._step()
+            self.scheduler.step()
         self.host.end_compiles()
         self._refuse_queued("the engine is shut down")
         command.future.set_result(None)  # the model stays readable (stats, tests); the process is ending
@@ -265,30 +254,9 @@ class Engine:
             except queue.Empty:
                 return
 
-    # -- load bookkeeping: which LoadModel is the newest --
-
-    def superseded(self, seq: int) -> bool:
-        return seq < self._load_seq
-
     def switching(self) -> bool:
         """A shutdown or a newer model is on its way: a request taken now is cancelled at once."""
-        return self._stopping.is_set() or self._load_seq > self._model_seq
-
-    def stop_loading(self, seq: int | None) -> str | None:
-        """Why the load ``seq`` should stop now, or None (None: bringing the previous model back)."""
-        if seq is None:
-            return None
-        if seq < self._load_seq:
-            return "replaced by a later model choice"
-        if seq <= self._cancelled_load:
-            return "loading cancelled"
-        return None
-
-    def loaded_seq(self, seq: int) -> None:
-        """The load ``seq`` has ended: unless a newer one is on its way, the engine is ready."""
-        if not self.superseded(seq):
-            self._model_seq = seq
-            self.ready.set()
+        return self._stopping.is_set() or self.loads.switching()
 
     # -- events --
 

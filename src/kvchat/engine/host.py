@@ -43,7 +43,7 @@ class ModelHost:
     def load(self, command: LoadModel) -> None:
         """Drop the model, load the new one; on failure load the previous one again."""
         e = self.engine
-        if e.superseded(command.seq):
+        if e.loads.superseded(command.seq):
             return refuse(command, "replaced by a later model choice")
         e.ready.clear()
         try:
@@ -59,12 +59,13 @@ class ModelHost:
             e.announce(ModelReady(e.loaded.source.label, settings, e.loaded.model.config,
                                   generation_settings(e.loaded.model)))
         finally:
-            e.loaded_seq(command.seq)
+            if e.loads.ended(command.seq):
+                e.ready.set()
 
     def failed(self, command: LoadModel, reason: str) -> None:
         e = self.engine
         self.drop(check=False)
-        if e.superseded(command.seq):
+        if e.loads.superseded(command.seq):
             return refuse(command, "replaced by a later model choice")
         restored = self.good is not None and self.restore()
         message = reason + ("; the previous model is back" if restored else "")
@@ -92,7 +93,7 @@ class ModelHost:
             torch.set_num_threads(cfg.threads)
         progress = lambda done, total, stage: self.progress(seq, done, total, stage)
         lm = loaded or load(cfg.model, cfg.device, cfg.dtype, cfg.weights, progress=progress, decode=cfg.decode)
-        why = e.stop_loading(seq)
+        why = e.loads.stop_reason(seq)
         if why:
             raise ModelError(why)
         e.loaded = lm
@@ -143,7 +144,7 @@ class ModelHost:
     def progress(self, seq: int | None, done: int, total: int, stage: str) -> None:
         """Called by a download after each chunk and a GGUF conversion after each tensor; raising
         here is how they stop."""
-        why = self.engine.stop_loading(seq)
+        why = self.engine.loads.stop_reason(seq)
         if why:
             raise ModelError(why)
         self.engine.emit(LoadProgress(done, total, stage))

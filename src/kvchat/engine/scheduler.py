@@ -27,6 +27,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self._admitted = 0
+        self.preempted = 0  # jobs sent back to wait for blocks
         self._lock = threading.Lock()  # the handles, which other threads cancel
         self._handles: set = set()
 
@@ -53,6 +54,16 @@ class Scheduler:
             handle.cancel()
 
     def step(self) -> None:
+        try:
+            self._step()
+        except Exception as error:  # a job's own failure ends that job (_guard); this is a last resort
+            log.exception("engine step failed")
+            for job in self.running:
+                if job.last is None:
+                    job.end(_error(error))
+            self.retire()
+
+    def _step(self) -> None:
         e = self.engine
         evictions = e.kvpool.pool.evictions
         self._admit()
@@ -62,6 +73,7 @@ class Scheduler:
         decoding = [job for job in self.running if job.phase == DECODE]
         if decoding:
             self._decode(decoding)
+            self.retire()  # a reply that ended gives its blocks back before the prefill asks for some
         prefilling = next((job for job in self.running if job.phase == PREFILL), None)
         if prefilling is not None:
             self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
@@ -70,7 +82,7 @@ class Scheduler:
         if evicted:
             e.notice("evict", f"{evicted} cached block(s) ({evicted * e.config.block_size} tokens of earlier "
                               "prefixes) evicted to make room")
-        if decoding:
+        if decoding or any(job.phase == DECODE for job in self.running):  # a token came this step
             e.governor.tick(self.live())
             # after a first token, not before it: a compile shares the GIL with the prefill
             # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
@@ -87,10 +99,10 @@ class Scheduler:
 
     def _decode(self, jobs: list[Job]) -> None:
         e = self.engine
-        for job in list(jobs):
-            if not self._guard(job, self.reserve, job, len(job.seq)) or job.phase != DECODE:
-                jobs.remove(job)  # ended, or preempted for another
-        jobs = [job for job in jobs if job.phase == DECODE]
+        for job in jobs:
+            if job.phase == DECODE:  # not preempted for one before it
+                self._guard(job, self.reserve, job, len(job.seq))
+        jobs = [job for job in jobs if job.phase == DECODE]  # not ended, nor preempted for one after it
         if not jobs:
             return
         try:
@@ -119,7 +131,8 @@ class Scheduler:
                     e.notice("downshift", f"KV cache full: {old.value} -> {e.precision.value}, "
                                           f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
                     continue
-                others = [j for j in self.running if j is not job and j.phase != DONE and j.seq is not None]
+                others = [j for j in self.running if j is not job and j.phase != DONE and j.seq is not None
+                          and j.seq.blocks]
                 if not others:
                     raise
                 victim = job if job.phase == PREFILL else max(others, key=lambda j: j.order)
@@ -130,6 +143,7 @@ class Scheduler:
     def _preempt(self, job: Job) -> None:
         e = self.engine
         e.kvpool.manager.free(job.seq)
+        self.preempted += 1
         job.requeue()
         self.running.remove(job)
         self.waiting.appendleft(job)

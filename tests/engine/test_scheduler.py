@@ -1,0 +1,128 @@
+"""Several requests at once on the starter's first 4 layers: they decode together, each as it
+would alone; a cancel ends only its own; a pool too small for all of them makes one wait or
+preempts the newest, and every reply still comes out as it would alone; two requests with the
+same persona share its blocks; commands that change the pool wait for the replies to end."""
+import pytest
+
+from kvchat.core.config import EngineConfig, SamplingParams
+from kvchat.core.events import Finished, Request, TokenDelta
+from kvchat.engine.engine import Engine
+
+QUESTIONS = ["Name three rivers of Europe.", "What is a prime number?", "Write a haiku about rain.",
+             "List four fruits."]
+PERSONA = {"role": "system", "content": "You are Ada, a patient tutor of mathematics. " * 6}
+
+
+def greedy(n: int = 24) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def ask(question: str, persona: bool = False) -> list[dict]:
+    return ([PERSONA] if persona else []) + [{"role": "user", "content": question}]
+
+
+def engine(lm, **kw) -> Engine:
+    e = Engine(EngineConfig(**{"max_context": 512, "prefill_chunk": 64, "decode": "eager", **kw}), loaded=lm,
+               disk_tier=None)
+    e.wait_ready(60)
+    return e
+
+
+def one_by_one(lm, questions, n: int = 24, **kw) -> list[Finished]:
+    e = engine(lm, max_running=1, **kw)
+    try:
+        return [e.submit(Request(messages=ask(q), sampling=greedy(n))).result() for q in questions]
+    finally:
+        e.close()
+
+
+def no_leak(e: Engine) -> bool:
+    pool = e.kvpool.pool
+    return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def alone(short_starter):
+    return one_by_one(short_starter, QUESTIONS)
+
+
+def test_requests_sent_together_stream_together_and_reply_as_alone(short_starter, alone):
+    e = engine(short_starter)
+    order = []
+    handles = [e.submit(Request(messages=ask(q), sampling=greedy()),
+                        listener=lambda ev, i=i: isinstance(ev, TokenDelta) and order.append(i))
+               for i, q in enumerate(QUESTIONS)]
+    done = [h.result() for h in handles]
+    e.close()
+    assert [d.token_ids for d in done] == [d.token_ids for d in alone]
+    # every request had its first token before any had its last: they ran in one batch
+    firsts = [order.index(i) for i in range(len(QUESTIONS))]
+    lasts = [len(order) - 1 - order[::-1].index(i) for i in range(len(QUESTIONS))]
+    assert max(firsts) < min(lasts)
+    assert no_leak(e)
+
+
+def test_max_running_makes_the_rest_wait_in_order(short_starter, alone):
+    e = engine(short_starter, max_running=2)
+    order = []
+    handles = [e.submit(Request(messages=ask(q), sampling=greedy()),
+                        listener=lambda ev, i=i: isinstance(ev, Finished) and order.append(i))
+               for i, q in enumerate(QUESTIONS)]
+    done = [h.result() for h in handles]
+    e.close()
+    assert [d.token_ids for d in done] == [d.token_ids for d in alone]
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:]) == [2, 3]
+
+
+def test_a_cancel_stops_only_its_own_reply_and_frees_its_blocks(short_starter, alone):
+    e = engine(short_starter)
+    handles = [e.submit(Request(messages=ask(q), sampling=greedy())) for q in QUESTIONS[:2]]
+    for event in handles[0]:
+        if isinstance(event, TokenDelta):
+            break
+    e.cancel(handles[0])
+    cancelled, other = (h.result() for h in handles)
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 24
+    assert other.finish_reason == "length" and other.token_ids == alone[1].token_ids
+    e.close()
+    assert no_leak(e)
+
+
+def test_a_pool_too_small_for_all_makes_requests_wait_and_every_reply_is_as_alone(short_starter):
+    """Room for about 1.5 conversations: the others wait or are preempted and computed again."""
+    n = 160
+    alone = one_by_one(short_starter, QUESTIONS[:3], n)
+    per_token = 2 * 4 * 3 * 64 * 4  # the 4 layers' K and V, 3 KV heads of 64, fp32
+    tight = engine(short_starter, kv_budget_bytes=16 * 20 * per_token, ram_cache_bytes=0)  # 20 blocks
+    handles = [tight.submit(Request(messages=ask(q), sampling=greedy(n))) for q in QUESTIONS[:3]]
+    done = [h.result() for h in handles]
+    tight.close()
+    assert [d.finish_reason for d in done] == ["length"] * 3
+    assert [d.token_ids for d in done] == [d.token_ids for d in alone]
+    assert tight.scheduler.preempted >= 1
+    assert no_leak(tight)
+
+
+def test_two_requests_with_the_same_persona_share_its_blocks(short_starter):
+    e = engine(short_starter)
+    handles = [e.submit(Request(messages=ask(q, persona=True), sampling=greedy(8))) for q in QUESTIONS[:2]]
+    first, second = (h.result() for h in handles)
+    persona_len = e.formatter.encode([PERSONA, {"role": "user", "content": "x"}]).message_starts[1]
+    e.close()
+    assert first.stats.cached_tokens == 0
+    assert second.stats.cached_tokens >= persona_len // 16 * 16 > 0
+
+
+def test_a_reconfigure_waits_for_the_running_replies_and_a_later_request_for_it(short_starter):
+    e = engine(short_starter)
+    ended = []
+    handles = [e.submit(Request(messages=ask(q), sampling=greedy()), listener=lambda ev: isinstance(
+        ev, Finished) and ended.append("reply")) for q in QUESTIONS[:2]]
+    change = e.reconfigure(kv_precision="int8")
+    change.add_done_callback(lambda _: ended.append("reconfigure"))
+    after = e.submit(Request(messages=ask(QUESTIONS[2]), sampling=greedy(4)))
+    assert [h.result().finish_reason for h in handles] == ["length", "length"]
+    assert change.result(timeout=60)["precision"] == "int8"
+    assert after.result().stats.kv_precision == "int8"
+    e.close()
+    assert ended == ["reply", "reply", "reconfigure"]
