@@ -243,7 +243,8 @@ def test_metrics_show_each_tiers_bytes_capacity_hits_and_tokens():
 
     from kvchat.core.events import Finished, Stats
     from kvchat.core.memory import MemorySnapshot
-    from kvchat.serve.server import Counters, EngineState, MetricsCollector
+    from kvchat.serve.metrics import Counters, MetricsCollector
+    from kvchat.serve.server import EngineState
 
     state, counters = EngineState(), Counters()
     state(MemorySnapshot("cpu", 1, 0, 0, 0, 0, 0, 0, 0, "fp16", {}, True, tiers={

@@ -18,12 +18,19 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
-def at_full_speed(engine: Engine, timeout: float = 900) -> None:
+def at_full_speed(engine: Engine, timeout: float = 900, batch: int = 1) -> None:
     """Until the decode step runs compiled for the pool (it compiles in the background while
-    replies decode eagerly), or is known not to: a bench times what a user gets once it is ready."""
+    replies decode eagerly), and for batches of up to ``batch`` sequences, or is known not to: a
+    bench times what a user gets once it is ready."""
+    from kvchat.engine.model.batch_step import BUCKETS, bucket_for
+
     pool = engine.kvpool
     pool.runner.step.prepare(pool.kv)
     pool.runner.step.background.wait(timeout)
+    if batch > 1:
+        pool.runner.batch.wanted.update(b for b in BUCKETS if b <= bucket_for(batch))
+        pool.runner.batch.prepare(pool.kv)
+        pool.runner.step.background.wait(timeout)
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:

@@ -3,7 +3,7 @@ failure one line (a ConfigError), never a traceback."""
 import os
 import sys
 
-from kvchat.core.config import ConfigError
+from kvchat.core.config import MAX_RUNNING, ConfigError
 
 
 def looks_like_path(model: str) -> bool:
@@ -36,6 +36,8 @@ def check_serve_args(args) -> None:
         raise ConfigError(f"--port must be in 1..65535, not {args.port}")
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be positive, not {args.max_queue}")
+    if not 1 <= args.max_running <= MAX_RUNNING:
+        raise ConfigError(f"--max-running must be in 1..{MAX_RUNNING}, not {args.max_running}")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key (or $KVCHAT_API_KEY) is empty, which would serve without a key; "
                           "leave it out to serve without one")
@@ -68,3 +70,15 @@ def print_capped(requested: int):
             print(f"kvchat: --context {requested:,} capped at {event.settings['max_context']:,} tokens, the length "
                   "the model was trained for (--allow-long-context lets it pass)", file=sys.stderr)
     return on_event
+
+
+def quiet_transformers() -> None:
+    """transformers' warnings and progress bars off: called once a command's arguments passed,
+    since importing it takes seconds."""
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass

@@ -1,17 +1,18 @@
 """The ``kvchat`` command: chat, generate, serve, bench."""
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 
-from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, LADDER, WEIGHTS, ConfigError, EngineConfig,
-                                SamplingParams)
-from kvchat.cli.checks import check_engine_args, check_serve_args, print_capped
+from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, LADDER_NAMES, MAX_RUNNING, WEIGHTS,
+                                ConfigError, EngineConfig, SamplingParams)
+from kvchat.cli.bench import bench_args, cmd_bench
+from kvchat.cli.checks import check_engine_args, check_serve_args, print_capped, quiet_transformers
 from kvchat.cli.connections import cmd_connections, connections_args
 from kvchat.core.errors import first_line
 
-LADDER_NAMES = [p.value for p in LADDER]  # the modes a bench or an eval runs in (no auto)
 
 USAGE_ERROR = 2
 
@@ -77,39 +78,10 @@ def parser() -> argparse.ArgumentParser:
                        help="a further Host-header name to accept (repeatable); loopback names always are")
     serve.add_argument("--cors-origin", action="append", default=[],
                        help="a browser origin allowed to call the API (repeatable); none by default")
-    serve.add_argument("--max-queue", type=int, default=32, help="requests waiting at once before 429")
-    bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
-    bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
-                                         "resume"],
-                       help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
-                            "capped: long prompts and a downshift on a card of --memory; "
-                            "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
-                            "startup: what a new user waits for, from fresh and from warm dirs; "
-                            "resume: a long chat answered again after eviction and after a restart (KV tiers)")
-    bench.add_argument("--model", default="starter")
-    bench.add_argument("--json", action="store_true")
-    bench.add_argument("--compile", action="store_true",
-                       help="kernels: compile every Triton kernel variant for sm_86/89/90 (no GPU needed)")
-    api = bench.add_argument_group("api")
-    api.add_argument("--remote", default=None, metavar="URL", help="measure this server instead of kvchat serve")
-    api.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"))
-    api.add_argument("--clients", type=int, default=8)
-    api.add_argument("--requests", type=int, default=32)
-    api.add_argument("--max-tokens", type=int, default=16)
-    decode = bench.add_argument_group("decode")
-    decode.add_argument("--random-weights", metavar="CONFIG", default=None,
-                        help="a config.json (or folder) of the shape to measure, with random weights")
-    decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    decode.add_argument("--weights", default="none", choices=list(WEIGHTS))
-    decode.add_argument("--kv-precision", default="fp16", choices=LADDER_NAMES)
-    decode.add_argument("--prompt-len", type=int, default=512)
-    decode.add_argument("--new-tokens", type=int, default=128)
-    decode.add_argument("--repeats", type=int, default=3)
-    decode.add_argument("--paths", default="eager,compiled,transformers",
-                        help="comma-separated: eager, compiled, transformers")
-    decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
-    decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
+    serve.add_argument("--max-running", type=int, default=EngineConfig.max_running,
+                       help=f"requests decoding together, 1..{MAX_RUNNING} (default {EngineConfig.max_running})")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests running or waiting before 429")
+    bench_args(sub)
     connections_args(sub)
     prep = sub.add_parser("prepare", help="compile the decode step for this machine now, not at the first start")
     prep.add_argument("--model", default="starter")
@@ -146,7 +118,7 @@ def make_sampling(args) -> SamplingParams:
 
 
 def start_engine(config: EngineConfig):
-    _quiet_transformers()  # torch and transformers load in seconds: only once the arguments are good
+    quiet_transformers()  # torch and transformers load in seconds: only once the arguments are good
     from kvchat.engine.engine import Engine
 
     engine = Engine(config)
@@ -234,7 +206,7 @@ def cmd_serve(args) -> int:
     from kvchat.serve.server import create_app
     from kvchat.serve.transport import server_config
 
-    engine = start_engine(make_config(args))
+    engine = start_engine(dataclasses.replace(make_config(args), max_running=args.max_running))
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
     ready = []
@@ -244,69 +216,6 @@ def cmd_serve(args) -> int:
                      max_queue=args.max_queue)
     uvicorn.Server(server_config(app, args.host, args.port)).run()
     engine.close()
-    return 0
-
-
-def cmd_bench(args) -> int:
-    if args.random_weights and not os.path.exists(os.path.expanduser(args.random_weights)):
-        raise ConfigError(f"--random-weights {args.random_weights}: no such file or folder")
-    _quiet_transformers()
-    from kvchat.bench import engine as bench
-
-    if args.which == "decode":
-        from kvchat.bench import decode as bench_decode
-
-        paths = [p for p in args.paths.split(",") if p]
-        if not paths or set(paths) - set(bench_decode.PATHS):
-            raise ConfigError(f"--paths takes a comma-separated subset of {', '.join(bench_decode.PATHS)}")
-        if args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
-            raise ConfigError("--prompt-len, --new-tokens and --repeats must be positive")
-        bench_decode.report(bench_decode.bench_decode(
-            args.model, args.random_weights, args.device, args.dtype, args.weights, args.kv_precision,
-            args.prompt_len, args.new_tokens, args.repeats, paths), args.json)
-    elif args.which == "api":
-        from kvchat.bench import api as bench_api
-
-        if min(args.clients, args.requests, args.max_tokens) < 1:
-            raise ConfigError("--clients, --requests and --max-tokens must be positive")
-        bench_api.report(bench_api.bench_api(args.model, args.remote, args.api_key, None, args.clients,
-                                             args.requests, args.max_tokens), args.json)
-    elif args.which == "capped":
-        from kvchat.bench import capped as bench_capped
-        from kvchat.core.memory import parse_bytes
-
-        if not args.random_weights:
-            raise ConfigError("bench capped needs --random-weights CONFIG, e.g. src/kvchat/bench/shapes/llama-3.1-8b.json")
-        try:
-            prompts = tuple(int(n) for n in args.prompts.split(","))
-        except ValueError:
-            raise ConfigError(f"--prompts takes comma-separated token counts, not {args.prompts!r}") from None
-        result = bench_capped.bench_capped(args.random_weights, args.device, args.dtype, parse_bytes(args.memory),
-                                           prompts)
-        bench_capped.report(result, args.json)
-        return 0 if all(p["ok"] for p in result["phases"]) else 1  # out of memory: the check failed
-    elif args.which == "startup":
-        from kvchat.bench import startup as bench_startup
-
-        bench_startup.report(bench_startup.bench_startup(args.model), args.json)
-    elif args.which == "resume":
-        from kvchat.bench import resume as bench_resume
-
-        bench_resume.report(bench_resume.bench_resume(args.model, args.kv_precision), args.json)
-    elif args.which == "prefix":
-        from kvchat.bench import prefix as bench_prefix
-
-        bench_prefix.report_prefix(bench_prefix.bench_prefix(args.model), args.json)
-    elif args.which == "memory":
-        bench.report_memory(bench.bench_memory(args.model), args.json)
-    elif args.which == "switch":
-        bench.report_switch(bench.bench_switch(args.model), args.json)
-    elif args.which == "kv":
-        bench.report_kv(bench.bench_kv(args.model), args.json)
-    else:
-        from kvchat.bench import kernels as bench_kernels
-
-        bench_kernels.main(args.json, args.compile)
     return 0
 
 
@@ -342,7 +251,7 @@ def cmd_plan(args) -> int:
     try:
         config = plain_config(args.model)
         if config is None:  # a GGUF: transformers (and torch) read its header
-            _quiet_transformers()
+            quiet_transformers()
             from kvchat.engine.model.loading import gguf_file_config
 
             config = gguf_file_config(resolve(args.model).location)
@@ -358,7 +267,7 @@ def cmd_plan(args) -> int:
 def cmd_eval(args) -> int:
     if not os.path.isfile(os.path.expanduser(args.text)):
         raise ConfigError(f"--text {args.text}: no such file")
-    _quiet_transformers()
+    quiet_transformers()
     from kvchat.bench import evaluate
 
     evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
@@ -374,7 +283,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvchat: %(message)s")
     command = args.command or "chat"
     if command == "prepare":  # the others quiet it once their arguments passed: it imports torch
-        _quiet_transformers()
+        quiet_transformers()
     if args.command is None:
         args = parser().parse_args(["chat"])
     try:
@@ -383,16 +292,6 @@ def main(argv=None) -> int:
     except (ModelError, EngineError, ConfigError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 1
-
-
-def _quiet_transformers() -> None:
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ class Precision(str, Enum):
 
 # The precision ladder, best first: what Auto steps down through and the planner tries in turn.
 LADDER = (Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4)
+LADDER_NAMES = [p.value for p in LADDER]  # the modes a bench or an eval runs in (no auto)
 KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
 BLOCK_SIZE = 16  # tokens a KV block holds

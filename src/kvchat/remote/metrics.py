@@ -19,7 +19,8 @@ HIT_COUNTERS = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_tota
                 ("kvchat:prefix_cache_hits_total", "kvchat:prefix_cache_queries_total"))
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
            "kvchat:requests_running")
-WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred",
+           "kvchat:requests_waiting")
 
 
 @dataclass

@@ -88,6 +88,7 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     best_of: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")
@@ -138,7 +139,7 @@ class Sampling(BaseModel):
                 max_new_tokens=default_max if self.max_tokens is None else self.max_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=0.0 if self.min_p is None else self.min_p, repetition_penalty=penalty, seed=self.seed,
-                stop=list(self.stop or []))
+                stop=list(self.stop or []), ignore_eos=self.ignore_eos)
         except ConfigError as e:
             raise ApiError(str(e)) from None
 

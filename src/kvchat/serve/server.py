@@ -1,9 +1,10 @@
 """The local OpenAI-compatible API: /v1/chat/completions and /v1/completions (streamed or not),
 /v1/models, /health and Prometheus /metrics.
 
-Requests run one at a time on the engine thread; this side only waits for their events, on the
-event loop, and watches the connection while it waits, so a client that hangs up cancels its
-request at once, streamed or not, instead of holding the engine for everyone queued behind it."""
+Requests run together on the engine thread (up to its ``max_running``, the rest wait there); this
+side only waits for their events, on the event loop, and watches the connection while it waits, so
+a client that hangs up cancels its request at once, streamed or not, and frees its place.
+``max_queue`` bounds the requests running and waiting: past it, 429."""
 import asyncio
 import queue
 import time
@@ -11,20 +12,19 @@ import uuid
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Refused, Request,
-                                TokenDelta)
+from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, PrefillProgress,
+                                Refused, Request, TokenDelta)
 from kvchat.core.memory import MemorySnapshot
 from kvchat.serve.guard import Guard
 from kvchat.serve.schema import MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, error_body, parse
 from kvchat.serve.stream import EventStream, chat_chunks, completion_chunks, finish_reason
-from kvchat.serve.tier_metrics import tier_metrics
+from kvchat.serve.metrics import Counters, MetricsCollector
 from kvchat.serve.transport import incident
 
 BODY_IDLE_S = 15.0  # a body that stops arriving for this long is given up
@@ -121,22 +121,6 @@ class EngineState:
             self.loading = True
         elif isinstance(event, MemorySnapshot):
             self.snapshot = event
-
-
-class Counters:
-    """What /metrics reports and the queue bound reads; touched only on the event loop."""
-
-    def __init__(self):
-        self.active = self.finished = self.prompt_tokens = self.cached_tokens = self.refused = 0
-        self.tier_tokens = {"ram": 0, "disk": 0}  # of cached_tokens, those restored from a tier
-        self.cancelled = 0  # ended before their last event because the client left
-
-    def count(self, event: Finished) -> None:
-        self.finished += 1
-        self.prompt_tokens += event.stats.prompt_tokens
-        self.cached_tokens += event.stats.cached_tokens
-        self.tier_tokens["ram"] += event.stats.ram_tokens
-        self.tier_tokens["disk"] += event.stats.disk_tokens
 
 
 class Waiter:
@@ -274,7 +258,7 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
         The caller holds a queue slot (``accept``); this gives it back however the request ends."""
         waiter = Waiter(http)
         handle = engine.submit(request, listener=waiter.listener)
-        closed = handed_over = ended = False
+        closed = handed_over = ended = begun = False
 
         def close():
             nonlocal closed
@@ -284,10 +268,14 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
                     counters.cancelled += 1
                 handle.cancel()  # after the end a no-op; before it, the engine stops at its next step
                 counters.active -= 1
+                counters.running -= begun
 
         try:
             event = await waiter.next_event(handle)
             while event is not None and not isinstance(event, (TokenDelta, Finished, Error)):
+                if isinstance(event, PrefillProgress) and not begun:  # the engine took it up
+                    begun = True
+                    counters.running += 1
                 event = await waiter.next_event(handle)  # notices are not part of the reply
             if event is None:
                 return Response(status_code=499)  # nobody is listening
@@ -366,31 +354,3 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     return app
-
-
-class MetricsCollector:
-    """kvchat's own names, in the shape of vLLM's: the remote client reads either. Read when
-    /metrics is asked: the counters, and the KV figures of the engine's last memory snapshot (about
-    once a second). A counter named "x" is exported as "x_total", as prometheus_client does."""
-
-    def __init__(self, state, counters: Counters):
-        self.state, self.counters = state, counters
-
-    def collect(self):
-        snapshot: MemorySnapshot | None = self.state.snapshot
-        c = self.counters
-        total, in_use = (snapshot.kv_total, snapshot.kv_in_use) if snapshot else (0, 0)
-        yield GaugeMetricFamily("kvchat:kv_cache_usage_perc", "KV-cache blocks in use, 1 means full",
-                                value=in_use / total if total else 0.0)
-        yield GaugeMetricFamily("kvchat:kv_bytes_in_use", "bytes of KV-cache blocks referenced by a running request",
-                                value=in_use)
-        yield CounterMetricFamily("kvchat:prefix_cache_queries", "prompt tokens of finished requests",
-                                  value=c.prompt_tokens)
-        yield CounterMetricFamily("kvchat:prefix_cache_hits", "of those, tokens served from the cache",
-                                  value=c.cached_tokens)
-        yield from tier_metrics(snapshot.tiers if snapshot else {}, c.tier_tokens)
-        yield GaugeMetricFamily("kvchat:requests_running", "requests submitted and not yet answered", value=c.active)
-        yield CounterMetricFamily("kvchat:requests_refused", "requests refused with 429", value=c.refused)
-        yield CounterMetricFamily("kvchat:requests_cancelled", "requests cancelled by a client that left",
-                                  value=c.cancelled)
-
