@@ -94,15 +94,16 @@ async def _one_by_one(client, url, requests: list[dict]) -> tuple[list[dict], fl
     return replies, time.perf_counter() - start
 
 
-async def _ttft_under_load(client, url, requests: list[dict], probe: dict) -> tuple[float, float]:
-    """The probe's TTFT on an idle server, then while the others decode (sent once each of them
-    has streamed its first token)."""
-    idle = (await _one(client, url, probe))["ttft_ms"]
+async def _ttft_under_load(client, url, requests: list[dict], probes: tuple[dict, dict]) -> tuple[float, float]:
+    """A probe's TTFT on an idle server, then another's while the others decode (sent once each
+    of them has streamed its first token). Two probes of one length: neither finds the other's
+    prompt in the prefix cache."""
+    idle = (await _one(client, url, probes[0]))["ttft_ms"]
     started = asyncio.Semaphore(0)
     others = [asyncio.ensure_future(_one(client, url, r, started)) for r in requests]
     for _ in others:
         await started.acquire()
-    busy = (await _one(client, url, probe))["ttft_ms"]
+    busy = (await _one(client, url, probes[1]))["ttft_ms"]
     await asyncio.gather(*others)
     return idle, busy
 
@@ -120,8 +121,9 @@ async def _run(url: str, api_key: str | None, model: str | None, clients: int, m
                           "ttft_p50_ms": statistics.median(ttfts), "ttft_p95_ms": _percentile(ttfts, 0.95)})
         alone, alone_s = await _one_by_one(c, url, requests)
         together, together_s = await _together(c, url, requests)
-        probe = body(clients, model, max_tokens)
-        idle_ttft, busy_ttft = await _ttft_under_load(c, url, requests[:clients - 1], probe)
+        probes = tuple({**body(0, model, max_tokens), "messages": [{"role": "user", "content": f"Describe {thing}."}]}
+                       for thing in ("a teacup", "a pencil"))
+        idle_ttft, busy_ttft = await _ttft_under_load(c, url, requests[:clients - 1], probes)
     same = sum(a["text"] == b["text"] for a, b in zip(alone, together))
     tokens = sum(r["tokens"] for r in alone)
     return {"sweep": sweep, "one_by_one_s": alone_s, "together_s": together_s,

@@ -213,6 +213,8 @@ class ModelHost:
                 step.prepare(kv)
         elif step.prepare(kv):
             e.notice("warm-up", PREPARING)
+        if not between_tokens and e.kvpool.runner.batch.prepare(kv):  # the batch sizes replies have run in
+            log.info("compiling the batched decode step for %s sequences", sorted(e.kvpool.runner.batch.wanted))
         if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:
             self.warmed = True
             e.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")
@@ -233,7 +235,7 @@ class ModelHost:
             return
         for job, seconds in e.kvpool.runner.step.background.take_finished():
             log.info("%s compiled in %.1f s", job, seconds)
-            if job != "weights":
+            if job != "weights" and not e.kvpool.runner.batch.owns(job):
                 seconds = max(seconds, self.warmer.seconds(job) if self.warmer else 0.0)  # from the child's start
                 e.notice("warm-up", f"fast decoding ready ({seconds:.0f} s)")
         self.report_fallback()

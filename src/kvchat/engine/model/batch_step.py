@@ -106,6 +106,11 @@ class BatchStep:
     def kind(self, kv, bucket: int) -> str:
         return f"{graph_kind(kv)}x{bucket}"
 
+    @staticmethod
+    def owns(job: str) -> bool:
+        """Is this compile job one of a batch's graphs (``kind``)?"""
+        return job.rpartition("x")[2].isdigit()
+
     def prepare(self, kv) -> bool:
         """Queue on the compile thread the graphs of the buckets batches have used, once the
         single step's graph for this pool is ready; True when one was queued now."""
@@ -113,13 +118,14 @@ class BatchStep:
             return False
         if graph_kind(kv) not in self.single.background.ready:
             return False
+        todo = [b for b in sorted(self.wanted) if not self.single.background.known(self.kind(kv, b))]
+        if not todo:  # asked every idle second
+            return False
         layers = [{name: (t.shape[1:], t.dtype) for name, t in layer.items()} for layer in kv.layers]
-        queued = False
-        for bucket in sorted(self.wanted):
-            kind = self.kind(kv, bucket)
-            queued |= self.single.background.want(
-                kind, lambda b=bucket: run_on_stand_ins(self._forward_for(b), graph_kind(kv), layers, self.device, b))
-        return queued
+        for bucket in todo:
+            self.single.background.want(self.kind(kv, bucket), lambda b=bucket: run_on_stand_ins(
+                self._forward_for(b), graph_kind(kv), layers, self.device, b))
+        return True
 
     def _forward_for(self, bucket: int):
         """One compiled object per bucket: each keeps its own few graphs (fp16, quantized) under
