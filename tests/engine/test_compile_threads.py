@@ -89,6 +89,17 @@ class _Step:
         return True
 
 
+class _Batch:
+    """The batched step's side: how often it was asked to compile its graphs."""
+
+    def __init__(self):
+        self.prepared = 0
+
+    def prepare(self, kv):
+        self.prepared += 1
+        return False
+
+
 class _Warmer:
     def __init__(self):
         self.started, self.ended = [], False
@@ -114,12 +125,14 @@ def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_t
             notices.append((kind, message))
 
     step, notices, engine = _Step(), [], Engine()
-    engine.kvpool = SimpleNamespace(runner=SimpleNamespace(step=step), kv=object())
+    batch = _Batch()
+    engine.kvpool = SimpleNamespace(runner=SimpleNamespace(step=step, batch=batch), kv=object())
     host = ModelHost(engine, None, None)
     host.warmer = warmer = _Warmer()
     host.prepare_decode()
     host.prepare_decode(between_tokens=True)
     assert (warmer.started, notices, step.prepared) == (["traced", "traced"], [("warm-up", PREPARING)], 0)
+    assert batch.prepared == 1  # asked in the idle moment only, never between two tokens
     warmer.ended = True
     host.prepare_decode(between_tokens=True)
     assert step.prepared == 0

@@ -46,14 +46,20 @@ def alone(short_starter):
     return one_by_one(short_starter, QUESTIONS)
 
 
-def test_requests_sent_together_stream_together_and_reply_as_alone(short_starter, alone):
-    e = engine(short_starter)
+def send_all(e: Engine, seen: type) -> tuple[list[Finished], list[int]]:
+    """Every question at once: the replies, and which request each ``seen`` event came from."""
     order = []
     handles = [e.submit(Request(messages=ask(q), sampling=greedy()),
-                        listener=lambda ev, i=i: isinstance(ev, TokenDelta) and order.append(i))
+                        listener=lambda ev, i=i: isinstance(ev, seen) and order.append(i))
                for i, q in enumerate(QUESTIONS)]
     done = [h.result() for h in handles]
     e.close()
+    return done, order
+
+
+def test_requests_sent_together_stream_together_and_reply_as_alone(short_starter, alone):
+    e = engine(short_starter)
+    done, order = send_all(e, TokenDelta)
     assert [d.token_ids for d in done] == [d.token_ids for d in alone]
     # every request had its first token before any had its last: they ran in one batch
     firsts = [order.index(i) for i in range(len(QUESTIONS))]
@@ -63,13 +69,7 @@ def test_requests_sent_together_stream_together_and_reply_as_alone(short_starter
 
 
 def test_max_running_makes_the_rest_wait_in_order(short_starter, alone):
-    e = engine(short_starter, max_running=2)
-    order = []
-    handles = [e.submit(Request(messages=ask(q), sampling=greedy()),
-                        listener=lambda ev, i=i: isinstance(ev, Finished) and order.append(i))
-               for i, q in enumerate(QUESTIONS)]
-    done = [h.result() for h in handles]
-    e.close()
+    done, order = send_all(engine(short_starter, max_running=2), Finished)
     assert [d.token_ids for d in done] == [d.token_ids for d in alone]
     assert sorted(order[:2]) == [0, 1] and sorted(order[2:]) == [2, 3]
 

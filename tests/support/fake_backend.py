@@ -15,6 +15,7 @@ from dataclasses import asdict
 from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Shutdown, Submit, Tokenize, refuse
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import (EngineError, Finished, Notice, Request, RequestHandle)
+from kvchat.engine.load_order import LoadOrder
 
 from support import fake_host
 from support.fake_model import PersonaDisk, PrefixCache, persona_ids, snapshot
@@ -48,7 +49,7 @@ class FakeBackend:
         self._closed = False
         self._stopping = threading.Event()
         self.good: EngineConfig | None = None
-        self._load_seq = self._cancelled_load = self._model_seq = 0
+        self.loads = LoadOrder()  # which LoadModel is the newest, as the engine keeps it
         self.load_model(self.config)
         self._thread = threading.Thread(target=self._main, name="fake-engine", daemon=True)
         self._thread.start()
@@ -76,8 +77,7 @@ class FakeBackend:
 
     def load_model(self, config: EngineConfig, loaded=None) -> Future:
         with self._lock:
-            self._load_seq += 1
-            command = LoadModel(config, loaded, self._load_seq)
+            command = LoadModel(config, loaded, self.loads.next())
         self._cancel_running()
         return self._put(command)
 
@@ -93,7 +93,7 @@ class FakeBackend:
         return "disk" if self.disk is not None and self.disk.has(self.disk_key(ids)) else "cold"
 
     def cancel_load(self) -> None:
-        self._cancelled_load = self._load_seq
+        self.loads.cancel()
 
     def add_listener(self, callback, replay: bool = False) -> None:
         with self._lock:
@@ -222,26 +222,8 @@ class FakeBackend:
 
     # -- loading (support/fake_host.py): which LoadModel is the newest --
 
-    def superseded(self, seq: int) -> bool:
-        return seq < self._load_seq
-
-    def loaded_seq(self, seq: int) -> None:
-        """The load ``seq`` has ended: unless a newer one is on its way, the fake is ready."""
-        if not self.superseded(seq):
-            self._model_seq = seq
-            self.ready.set()
-
     def switching(self) -> bool:
-        return self._stopping.is_set() or self._load_seq > self._model_seq
-
-    def stop_loading(self, seq: int | None) -> str | None:
-        if seq is None:
-            return None
-        if seq < self._load_seq:
-            return "replaced by a later model choice"
-        if seq <= self._cancelled_load:
-            return "loading cancelled"
-        return None
+        return self._stopping.is_set() or self.loads.switching()
 
     # -- events --
 

@@ -14,7 +14,7 @@ from support.fake_model import layout, snapshot
 
 
 def load(fake, command: LoadModel) -> None:
-    if fake.superseded(command.seq):
+    if fake.loads.superseded(command.seq):
         return refuse(command, "replaced by a later model choice")
     fake.ready.clear()
     try:
@@ -29,12 +29,13 @@ def load(fake, command: LoadModel) -> None:
         command.future.set_result(settings)
         fake.announce(ModelReady(fake.model.label, settings, fake.model.config, dict(fake.model.generation)))
     finally:
-        fake.loaded_seq(command.seq)
+        if fake.loads.ended(command.seq):
+            fake.ready.set()
 
 
 def failed(fake, command: LoadModel, reason: str) -> None:
     fake.model = None
-    if fake.superseded(command.seq):
+    if fake.loads.superseded(command.seq):
         return refuse(command, "replaced by a later model choice")
     restored = False
     if fake.good is not None:
@@ -53,8 +54,8 @@ def failed(fake, command: LoadModel, reason: str) -> None:
 def start(fake, config: EngineConfig, seq: int | None) -> None:
     fake.config = config
     model = load_files(fake, config.model, seq)
-    if fake.stop_loading(seq):
-        raise ModelError(fake.stop_loading(seq))
+    if fake.loads.stop_reason(seq):
+        raise ModelError(fake.loads.stop_reason(seq))
     fake.model = model
     # as the engine's load says what "auto" chose: int8 on the CPU, where the decode step compiles
     model.config.kvchat_weights = {"auto": "int8", "none": "float32"}.get(config.weights, config.weights)

@@ -17,7 +17,7 @@ from support.fake_model import STARTER_CONFIG, STARTER_GENERATION, STARTER_LABEL
 def load(fake, spec: str, seq: int | None) -> FakeModel:
     """Raising in ``progress`` is how a cancel or a later choice stops a load, as in the engine."""
     def progress(done: int, total: int, stage: str) -> None:
-        why = fake.stop_loading(seq)
+        why = fake.loads.stop_reason(seq)
         if why:
             raise ModelError(why)
         fake.emit(LoadProgress(done, total, stage))
