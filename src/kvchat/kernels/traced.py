@@ -38,8 +38,8 @@ def attend(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.
     """Attention of each sequence's ``query`` ``[rows, heads, D]`` over the ``length`` ``[rows]``
     positions whose K/V are in its row of ``table`` ``[rows, blocks]`` (one sequence: ``[blocks]``);
     positions past a row's length (a padded table) are masked."""
-    if table.dim() == 1:
-        table = table[None]
+    if table.dim() == 1:  # one sequence: the single step's graph, as fast as before batching
+        return _attend_one(layer, query, table, length, scale)
     k, v = (layer[name][table].flatten(1, 2).float() for name in ("k", "v"))  # [rows, positions, kv_heads, D]
     rows, positions, kv_heads, d = k.shape
     q = query.float().view(rows, kv_heads, -1, d)  # each KV head's query group
@@ -49,3 +49,16 @@ def attend(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.
     scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
     out = (scores.softmax(-1)[..., None] * v).sum(-2)  # [rows, kv_heads, group, D]
     return out.reshape(rows, -1, d).to(query.dtype)
+
+
+def _attend_one(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``attend`` for one sequence, without the rows dimension: through the batched form the
+    single step decoded the starter 8% slower (60.5 against 66.1 tok/s, int8 weights)."""
+    k, v = (layer[name][table].flatten(0, 1).float() for name in ("k", "v"))  # [positions, kv_heads, D]
+    kv_heads, d = k.shape[1], k.shape[2]
+    q = query.float().view(kv_heads, -1, d)  # each KV head's query group
+    scores = (q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale  # [kv_heads, group, positions]
+    scores = scores.masked_fill(torch.arange(k.shape[0], device=k.device) >= length, float("-inf"))
+    out = (scores.softmax(-1)[..., None] * v.transpose(0, 1)[:, None]).sum(-2)  # [kv_heads, group, D]
+    return out.reshape(1, -1, d).to(query.dtype)
