@@ -44,3 +44,30 @@ def test_slot_minus_one_writes_nothing():
     traced.write(pool, k + 100, v + 100, torch.tensor([-1]))
     for name, t in before.items():
         assert torch.equal(pool[name], t), name
+
+
+def test_a_batch_of_sequences_writes_and_attends_each_as_the_reference_does():
+    """Rows of a batched step: each its own block table (padded to the widest), length and slot,
+    all in one pool; each row's output is the reference's for that sequence alone."""
+    lengths, heads = [5, 37, 16, 60], 6
+    g = torch.Generator().manual_seed(7)
+    pool = quant.layer_tensors(FP, 4 * BLOCKS, BS, KV_HEADS, D, torch.float32, "cpu")
+    theirs = {name: t.clone() for name, t in pool.items()}
+    tables, ks, vs, qs, slots = [], [], [], [], []
+    for i, length in enumerate(lengths):  # sequence i owns blocks i*12 .. i*12+11, scrambled
+        k, v = (torch.randn(length, KV_HEADS, D, generator=g) for _ in range(2))
+        table = torch.randperm(BLOCKS, generator=g) + i * BLOCKS
+        slot = table[torch.arange(length) // BS] * BS + torch.arange(length) % BS
+        for p in (pool, theirs):
+            reference.write_kv(p, FP, k[:-1], v[:-1], slot[:-1], None)
+        reference.write_kv(theirs, FP, k[-1:], v[-1:], slot[-1:], None)
+        tables.append(table)
+        ks.append(k[-1:]), vs.append(v[-1:]), slots.append(slot[-1:])
+        qs.append(torch.randn(1, heads, D, generator=g))
+    traced.write(pool, torch.cat(ks), torch.cat(vs), torch.cat(slots))
+    got = traced.attend(pool, torch.cat(qs), torch.stack(tables), torch.tensor(lengths, dtype=torch.int32), D ** -0.5)
+    for name, t in theirs.items():
+        assert torch.equal(pool[name], t), name
+    for i, length in enumerate(lengths):
+        want = reference.paged_attention(qs[i], theirs, FP, tables[i][:-(-length // BS)], length, D ** -0.5)
+        torch.testing.assert_close(got[i:i + 1], want, atol=2e-6, rtol=1e-5)
