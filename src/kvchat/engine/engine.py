@@ -238,6 +238,7 @@ class Engine:
         with self._lock:
             self._closed = True
         self.scheduler.cancel_all()
+        self.scheduler.refuse_waiting("the engine is shut down")
         while self.scheduler.running:  # cancelled: each ends at this step, its blocks released
             self.scheduler.step()
         self.host.end_compiles()

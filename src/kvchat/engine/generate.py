@@ -26,6 +26,9 @@ class Job:
         self.generated: list[int] = []
         self.first_at: float | None = None
         self.last: Finished | Error | None = None
+        self.requeued = False  # preempted at least once: its first match's figures stand
+        self.wait_free: int | None = None  # gave its blocks back to wait: free blocks then
+        self.evicted = 0  # cached blocks evicted while it ran, told when it ends
 
     def start(self) -> None:
         """Tokenize the prompt (no blocks yet). A request cancelled while it waited, or taken
@@ -50,7 +53,7 @@ class Job:
         if not self.matched:
             self.matched = True
             ram, disk = e.kvpool.match(seq)  # pool, RAM, disk
-            if not self.generated:
+            if not self.requeued:
                 self.stats.ram_tokens, self.stats.disk_tokens = ram, disk
                 self.stats.cached_tokens = seq.num_computed
         start = seq.num_computed
@@ -96,7 +99,7 @@ class Job:
         """Preempted: its blocks went back (their full ones stay findable in the prefix cache); it
         computes its context again when it runs next, and samples nothing until it has."""
         self.seq = Sequence(list(self.seq.token_ids))
-        self.matched, self.phase = False, PREFILL
+        self.matched, self.phase, self.requeued = False, PREFILL, True
         self.target = len(self.seq) - 1 if self.generated else self.prompt_len
 
     def finish(self, reason: str) -> None:

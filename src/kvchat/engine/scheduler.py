@@ -66,31 +66,43 @@ class Scheduler:
     def _step(self) -> None:
         e = self.engine
         evictions = e.kvpool.pool.evictions
+        self._end_cancelled_waiting()
         self._admit()
         for job in self.running:
             if job.handle.cancelled and job.phase != DONE:
                 self._guard(job, job.finish, "cancelled")
+        self.retire()  # a reply that ended gives its blocks back before anyone asks for some
         decoding = [job for job in self.running if job.phase == DECODE]
         if decoding:
             self._decode(decoding)
-            self.retire()  # a reply that ended gives its blocks back before the prefill asks for some
+            self.retire()
         prefilling = next((job for job in self.running if job.phase == PREFILL), None)
         if prefilling is not None:
             self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
+        for job in self.running:  # told once per request, when it ends (retire)
+            job.evicted += e.kvpool.pool.evictions - evictions
         self.retire()
-        evicted = e.kvpool.pool.evictions - evictions
-        if evicted:
-            e.notice("evict", f"{evicted} cached block(s) ({evicted * e.config.block_size} tokens of earlier "
-                              "prefixes) evicted to make room")
         if decoding or any(job.phase == DECODE for job in self.running):  # a token came this step
             e.governor.tick(self.live())
             # after a first token, not before it: a compile shares the GIL with the prefill
             # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
             e.host.prepare_decode(between_tokens=True)
 
+    def _end_cancelled_waiting(self) -> None:
+        for job in [job for job in self.waiting if job.handle.cancelled]:
+            self.waiting.remove(job)
+            if job.last is None:
+                job.end(Finished("", list(job.generated), "cancelled", Stats(kv_precision=self.engine.precision.value)))
+            self._put_last(job)
+
     def _admit(self) -> None:
+        pool = self.engine.kvpool.pool
         while self.waiting and len(self.running) < self.engine.config.max_running:
-            job = self.waiting.popleft()
+            job = self.waiting[0]
+            if job.wait_free is not None and self.running and pool.num_free <= job.wait_free:
+                return  # it gave its blocks back to wait: until some more are free, it would only fail again
+            self.waiting.popleft()
+            job.wait_free = None
             self.running.append(job)  # first: a notice its prompt gives (a trim) reaches it
             if job.phase == NEW:
                 self._admitted += 1
@@ -107,13 +119,21 @@ class Scheduler:
             return
         try:
             logits = e.kvpool.runner.decode([job.seq for job in jobs])
-        except Exception as error:  # the step failed for all of them
-            for job in jobs:
-                job.end(_error(error))
+        except Exception as error:
+            if len(jobs) == 1:
+                return jobs[0].end(_error(error))
+            for job in jobs:  # one row's failure (a window the op refuses) must not end the others
+                self._guard(job, self._decode_alone, job)
             return
         for job, row in zip(jobs, logits):
             e.kvpool.manager.commit(job.seq)  # a block it filled is findable by the next request
             self._guard(job, job.take, row)
+
+    def _decode_alone(self, job: Job) -> None:
+        e = self.engine
+        logits = e.kvpool.runner.decode([job.seq])
+        e.kvpool.manager.commit(job.seq)
+        job.take(logits[0])
 
     def reserve(self, job: Job, tokens: int) -> bool:
         """Blocks for ``job`` up to ``tokens``. When the pool is full (unreferenced cached blocks
@@ -145,6 +165,7 @@ class Scheduler:
         e.kvpool.manager.free(job.seq)
         self.preempted += 1
         job.requeue()
+        job.wait_free = e.kvpool.pool.num_free
         self.running.remove(job)
         self.waiting.appendleft(job)
         log.info("request %d waits for KV blocks (%d tokens to compute again)", job.order, len(job.seq) - 1)
@@ -152,21 +173,30 @@ class Scheduler:
     def retire(self) -> None:
         """Ended jobs leave: blocks released before the last event, so a caller that saw Finished
         or Error sees the pool as the engine leaves it."""
+        e = self.engine
         for job in [job for job in self.running if job.phase == DONE]:
             self.running.remove(job)
-            if job.seq is not None and job.seq.blocks:
-                self.release(job)
-            with self._lock:
-                self._handles.discard(job.handle)
-            job.handle.put(job.last)
+            try:
+                if job.seq is not None and job.seq.blocks:
+                    self.release(job)
+            except Exception as error:  # its last event still goes out
+                job.end(_error(error))
+            finally:
+                if job.evicted:
+                    e.notice("evict", f"{job.evicted} cached block(s) ({job.evicted * e.config.block_size} tokens of "
+                                      "earlier prefixes) evicted to make room")
+                self._put_last(job)
+
+    def _put_last(self, job: Job) -> None:
+        with self._lock:
+            self._handles.discard(job.handle)
+        job.handle.put(job.last)
 
     def end_all(self, reason: str) -> None:
         """The engine is stopping: a request that never started is refused with ``reason``; one
         that did ends as cancelled, if nothing ended it."""
+        self.refuse_waiting(reason)
         for job in (*self.running, *self.waiting):
-            if job.phase == NEW:
-                job.handle.refuse(reason)
-                continue
             if job.last is None:
                 job.end(Finished("", list(job.generated), "cancelled", Stats()))
             job.handle.put(job.last)
@@ -174,6 +204,14 @@ class Scheduler:
         self.waiting.clear()
         with self._lock:
             self._handles.clear()
+
+    def refuse_waiting(self, reason: str) -> None:
+        """Requests that never started are refused (a shutdown), not ended as cancelled replies."""
+        for job in [job for job in self.waiting if job.phase == NEW]:
+            self.waiting.remove(job)
+            with self._lock:
+                self._handles.discard(job.handle)
+            job.handle.refuse(reason)
 
     def release(self, job: Job) -> None:
         """After the reply (never before the first token): pin the persona, persist, free blocks."""

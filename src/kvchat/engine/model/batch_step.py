@@ -60,7 +60,8 @@ class BatchStep:
         bucket = bucket_for(n)
         self.wanted.add(bucket)
         kind = self.kind(kv, bucket)
-        if self.device.type == "cpu" and self.single.captured and kind in self.single.background.ready:
+        compiled = self.device.type == "cpu" and self.single.captured and kind in self.single.background.ready
+        if compiled and all(self.single.replayable(r[0], r[2]) for r in rows):  # else the op refuses or stores
             return self._compiled_step(kv, rows, bucket)[:n]
         ids, positions, metas = self._inputs(kv, rows, n)
         with running(BatchMeta(metas)):

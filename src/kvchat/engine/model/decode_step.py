@@ -101,7 +101,7 @@ class DecodeStep:
         reach its tensors by fills and its block table by the ids that changed: on CUDA a copy from
         the host's pageable memory waits for the GPU, and five a step did."""
         self._set(token, position, slot)
-        if self.captured and self._replayable(window, position):
+        if self.captured and self.replayable(window, position):
             if self.device.type == "cuda":
                 return self._replay(kv, window, token, position, slot, block_ids)
             logits = self._compiled_step(kv, window, block_ids, position)
@@ -159,7 +159,7 @@ class DecodeStep:
         torch._dynamo.maybe_mark_dynamic(table, 0)
         return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
-    def _replayable(self, window, position: int) -> bool:
+    def replayable(self, window, position: int) -> bool:
         """Past a sliding window the op must refuse, and a sink position is stored from Python."""
         if self.sliding_window is not None and position + 1 > self.sliding_window:
             return False
