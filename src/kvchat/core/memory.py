@@ -157,5 +157,3 @@ class MemorySnapshot:
     # the KV tiers under the pool: ram_used, ram_capacity, ram_hits, disk_used, disk_capacity,
     # disk_hits (bytes; hits in blocks restored); empty where there are none
     tiers: dict = field(default_factory=dict)
-    requests_running: int = 0  # decoding or prefilling now, together (the local engine)
-    requests_waiting: int = 0  # submitted, waiting for a place among them

@@ -13,9 +13,10 @@ NEW, PREFILL, DECODE, DONE = "new", "prefill", "decode", "done"
 
 
 class Job:
-    def __init__(self, engine, handle: RequestHandle, order: int):
+    def __init__(self, engine, handle: RequestHandle):
         self.engine = engine  # a weak proxy (the scheduler's)
-        self.handle, self.order = handle, order  # order: admission, for choosing whom to preempt
+        self.handle = handle
+        self.order = 0  # admission order, for choosing whom to preempt (set when admitted)
         self.phase = NEW
         self.seq: Sequence | None = None
         self.prompt_len = self.persona_len = self.target = self.limit = 0  # target: computed before a sample
@@ -35,7 +36,7 @@ class Job:
         during a model switch, ends here untokenized."""
         e = self.engine
         if self.handle.cancelled or e.switching():
-            return self.end(Finished("", [], "cancelled", Stats(kv_precision=e.precision.value)))
+            return self.finish("cancelled")
         prompt, self.persona_len, trimmed = e.prompts.prompt_ids(self.handle.request)
         self.seq = Sequence(list(prompt))
         self.prompt_len = self.target = len(prompt)

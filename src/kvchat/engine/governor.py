@@ -57,8 +57,7 @@ class MemoryGovernor:
             device=str(device), total=total, other_processes=other, weights=e.weights_bytes,
             activations_reserve=e.activations, free=max(0, free), precision=pool.precision.value,
             max_context={p.value: pool.tokens_for(p, room) for p in PRECISIONS},
-            on_cpu=device.type == "cpu", requests_running=len(e.scheduler.running),
-            requests_waiting=len(e.scheduler.waiting), **usage)
+            on_cpu=device.type == "cpu", **usage)
 
     def relieve_pressure(self, total: int, other: int, live: list[Sequence]) -> None:
         """Another process took memory: shrink the pool to give it back, stepping the precision down

@@ -34,7 +34,7 @@ class Scheduler:
     def add(self, handle) -> None:
         with self._lock:
             self._handles.add(handle)
-        self.waiting.append(Job(self.engine, handle, 0))
+        self.waiting.append(Job(self.engine, handle))
 
     def busy(self) -> bool:
         return bool(self.running or self.waiting)
@@ -65,7 +65,6 @@ class Scheduler:
 
     def _step(self) -> None:
         e = self.engine
-        evictions = e.kvpool.pool.evictions
         self._end_cancelled_waiting()
         self._admit()
         for job in self.running:
@@ -79,8 +78,6 @@ class Scheduler:
         prefilling = next((job for job in self.running if job.phase == PREFILL), None)
         if prefilling is not None:
             self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
-        for job in self.running:  # told once per request, when it ends (retire)
-            job.evicted += e.kvpool.pool.evictions - evictions
         self.retire()
         if decoding or any(job.phase == DECODE for job in self.running):  # a token came this step
             e.governor.tick(self.live())
@@ -92,7 +89,7 @@ class Scheduler:
         for job in [job for job in self.waiting if job.handle.cancelled]:
             self.waiting.remove(job)
             if job.last is None:
-                job.end(Finished("", list(job.generated), "cancelled", Stats(kv_precision=self.engine.precision.value)))
+                job.finish("cancelled")
             self._put_last(job)
 
     def _admit(self) -> None:
@@ -221,20 +218,22 @@ class Scheduler:
             persona_blocks = kvpool.personas.remember(job.seq, job.persona_len)
         except Exception:
             log.exception("could not remember the persona")
-        try:
-            kvpool.tiers.persist(job.seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes
-        except Exception:
-            log.exception("could not persist the conversation's blocks")
+        kvpool.tiers.persist(job.seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes
         kvpool.manager.free(job.seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def _guard(self, job: Job, fn, *args) -> bool:
-        """``fn(*args)`` for one job; a failure ends that job only. True when it ran through."""
+        """``fn(*args)`` for one job; a failure ends that job only. True when it ran through. The
+        cached blocks its allocations evicted are counted on it, told once when it ends."""
+        pool = self.engine.kvpool.pool
+        evictions = pool.evictions
         try:
             fn(*args)
             return True
         except Exception as error:
             job.end(_error(error))
             return False
+        finally:
+            job.evicted += pool.evictions - evictions
 
 
 def _error(error: Exception) -> Error:

@@ -6,7 +6,8 @@ attention runs per row (the op, a ``BatchMeta``) or, for an fp16 pool on the CPU
 as plain torch ops over a padded ``[rows, blocks]`` table (``kernels.traced``).
 
 On the CPU the compiled graphs have static row counts, ``BUCKETS``: a batch is padded up to its
-bucket with rows that write nowhere (slot -1, or a pool that takes nothing). Each bucket's graph is
+bucket, over a pool that takes nothing (the op) or by repeating its first row (traced attention:
+the same K/V to the same slot). Each bucket's graph is
 compiled on the step's compile thread the first time a batch of its size runs, in an idle moment
 (``prepare``); until then the batch runs eagerly, which already shares the weight reads. On CUDA
 the batch runs eagerly: capturing graphs per batch bucket is left for a GPU to measure.
@@ -22,7 +23,6 @@ from kvchat.engine.model.background_compile import graph_kind, run_on_stand_ins,
 from kvchat.engine.model.decode_step import DecodeStep, compiled
 
 BUCKETS = (2, 4, 8, MAX_RUNNING)
-MAX_BATCH = BUCKETS[-1]
 TABLE_STEP = 4  # a compiled batch's block table widens 4 blocks at a time: few shapes, little padding
 
 
@@ -55,8 +55,8 @@ class BatchStep:
         """fp32 logits ``[len(rows), vocab]``. ``rows``: per sequence ``(window, token, position,
         slot, block ids)``; each token's K/V go to its slot of ``kv``."""
         n = len(rows)
-        if n > MAX_BATCH:
-            raise ValueError(f"a batched step takes at most {MAX_BATCH} sequences, not {n}")
+        if n > MAX_RUNNING:
+            raise ValueError(f"a batched step takes at most {MAX_RUNNING} sequences, not {n}")
         bucket = bucket_for(n)
         self.wanted.add(bucket)
         kind = self.kind(kv, bucket)

@@ -27,9 +27,7 @@ class ModelRunner:
         decode step, which may run compiled or captured."""
         start = seq.num_computed
         dev = self.device
-        block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
-        if seq.window is None or not seq.window.current:  # a stale window's rows were taken by a newer one
-            seq.window = self.kv.window_for(seq.token_ids, start)
+        block_ids = self._ready(seq, start, end)
         if end == start + 1 and want_logits is True:
             logits = self.step(self.kv, seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids)
             self._computed(seq, start, end)
@@ -65,14 +63,19 @@ class ModelRunner:
             start = seq.num_computed
             if len(seq) != start + 1:
                 raise ValueError(f"a decode step computes one token, not {len(seq) - start}")
-            if seq.window is None or not seq.window.current:
-                seq.window = self.kv.window_for(seq.token_ids, start)
-            block_ids = [b.id for b in seq.blocks[:self.manager.blocks_needed(start + 1)]]
+            block_ids = self._ready(seq, start, start + 1)
             rows.append((seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids))
         logits = self.batch(self.kv, rows)
         for seq in seqs:
             self._computed(seq, seq.num_computed, seq.num_computed + 1)
         return logits
+
+    def _ready(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The block ids a step computing ``start .. end`` reads; the sequence's window made first
+        if it has none of its own (a stale window's rows were taken by a newer one)."""
+        if seq.window is None or not seq.window.current:
+            seq.window = self.kv.window_for(seq.token_ids, start)
+        return [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
 
     def _computed(self, seq: Sequence, start: int, end: int) -> None:
         seq.num_computed = end
