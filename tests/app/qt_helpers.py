@@ -100,11 +100,11 @@ class _Relay(QObject):
         super().__init__(bridge)
         self.bridge = bridge
 
-    @Slot()
-    def give(self) -> None:
+    @Slot(int, str, int)
+    def give(self, key: int, _text: str, _token_id: int) -> None:
         pace = getattr(self.bridge.engine, "pace", None)  # a fake backend's (tests/support)
         if pace is not None:
-            pace.ack(self.bridge.handle)
+            pace.ack(self.bridge.handles.get(key))
 
 
 def lockstep(bridge) -> None:

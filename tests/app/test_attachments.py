@@ -40,7 +40,7 @@ def test_a_long_paste_becomes_a_chip_in_the_composer_and_the_message(qtbot, app_
     paste(qtbot, win, "short text")  # a short paste stays text
     assert win.input.typed() == "Summarise this:short text" and len(win.input.chips()) == 1
     qtbot.mouseClick(win.send_button, Qt.LeftButton)
-    qtbot.waitUntil(lambda: win.send_button.isEnabled() and bridge.handle is None, timeout=30000)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and not bridge.busy, timeout=30000)
     assert not win.input.chips() and win.input.typed() == ""
     sent = [m for m in store.messages(win.conversation_id) if m.role == "user"][0].content
     assert sent.startswith("Summarise this:short text") and doc in sent  # the model reads the page
@@ -61,7 +61,7 @@ def test_an_edited_message_brings_its_attachment_back_as_a_chip(qtbot, app_parts
     doc = document()
     paste(qtbot, win, doc)
     qtbot.mouseClick(win.send_button, Qt.LeftButton)  # a document alone, no typed text
-    qtbot.waitUntil(lambda: win.send_button.isEnabled() and bridge.handle is None, timeout=30000)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and not bridge.busy, timeout=30000)
     [message] = [m for m in store.messages(win.conversation_id) if m.role == "user"]
     win.replies.begin_edit(message.position)
     assert win.input.typed() == "" and [name for name, _ in win.input.attachments] == ["Quarterly report on the cache"]

@@ -79,7 +79,7 @@ def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_pa
     grown = len(model.rows[-1]["content"])
     pace.give(40)  # the reply grows by forty words
     qtbot.waitUntil(lambda: len(model.rows[-1]["content"]) > grown + 120, timeout=60000)
-    qtbot.waitUntil(lambda: model.rows[-1]["content"] == win.replies.text and len(win.replies.ids) == 41, timeout=5000)
+    qtbot.waitUntil(lambda: model.rows[-1]["content"] == win.replies.shown.text and len(win.replies.shown.ids) == 41, timeout=5000)
     QApplication.processEvents()  # the view's reaction to its last row's new height
     assert abs(view.property("contentY") - held) < 1 and not view.property("atYEnd")  # not pulled down
     qml_click(qtbot, win, jump)

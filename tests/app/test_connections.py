@@ -93,7 +93,7 @@ def test_a_connection_added_in_the_app_chats_stops_regenerates_and_edits(qtbot, 
 
     # a reply streams from the server, with its stats; no token id is kept for it
     tokens = []
-    bridge.token.connect(lambda text, tid: tokens.append((text, tid)))
+    bridge.token.connect(lambda key, text, tid: tokens.append((text, tid)))
     send(qtbot, win, "What is the capital of France?")
     user, reply = store.messages(win.conversation_id)
     assert not reply.interrupted and reply.content == "".join(t for t, _ in tokens) and "Paris" in reply.content
@@ -106,7 +106,7 @@ def test_a_connection_added_in_the_app_chats_stops_regenerates_and_edits(qtbot, 
     regenerate = qml_items(win, "regenerate")[0]
     hover(qtbot, win, regenerate)
     qml_click(qtbot, win, regenerate)
-    qtbot.waitUntil(lambda: win.send_button.isEnabled() and win.replies.reply_id is None, timeout=60000)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and not win.replies.live, timeout=60000)
     again = store.messages(win.conversation_id)
     assert len(again) == 2 and again[1].content == reply.content
     assert again[1].stats["cached_tokens"] >= reply.stats["prompt_tokens"] - 16  # all but the last block

@@ -2,17 +2,19 @@
 everywhere else, each walked once end to end (a reply streamed into the view and saved in SQLite,
 a stop, a settings change reaching the engine; a model switch is test_model_library's hub load, the
 persona cache test_badge's)."""
+from PySide6.QtCore import Qt
+
 from kvchat.app.store import Store
 from kvchat.app.views.main_window import MainWindow
 from kvchat.core.config import SamplingParams
 
-from qt_helpers import last_stats, send, shown
+from qt_helpers import click_chat, hover, last_stats, qml_click, qml_items, send, shown
 
 
 def test_send_streams_the_reply_and_saves_it(qtbot, engine_parts):
     win, store, bridge, _ = engine_parts
     tokens = []
-    bridge.token.connect(lambda text, tid: tokens.append(text))
+    bridge.token.connect(lambda key, text, tid: tokens.append(text))
     send(qtbot, win, "What is the capital of France?")
     user, reply = store.messages(win.conversation_id)
     assert user.content == "What is the capital of France?" and not reply.interrupted
@@ -30,6 +32,54 @@ def test_stop_keeps_the_partial_reply_marked_interrupted(qtbot, engine_parts):
     send(qtbot, win, "Write a very long story.")
     reply = store.messages(win.conversation_id)[-1]
     assert reply.interrupted and 0 < len(reply.token_ids) < 400
+
+
+def test_two_chats_answer_at_once_and_stop_and_regenerate_act_on_their_own_chat(qtbot, engine_parts):
+    """A message in a second chat starts while the first chat's reply streams (the engine batches
+    them); Stop and Regenerate in the second leave the first streaming to its own end."""
+    win, store, bridge, _ = engine_parts
+    # sampled: a greedy story from the starter repeats itself, and the loop guard would end it early
+    win.sampling = SamplingParams(max_new_tokens=400, temperature=1.0, seed=7, ignore_eos=True)
+    keys = []
+    bridge.token.connect(lambda key, text, tid: keys.append(key))
+    win.input.setPlainText("Write a very long story.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: bool(keys), timeout=60000)
+    first, first_key = win.conversation_id, keys[0]
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)
+    assert win.send_button.isVisible() and not win.stop_button.isVisible()  # this chat has no reply running
+    assert win.running_button.isVisible() and win.running_button.text() == "1 reply running"
+    win.input.setPlainText("Tell me about the sea.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    second = win.conversation_id
+    qtbot.waitUntil(lambda: len(set(keys)) == 2, timeout=60000)
+    second_key = keys[-1]
+    qtbot.waitUntil(lambda: keys.count(second_key) >= 3 and keys[-1] == first_key, timeout=60000)  # both stream
+    assert second != first and win.running_button.text() == "2 replies running"
+
+    qtbot.mouseClick(win.running_button, Qt.LeftButton)  # the next chat with a reply running: the first
+    assert win.conversation_id == first and win.stop_button.isVisible()
+    assert win.conversation_list.currentItem().text() == "Write a very long story."
+    click_chat(qtbot, win, "Tell me about the sea.")
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)  # stops this chat's reply only
+    qtbot.waitUntil(lambda: win.replies.of(second) is None, timeout=30000)
+    assert win.replies.of(first) is not None and win.running_button.text() == "1 reply running"
+    stopped = store.messages(second)[-1]
+    assert stopped.interrupted and win.send_button.isVisible()
+
+    regenerate = qml_items(win, "regenerate")[0]  # in this chat, while the first still streams
+    hover(qtbot, win, regenerate)
+    qml_click(qtbot, win, regenerate)
+    assert win.replies.of(second) is not None and win.replies.of(first) is not None
+    qtbot.waitUntil(lambda: keys[-1] not in (first_key, second_key) and keys.count(keys[-1]) >= 2, timeout=60000)
+    qtbot.keyClick(win.input, Qt.Key_Escape)
+    qtbot.waitUntil(lambda: win.replies.of(second) is None, timeout=30000)
+    assert store.messages(second)[-1].id == stopped.id and store.messages(second)[-1].versions == 2
+
+    qtbot.waitUntil(lambda: not bridge.busy, timeout=120000)  # the first runs to its own end
+    reply = store.messages(first)[-1]
+    assert not reply.interrupted and len(reply.token_ids) == 400  # max_new_tokens: nothing cut it short
+    assert not win.running_button.isVisible()
 
 
 def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, engine_parts):

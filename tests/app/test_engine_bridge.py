@@ -38,24 +38,25 @@ def test_the_first_load_arrives_as_a_signal_however_fast_it_failed(qtbot):
 
 def test_busy_ends_when_finished_is_delivered_not_before(qtbot, bridge):
     ends = []
-    bridge.finished.connect(lambda done: ends.append(bridge.busy))
+    bridge.finished.connect(lambda key, done: ends.append(bridge.busy))
     bridge.engine.pace.free()  # the reply runs to its end with no event delivered
-    bridge.send(HELLO, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    key = bridge.send(HELLO, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     assert bridge.busy
-    bridge.handle.future.result(30)  # the engine has finished; without delivery nothing changes
+    bridge.handles[key].future.result(30)  # the engine has finished; without delivery nothing changes
     assert bridge.busy and not ends
     with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
         pass
-    assert ends == [False] and done.args[0]["finish_reason"] == "length" and not bridge.busy
+    assert ends == [False] and done.args == [key, done.args[1]] and done.args[1]["finish_reason"] == "length"
+    assert not bridge.busy
 
 
 def test_stop_gives_a_cancelled_finish_with_the_partial_reply(qtbot, bridge):
     tokens = []
-    bridge.token.connect(lambda text, tid: (tokens.append(text), len(tokens) == 3 and bridge.stop()))
+    bridge.token.connect(lambda key, text, tid: (tokens.append(text), len(tokens) == 3 and bridge.stop(key)))
     bridge.send(HELLO, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
     with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
         pass
-    reply = done.args[0]
+    reply = done.args[1]
     assert reply["finish_reason"] == "cancelled" and 3 <= len(reply["token_ids"]) < 400
     assert reply["text"].startswith("".join(tokens[:3])) and not bridge.busy
 
@@ -84,11 +85,11 @@ def test_a_failed_switch_says_why_and_keeps_the_previous_settings(qtbot, bridge)
 
 
 def test_a_switch_during_a_reply_ends_it_cancelled(qtbot, bridge):
-    bridge.token.connect(lambda text, tid: bridge.loading or bridge.switch_model({"model": "starter",
+    bridge.token.connect(lambda key, text, tid: bridge.loading or bridge.switch_model({"model": "starter",
                                                                                 "max_context": 256}))
     with qtbot.waitSignal(bridge.finished, timeout=60000) as done:
         bridge.send(HELLO, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
-    assert done.args[0]["finish_reason"] == "cancelled"
+    assert done.args[1]["finish_reason"] == "cancelled"
     qtbot.waitUntil(lambda: not bridge.loading, timeout=120000)
     assert bridge.settings["max_context"] == 256
 
@@ -146,3 +147,19 @@ def test_a_reconfigure_answered_after_a_switch_leaves_the_new_backends_settings(
     first.answer.set_result({"model": "first", "max_context": 1024, "kv_precision": "int8", "precision": "int8"})
     QCoreApplication.processEvents()  # the answer's queued delivery
     assert (b.settings["model"], b.settings["max_context"], b.precision) == ("second", 512, "fp16")
+
+
+def test_two_replies_each_keep_their_key_and_stop_ends_only_its_own(qtbot, bridge):
+    """The fake serves one request after the other; the second one, stopped before its first token,
+    ends at once, and the first streams on to its own end under its own key."""
+    tokens, ends = [], []
+    bridge.token.connect(lambda key, text, tid: tokens.append(key))
+    bridge.finished.connect(lambda key, done: ends.append((key, done["finish_reason"])))
+    first = bridge.send(HELLO, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    second = bridge.send(HELLO, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+    assert first != second and set(bridge.handles) == {first, second}
+    bridge.stop(second)
+    assert ends == [(second, "cancelled")] and set(bridge.handles) == {first}
+    qtbot.waitUntil(lambda: len(ends) == 2, timeout=60000)
+    settled(bridge)
+    assert ends[1] == (first, "length") and tokens == [first] * 5 and not bridge.busy

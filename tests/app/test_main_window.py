@@ -25,14 +25,14 @@ def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, mon
     monkeypatch.setattr(replies, "SAVE_EVERY_S", 3600.0)  # the last periodic save: the empty start
     win.sampling = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
     shown_tokens = []
-    bridge.token.connect(lambda text, tid: shown_tokens.append(text))
+    bridge.token.connect(lambda key, text, tid: shown_tokens.append(text))
     bridge.engine.pace.hold()
     bridge.engine.pace.give(5)  # five tokens, then the reply waits as a slow model would
     win.input.setPlainText("Write a very long story.")
     qtbot.keyClick(win.input, Qt.Key_Return)
     qtbot.waitUntil(lambda: len(shown_tokens) == 5, timeout=10000)
-    qtbot.waitUntil(lambda: win.replies.text in win.chat_view.toPlainText(), timeout=5000)
-    seen = win.replies.text  # no event is delivered from here on, as once the loop has stopped at quit
+    qtbot.waitUntil(lambda: win.replies.shown.text in win.chat_view.toPlainText(), timeout=5000)
+    seen = win.replies.shown.text  # no event is delivered from here on, as once the loop has stopped at quit
     win.close()
     win.replies.save_so_far()  # what main.run does once app.exec() returns
     reply = store.messages(win.conversation_id)[-1]
@@ -42,7 +42,7 @@ def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, mon
 def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot, app_parts):
     """The first reply after a start waits while the decode step compiles (90 s cold here): the
     chat says so under the reply, and Stop does not wait for the compile to end."""
-    from kvchat.app.controllers.replies import WARMING_NOTE
+    from kvchat.app.controllers.wait_notes import WARMING_NOTE
 
     win, store, bridge, _ = app_parts
     compiled = bridge.engine.warm_up()  # the compile ends when the test says so, after the Stop

@@ -8,7 +8,7 @@ from qt_helpers import click_chat, shown
 def send(qtbot, win, bridge, text):
     qtbot.keyClicks(win.input, text)
     qtbot.mouseClick(win.send_button, Qt.LeftButton)
-    qtbot.waitUntil(lambda: win.send_button.isEnabled() and bridge.handle is None, timeout=30000)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and not bridge.busy, timeout=30000)
 
 
 def test_the_panel_shows_the_chats_tokens_and_the_prefix_caches_savings(qtbot, app_parts):

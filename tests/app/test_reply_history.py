@@ -88,7 +88,7 @@ def test_regenerate_keeps_versions_and_switching_them_computes_nothing(qtbot, ap
     regenerate = qml_items(win, "regenerate")[0]
     hover(qtbot, win, regenerate)
     qml_click(qtbot, win, regenerate)
-    qtbot.waitUntil(lambda: len(win.replies.ids) == 3, timeout=10000)
+    qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 3, timeout=10000)
     qtbot.mouseClick(win.stop_button, Qt.LeftButton)
     bridge.engine.pace.free()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
@@ -130,7 +130,7 @@ def test_quit_during_the_warm_up_keeps_no_empty_reply(qtbot, app_parts):
     compiled = bridge.engine.warm_up()  # the reply waits for a compile that does not end before quit
     win.input.setPlainText("Hello")
     qtbot.keyClick(win.input, Qt.Key_Return)
-    assert bridge.busy and win.replies.reply_id is not None
+    assert bridge.busy and win.replies.shown is not None
     win.close()
     win.replies.save_so_far()  # what main.run does once app.exec() returns
     assert [m.role for m in store.messages(win.conversation_id)] == ["user"]
@@ -156,7 +156,7 @@ def test_enter_right_after_stop_sends_once_the_reply_has_stopped(qtbot, app_part
     bridge.engine.pace.give(2)
     win.input.setPlainText("Write a very long story.")
     qtbot.keyClick(win.input, Qt.Key_Return)
-    qtbot.waitUntil(lambda: len(win.replies.ids) == 2, timeout=10000)
+    qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 2, timeout=10000)
     qtbot.mouseClick(win.stop_button, Qt.LeftButton)
     assert bridge.busy  # the engine's cancelled end has not arrived yet
     win.input.setPlainText("Name a color.")
@@ -195,7 +195,7 @@ def test_a_weights_change_during_a_reply_asks_before_stopping_it(qtbot, app_part
     bridge.engine.pace.give(2)
     win.input.setPlainText("Write a very long story.")
     qtbot.keyClick(win.input, Qt.Key_Return)
-    qtbot.waitUntil(lambda: len(win.replies.ids) == 2, timeout=10000)
+    qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 2, timeout=10000)
 
     def int4_weights(dialog):
         dialog.weights.setCurrentText("int4")
@@ -207,7 +207,7 @@ def test_a_weights_change_during_a_reply_asks_before_stopping_it(qtbot, app_part
     # no switch asked of the engine (it sets loading at once); the reply streams on
     assert bridge.busy and not bridge.loading and "reply goes on" in win.notice_label.text()
     bridge.engine.pace.give(2)
-    qtbot.waitUntil(lambda: len(win.replies.ids) == 4, timeout=10000)  # it went on
+    qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 4, timeout=10000)  # it went on
     with answering(QMessageBox, press(QMessageBox.Yes)) as asked, answering(SettingsDialog, int4_weights):
         qtbot.mouseClick(win.settings_button, Qt.LeftButton)
     assert asked

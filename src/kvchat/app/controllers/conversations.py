@@ -5,7 +5,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QStandardPaths, Qt
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
-STREAMING_NOTICE = "a reply is streaming into this chat: stop it (Escape) before deleting the chat"
+STREAMING_NOTICE = "a reply is being written in this chat: stop it (Escape) before deleting the chat"
 NOT_IN_FILE_NAMES = '/\\:*?"<>|'
 
 
@@ -51,6 +51,7 @@ class ConversationController(QObject):
         win = self.win
         win.replies.stop_editing()
         win.conversation_id = conversation_id
+        win.conversation_list.select(conversation_id)  # opened from elsewhere than the list: the list follows
         win.personas.show(self.store.conversation(conversation_id)["persona_id"])
         win.render_chat()
 
@@ -75,7 +76,7 @@ class ConversationController(QObject):
         win, doomed = self.win, self.win.conversation_id
         if doomed is None:
             return
-        if doomed == win.replies.conversation:
+        if win.replies.of(doomed) is not None:
             win.notify(STREAMING_NOTICE)
             return
         title = self.store.conversation(doomed)["title"]

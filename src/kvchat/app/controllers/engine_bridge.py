@@ -4,7 +4,10 @@ connection to a server (core/backend.py); the window never asks which one it has
 Every engine event, and the end of every command, reaches the GUI thread as one queued signal;
 there, and only there, the bridge updates its state (busy, loading, the settings in force) and
 emits the public signals. The GUI never waits on the engine and never reads its attributes: it
-reads the bridge's state, which is what the last delivered event said."""
+reads the bridge's state, which is what the last delivered event said.
+
+Several replies may run at once (the engine batches them): ``send`` gives each a key, and every
+signal about a reply carries its key first."""
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -30,7 +33,7 @@ def settings_config(settings: dict) -> EngineConfig:
 
 @dataclass
 class _RequestEvent:
-    request_id: int  # which send() it belongs to: only the latest one's end clears busy
+    key: int  # which send() it belongs to
     event: object
 
 
@@ -49,10 +52,12 @@ class _BackendEvent:
 class EngineBridge(QObject):
     ready = Signal()
     load_failed = Signal(str)
-    token = Signal(str, int)  # text, token id
-    prefill = Signal(int, int)  # prompt tokens computed (the cached ones included), of all
-    finished = Signal(dict)  # text, token_ids, finish_reason, stats
-    failed = Signal(str)
+    token = Signal(int, str, int)  # reply key, text, token id
+    prefill = Signal(int, int, int)  # reply key, prompt tokens computed (the cached ones included), of all
+    finished = Signal(int, dict)  # reply key, {text, token_ids, finish_reason, stats}
+    reply_failed = Signal(int, str)  # reply key, why
+    running = Signal(int)  # how many replies are being written, each time it changes
+    failed = Signal(str)  # a command refused: a send while a model loads, a reconfigure
     notice = Signal(str, str)  # kind, message
     snapshot = Signal(dict)
     reconfigured = Signal(dict)
@@ -69,9 +74,9 @@ class EngineBridge(QObject):
         self.engine = engine  # the backend in use; the GUI calls its methods, never reads it
         self.make_engine = make_engine
         self._generation = 0
-        self.handle: RequestHandle | None = None
-        self._request_id = 0
-        self._streamed = False  # the current request's first token has arrived
+        self.handles: dict[int, RequestHandle] = {}  # the replies being written, by key
+        self._keys = 0
+        self._streamed: set[int] = set()  # the replies whose first token has arrived
         self.switching = True  # until the first load has ended
         self.settings: dict = {}  # the engine's config as last reported (model, max_context, kv_precision...)
         self.precision: str | None = None  # the KV precision in force
@@ -110,7 +115,7 @@ class EngineBridge(QObject):
 
     @property
     def busy(self) -> bool:
-        return self.handle is not None
+        return bool(self.handles)
 
     # -- commands, from the GUI thread --
 
@@ -149,8 +154,8 @@ class EngineBridge(QObject):
         """Replace the backend: a reply streaming on the old one is stopped (its cancelled end still
         arrives and is saved), and the old one is closed off the GUI thread, freeing its memory."""
         old, self.engine = self.engine, backend
-        if self.handle is not None:
-            old.cancel(self.handle)
+        for handle in self.handles.values():
+            old.cancel(handle)
         self._generation += 1
         self.switching, self.load_error, self.settings = True, None, {}
         self.precision = self.model_config = None
@@ -178,27 +183,38 @@ class EngineBridge(QObject):
         if forget is not None and self.server is None:
             forget(messages)
 
-    def send(self, messages: list[dict], sampling: SamplingParams) -> None:
+    def send(self, messages: list[dict], sampling: SamplingParams) -> int | None:
+        """A new reply; its key, or None (and ``failed``) while a model loads."""
         if self.switching:
             self.failed.emit("another model is loading; send again once it is ready")
-            return
-        self._request_id += 1
-        rid = self._request_id
-        self._streamed = False
-        self.handle = self.engine.submit(Request(messages=messages, sampling=sampling),
-                                         listener=lambda event: self._post(_RequestEvent(rid, event)))
+            return None
+        self._keys += 1
+        key = self._keys
+        self.handles[key] = self.engine.submit(Request(messages=messages, sampling=sampling),
+                                               listener=lambda event: self._post(_RequestEvent(key, event)))
+        self.running.emit(len(self.handles))
+        return key
 
-    def stop(self) -> None:
-        if self.handle is None:
+    def stop(self, key: int) -> None:
+        handle = self.handles.get(key)
+        if handle is None:
             return
-        self.engine.cancel(self.handle)
-        if not self._streamed:
-            # Nothing streamed yet: the engine may be compiling its decode step for a minute, and
-            # would only see the cancel after. The reply ends now; the request's late events are
-            # dropped (another request id), and the engine skips it once it gets to it.
-            self._request_id += 1
-            self.handle = None
-            self.finished.emit({"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
+        self.engine.cancel(handle)
+        if key not in self._streamed:
+            # Nothing streamed yet: the request may wait behind others, or for a CUDA capture, and
+            # its end would come only after. It ends now; its late events are dropped (the key is
+            # gone), and the engine skips it once it gets to it.
+            self._end(key)
+            self.finished.emit(key, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
+
+    def stop_all(self) -> None:
+        for key in list(self.handles):
+            self.stop(key)
+
+    def _end(self, key: int) -> None:
+        del self.handles[key]
+        self._streamed.discard(key)
+        self.running.emit(len(self.handles))
 
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)
@@ -213,7 +229,7 @@ class EngineBridge(QObject):
             if item.generation == self._generation:
                 self._on_backend_event(item.event)
         elif isinstance(item, _RequestEvent):
-            self._on_request_event(item.request_id, item.event)
+            self._on_request_event(item.key, item.event)
         elif isinstance(item, _Reconfigured):
             if item.generation == self._generation:
                 self._on_reconfigured(item.future)
@@ -243,21 +259,21 @@ class EngineBridge(QObject):
         elif isinstance(item, Notice):
             self.notice.emit(item.kind, item.message)
 
-    def _on_request_event(self, request_id: int, event) -> None:
-        if request_id != self._request_id:  # a reply ended early by stop(): its tokens must not join the next
+    def _on_request_event(self, key: int, event) -> None:
+        if key not in self.handles:  # a reply ended early by stop(): its late events have no one to reach
             return
         if isinstance(event, TokenDelta):
-            self._streamed = True
-            self.token.emit(event.text, event.token_id)
+            self._streamed.add(key)
+            self.token.emit(key, event.text, event.token_id)
         elif isinstance(event, PrefillProgress):
-            self.prefill.emit(event.done, event.total)
+            self.prefill.emit(key, event.done, event.total)
         elif isinstance(event, (Finished, Error)):
-            self.handle = None
+            self._end(key)
             if isinstance(event, Finished):
-                self.finished.emit({"text": event.text, "token_ids": event.token_ids,
-                                    "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
+                self.finished.emit(key, {"text": event.text, "token_ids": event.token_ids,
+                                         "finish_reason": event.finish_reason, "stats": asdict(event.stats)})
             else:
-                self.failed.emit(event.message)
+                self.reply_failed.emit(key, event.message)
         # a request's Notice events are also engine-wide ones, which the listener already delivers
 
     def _on_reconfigured(self, future: Future) -> None:

@@ -28,7 +28,7 @@ class MemoryTally(QObject):
         saved = self.store.setting(SAVED_KEY) or {}
         return saved.get("tokens", 0) if saved.get("day") == today() else 0
 
-    def on_finished(self, result: dict) -> None:
+    def on_finished(self, _key: int, result: dict) -> None:
         stats = result.get("stats") or {}
         if stats.get("cached_tokens") and stats.get("cached_reported", True):
             self.store.set_setting(SAVED_KEY, {"day": today(), "tokens": self.saved_today() + stats["cached_tokens"]})

@@ -131,13 +131,16 @@ class ModelController(QObject):
 
     def reply_may_stop(self, change: str) -> bool:
         """A model change stops the reply being written: asked first, never cut unasked."""
-        if not self.bridge.busy:
+        count = len(self.win.replies.live)
+        if not count:
             return True
-        if QMessageBox.question(self.win, "Stop the reply?", f"A reply is being written. {change} stops it "
-                                "where it is (what it wrote so far is kept).", QMessageBox.Yes | QMessageBox.Cancel,
+        what, them, where = ("A reply is", "it", "it is") if count == 1 else (f"{count} replies are", "them", "they are")
+        if QMessageBox.question(self.win, "Stop the reply?" if count == 1 else "Stop the replies?",
+                                f"{what} being written. {change} stops {them} where {where} "
+                                "(what was written so far is kept).", QMessageBox.Yes | QMessageBox.Cancel,
                                 QMessageBox.Cancel) == QMessageBox.Yes:
             return True
-        self.win.notify("model not changed: the reply goes on")
+        self.win.notify("model not changed: the reply goes on" if count == 1 else "model not changed: the replies go on")
         return False
 
     def load_model(self, settings: dict, previous: dict | None) -> None:
@@ -147,8 +150,7 @@ class ModelController(QObject):
         if why:
             self.win.show_error(f"The model could not be loaded: {why}. The current model stays.")
             return
-        if self.bridge.busy:
-            self.win.replies.stop()
+        self.win.replies.stop_all()
         self.previous, self.pending = previous, settings
         self.set_loading(True)
         self.win.notify(f"loading {settings.get('model', 'starter')}...")

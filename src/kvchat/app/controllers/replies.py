@@ -1,7 +1,10 @@
-"""A reply's life in the window: send (or resend an edit, or regenerate), the tokens as they stream,
-the end (finished, stopped, failed), and the message that waits for the model to load. The reply is
-saved as it streams, marked interrupted until it ends."""
+"""The replies in the window: send (or resend an edit, or regenerate), the tokens as they stream,
+the end (finished, stopped, failed), and the message that waits for the model to load. Each chat may
+have one reply being written, and several chats may at once (the engine batches them): Send, Stop,
+Regenerate and Edit act on the chat in view only. A reply is saved as it streams, marked interrupted
+until it ends."""
 import time
+from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QTimer
 
@@ -12,10 +15,36 @@ SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted 
 RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
 WAITING_NOTE = "The model is loading: this message will be answered when it is ready."
 EDITING_NOTICE = "editing: Resend replaces the message and the replies after it; Escape cancels"
-WARMING_NOTE = "Preparing fast decoding for this model (up to a minute the first time): the reply starts after it."
 SEND_AFTER_STOP = "stopping the reply: your message is sent as soon as it has stopped"
-BUSY_NOTICE = "a reply is being written: stop it first (Stop or Escape), then send"
+BUSY_NOTICE = "a reply is being written in this chat: stop it first (Stop or Escape), then send"
 WAITING_ALREADY = "a message already waits for the model to load: it is answered first"
+
+
+@dataclass
+class Reply:
+    """One reply being written: where it goes and what it has so far."""
+    reply_id: int  # its message in the store
+    conversation: int
+    new_version: bool  # it streams as a new version of an existing reply (regenerate)
+    key: int | None = None  # the bridge's
+    text: str = ""
+    ids: list = field(default_factory=list)
+    last_save: float = field(default_factory=time.monotonic)
+    loop_guard: LoopGuard = field(default_factory=LoopGuard)
+    loop_stopped: bool = False
+    stopping: bool = False  # the user stopped it; its end has not arrived yet
+    send_after_stop: bool = False  # the user sent in its chat while it was stopping: sent once it has
+
+    def add(self, text: str, token_id: int) -> bool:
+        """A streamed token; True the first time the reply is caught repeating itself."""
+        self.text += text
+        if token_id < 0:
+            return False
+        self.ids.append(token_id)
+        if self.loop_guard.add(token_id) and not self.loop_stopped:
+            self.loop_stopped = True
+            return True
+        return False
 
 
 class ReplyController(QObject):
@@ -24,18 +53,20 @@ class ReplyController(QObject):
     def __init__(self, win):
         super().__init__(win)
         self.win, self.store, self.bridge = win, win.store, win.bridge
-        self.reply_id: int | None = None
-        self.conversation: int | None = None  # the chat a reply streams into; the view may show another
-        self.text, self.ids, self.last_save = "", [], 0.0
-        self.loop_guard, self.loop_stopped = LoopGuard(), False
+        self.live: dict[int, Reply] = {}  # the replies being written, by the bridge's key
         self.waiting: int | None = None  # a chat whose last message waits for the model to load
-        self.warming = False  # the engine captures its decode step (CUDA's warm-up notices): a reply waits for it
         self.editing: int | None = None  # the position of the user message being edited in the box
-        self.stopping = False  # the user stopped the reply; its end has not arrived yet
-        self.send_after_stop = False  # the user sent while it was stopping: sent once it has
-        self.new_version = False  # the reply streams as a new version of an existing one (regenerate)
         self.render_timer = QTimer(win, singleShot=True, interval=RENDER_EVERY_MS)
         self.render_timer.timeout.connect(self.show_stream)
+
+    def of(self, conversation_id: int | None) -> Reply | None:
+        """The reply being written in that chat, if one is."""
+        return next((r for r in self.live.values() if r.conversation == conversation_id), None)
+
+    @property
+    def shown(self) -> Reply | None:
+        """The reply being written in the chat in view."""
+        return self.of(self.win.conversation_id) if self.win.conversation_id is not None else None
 
     def persona_of(self, conversation_id: int) -> dict | None:
         return self.win.personas.persona(self.store.conversation(conversation_id)["persona_id"])
@@ -56,9 +87,10 @@ class ReplyController(QObject):
         text = win.input.toPlainText().strip()
         if not text:
             return
-        if self.bridge.busy:  # never a silent no: say why, and after a Stop send it once the reply has ended
-            self.send_after_stop = self.stopping
-            win.notify(SEND_AFTER_STOP if self.stopping else BUSY_NOTICE)
+        reply = self.shown
+        if reply is not None:  # never a silent no: say why, and after a Stop send it once the reply has ended
+            reply.send_after_stop = reply.stopping
+            win.notify(SEND_AFTER_STOP if reply.stopping else BUSY_NOTICE)
             return
         if self.waiting is not None:
             win.notify(WAITING_ALREADY)
@@ -85,7 +117,7 @@ class ReplyController(QObject):
 
     def regenerate(self) -> None:
         cid = self.win.conversation_id
-        if cid is None or self.bridge.busy or self.bridge.loading:
+        if cid is None or self.shown is not None or self.bridge.loading:
             return
         messages = self.store.messages(cid)
         if messages and messages[-1].role == "assistant":  # the reply before stays, as a version
@@ -97,21 +129,30 @@ class ReplyController(QObject):
         """Another version of the reply at ``position``: read from the store, nothing computed."""
         cid = self.win.conversation_id
         message = next((m for m in self.store.messages(cid) if m.position == position), None) if cid else None
-        if message is None or message.id == self.reply_id or not 0 <= idx < message.versions:
+        streaming = message is not None and any(r.reply_id == message.id for r in self.live.values())
+        if message is None or streaming or not 0 <= idx < message.versions:
             return
         self.store.show_version(message.id, idx)
         self.win.render_chat()
 
     def stop(self) -> None:
-        if self.bridge.busy:
-            self.stopping = True
-            self.bridge.stop()
+        """Stop stops the reply of the chat in view, and only it."""
+        reply = self.shown
+        if reply is not None:
+            reply.stopping = True
+            self.bridge.stop(reply.key)
+
+    def stop_all(self) -> None:
+        """A model change: every reply stops where it is."""
+        for reply in list(self.live.values()):
+            reply.stopping = True
+            self.bridge.stop(reply.key)
 
     def begin_edit(self, position: int) -> None:
         """Put a user message back in the input box; Send then replaces it and what followed."""
         win = self.win
         message = next((m for m in self.store.messages(win.conversation_id) if m.position == position), None)
-        if message is None or message.role != "user" or self.bridge.busy:
+        if message is None or message.role != "user" or self.shown is not None:
             return
         self.editing = position
         win.input.setPlainText(message.content)
@@ -127,7 +168,7 @@ class ReplyController(QObject):
 
     def edit_and_resend(self, position: int, text: str) -> None:
         """Replace the user message at ``position`` and everything after it."""
-        if self.bridge.busy or self.bridge.loading or not text.strip():
+        if self.shown is not None or self.bridge.loading or not text.strip():
             return
         self.store.truncate(self.win.conversation_id, position)
         self.store.add_message(self.win.conversation_id, "user", text.strip())
@@ -138,27 +179,36 @@ class ReplyController(QObject):
         win = self.win
         conversation_id = conversation_id or win.conversation_id
         messages = self.engine_messages(conversation_id, leave_out=version_of)
-        self.text, self.ids, self.last_save = "", [], time.monotonic()
-        self.loop_guard, self.loop_stopped = LoopGuard(), False
         persona = self.persona_of(conversation_id)  # the author: a later change of persona does not rename it
-        self.new_version = version_of is not None
         if version_of is not None:
             self.store.new_version(version_of, persona)
-            self.reply_id = version_of
+            reply = Reply(version_of, conversation_id, new_version=True)
         else:
-            self.reply_id = self.store.add_message(conversation_id, "assistant", "", interrupted=True, persona=persona)
-        self.conversation = conversation_id
-        self._streaming(True)
-        self.bridge.send(messages, win.sampling)
+            reply_id = self.store.add_message(conversation_id, "assistant", "", interrupted=True, persona=persona)
+            reply = Reply(reply_id, conversation_id, new_version=False)
+        reply.key = self.bridge.send(messages, win.sampling)
+        if reply.key is None:  # refused: the bridge's failed signal says why
+            self.save_or_drop(reply, "", [], None, interrupted=True)
+        else:
+            self.live[reply.key] = reply
         win.render_chat()
 
-    def _streaming(self, on: bool) -> None:
-        """Stop stands where Send was while a reply streams."""
-        send, stop = self.win.send_button, self.win.stop_button
-        send.setEnabled(not on)
-        send.setVisible(not on)
-        stop.setEnabled(on)
-        stop.setVisible(on)
+    def update_buttons(self) -> None:
+        """Stop stands where Send was while the chat in view has a reply being written; the top bar
+        counts the replies being written in every chat."""
+        win, on = self.win, self.shown is not None
+        win.send_button.setEnabled(not on)
+        win.send_button.setVisible(not on)
+        win.stop_button.setEnabled(on)
+        win.stop_button.setVisible(on)
+        win.running_button.show_titles([self.store.conversation(r.conversation)["title"] for r in self.live.values()])
+
+    def show_next(self) -> None:
+        """The running-replies button: the next chat with a reply being written, after the one in view."""
+        chats = sorted(r.conversation for r in self.live.values())
+        later = [c for c in chats if self.win.conversation_id is None or c > self.win.conversation_id]
+        if chats:
+            self.win.chats.open((later or chats)[0])
 
     def answer_waiting(self) -> None:
         """The message sent while the model loaded gets its reply now."""
@@ -166,80 +216,76 @@ class ReplyController(QObject):
             waiting, self.waiting = self.waiting, None
             self.start(waiting)
 
-    def on_token(self, text: str, token_id: int) -> None:
-        if not self.text and self.warming:
-            self.warming = False  # the first token: the decode step is ready, whatever the notices said
-            self.win.chat_view.model.set_note("")
-        self.text += text
-        if token_id >= 0:
-            self.ids.append(token_id)
-            if self.loop_guard.add(token_id) and not self.loop_stopped:
-                self.loop_stopped = True
-                self.bridge.stop()
-                self.win.notify(f"stopped the reply: it was repeating its last {self.loop_guard.window} tokens")
-        if time.monotonic() - self.last_save > SAVE_EVERY_S:
-            self.store.update_message(self.reply_id, self.text, self.ids, interrupted=True)
-            self.last_save = time.monotonic()
-        if self.win.conversation_id == self.conversation and not self.render_timer.isActive():
+    def on_token(self, key: int, text: str, token_id: int) -> None:
+        reply = self.live.get(key)
+        if reply is None:
+            return
+        if reply.add(text, token_id):
+            self.bridge.stop(key)
+            self.win.notify(f"stopped the reply: it was repeating its last {reply.loop_guard.window} tokens")
+        if time.monotonic() - reply.last_save > SAVE_EVERY_S:
+            self.store.update_message(reply.reply_id, reply.text, reply.ids, interrupted=True)
+            reply.last_save = time.monotonic()
+        if self.win.conversation_id == reply.conversation and not self.render_timer.isActive():
             self.render_timer.start()  # only while its chat is in view: another one is not redrawn under the reader
 
     def save_so_far(self) -> None:
-        """At quit: the streaming reply as the user last saw it, marked interrupted. The engine's
+        """At quit: each streaming reply as the user last saw it, marked interrupted. The engine's
         cancelled end would arrive through the event loop, which has stopped by then, and the last
         periodic save is up to ``SAVE_EVERY_S`` behind the screen."""
-        if self.reply_id is not None:
-            self.save_or_drop(self.text, self.ids, None, interrupted=True)
+        for reply in self.live.values():
+            self.save_or_drop(reply, reply.text, reply.ids, None, interrupted=True)
 
-    def save_or_drop(self, text: str, ids, stats, interrupted: bool) -> None:
+    def save_or_drop(self, reply: Reply, text: str, ids, stats, interrupted: bool) -> None:
         """A reply cut before its first word is not kept: no empty "interrupted" reply in the chat."""
         if interrupted and not text:
-            if self.new_version:
-                self.store.drop_version(self.reply_id)
+            if reply.new_version:
+                self.store.drop_version(reply.reply_id)
             else:
-                self.store.delete_message(self.reply_id)
+                self.store.delete_message(reply.reply_id)
             return
-        self.store.update_message(self.reply_id, text, ids, stats, interrupted=interrupted)
+        self.store.update_message(reply.reply_id, text, ids, stats, interrupted=interrupted)
 
     def show_stream(self) -> None:
         """The streaming reply's row, and only it, shows the text so far."""
-        if self.reply_id is not None:
-            self.win.chat_view.model.set_text(self.reply_id, self.text)
+        reply = self.shown
+        if reply is not None:
+            self.win.chat_view.model.set_text(reply.reply_id, reply.text)
 
-    def on_finished(self, done: dict) -> None:
+    def on_finished(self, key: int, done: dict) -> None:
+        reply = self.live.pop(key, None)
+        if reply is None:
+            return
         cancelled = done["finish_reason"] == "cancelled"
-        text = self.text if cancelled else done["text"]
+        text = reply.text if cancelled else done["text"]
         stats = done["stats"]
-        if cancelled and self.loop_stopped:  # a finished reply, not an interrupted one
+        if cancelled and reply.loop_stopped:  # a finished reply, not an interrupted one
             stats = {**stats, "finish_reason": "loop"}
-        self.save_or_drop(text, done["token_ids"] or self.ids, stats, interrupted=cancelled and not self.loop_stopped)
-        self.end()
+        self.save_or_drop(reply, text, done["token_ids"] or reply.ids, stats,
+                          interrupted=cancelled and not reply.loop_stopped)
+        self.end(reply)
 
-    def on_failed(self, message: str) -> None:
-        if self.reply_id is not None:
-            self.store.update_message(self.reply_id, self.text or f"*Error: {message}*", self.ids, interrupted=True)
-        self.end()
+    def on_reply_failed(self, key: int, message: str) -> None:
+        reply = self.live.pop(key, None)
+        if reply is None:
+            return
+        self.store.update_message(reply.reply_id, reply.text or f"*Error: {message}*", reply.ids, interrupted=True)
+        self.end(reply)
         self.win.notify(f"error: {message}")
 
-    def end(self) -> None:
-        self.reply_id = self.conversation = None
-        self.stopping = self.new_version = False
-        self.win.clear_notice(STREAMING_NOTICE)
-        self.render_timer.stop()
-        self._streaming(False)
-        self.win.personas.update_badge()
-        self.win.render_chat()
-        if self.send_after_stop:
-            self.send_after_stop = False
-            self.send()
+    def on_failed(self, message: str) -> None:
+        """A command the backend refused (a send while a model loads, a reconfigure)."""
+        self.win.notify(f"error: {message}")
 
-    def on_notice(self, kind: str, message: str) -> None:
-        if kind in ("warm-up", "eager"):  # eager: the compile failed, so it is over too
-            # a compile in the background (the CPU) keeps replies decoding eagerly: nothing waits;
-            # a CUDA capture holds the reply for its seconds
-            self.warming = kind == "warm-up" and message.startswith("preparing") and "background" not in message
-            self.note_warming()
-
-    def note_warming(self) -> None:
-        """Under a reply that waits for the decode step to compile, in its own chat: why."""
-        if self.reply_id is not None and not self.text and self.conversation == self.win.conversation_id:
-            self.win.chat_view.model.set_note(WARMING_NOTE if self.warming else "")
+    def end(self, reply: Reply) -> None:
+        win = self.win
+        in_view = reply.conversation == win.conversation_id
+        if in_view:
+            win.clear_notice(STREAMING_NOTICE)
+            self.render_timer.stop()
+        self.update_buttons()
+        win.personas.update_badge()
+        if in_view:
+            win.render_chat()
+            if reply.send_after_stop:
+                self.send()

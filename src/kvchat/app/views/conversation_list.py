@@ -45,6 +45,14 @@ class ConversationList(QListWidget):
                 self.setCurrentItem(item)
         self.blockSignals(False)
 
+    def select(self, conversation_id: int) -> None:
+        """Highlight that chat, without the signal a user's click gives."""
+        item = next((i for i in self.chat_items() if i.data(Qt.UserRole) == conversation_id), None)
+        if item is not None and item is not self.currentItem():
+            self.blockSignals(True)
+            self.setCurrentItem(item)
+            self.blockSignals(False)
+
     def _heading(self, text: str) -> QListWidgetItem:
         item = QListWidgetItem(text)
         item.setFlags(Qt.NoItemFlags)

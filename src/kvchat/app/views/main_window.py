@@ -14,8 +14,8 @@ from kvchat.app.controllers.desktop import DesktopController
 from kvchat.app.controllers.models import ModelController
 from kvchat.app.controllers.memory_tally import MemoryTally
 from kvchat.app.controllers.personas import PersonaController
-from kvchat.app.controllers.prefill import PrefillMeter
 from kvchat.app.controllers.replies import WAITING_NOTE, ReplyController
+from kvchat.app.controllers.wait_notes import WaitNotes
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.store import Store
 from kvchat.app.views import window_layout
@@ -44,7 +44,7 @@ class MainWindow(QMainWindow):
         self._build()
         self.chats, self.personas = ConversationController(self), PersonaController(self)
         self.replies, self.models = ReplyController(self), ModelController(self)
-        self.prefill, self.tally = PrefillMeter(self), MemoryTally(self)
+        self.waits, self.tally = WaitNotes(self), MemoryTally(self)
         self.personas.reload()
         self.paint_icons()
         self._connect()
@@ -103,6 +103,7 @@ class MainWindow(QMainWindow):
         b.load_progress.connect(models.on_load_progress)
         b.token.connect(replies.on_token)
         b.finished.connect(replies.on_finished)
+        b.reply_failed.connect(replies.on_reply_failed)
         b.failed.connect(replies.on_failed)
         b.notice.connect(self.on_notice)
         b.snapshot.connect(models.on_snapshot)
@@ -112,6 +113,7 @@ class MainWindow(QMainWindow):
         self.connection_box.picked.connect(models.use_connection)
         self.send_button.clicked.connect(replies.send)
         self.stop_button.clicked.connect(replies.stop)
+        self.running_button.clicked.connect(replies.show_next)
         self.new_button.clicked.connect(chats.new)
         self.rename_button.clicked.connect(chats.rename)
         self.delete_button.clicked.connect(chats.delete)
@@ -150,7 +152,7 @@ class MainWindow(QMainWindow):
 
     def escape(self) -> None:
         """Stops a reply; otherwise leaves an edit, putting the box back as it was."""
-        if self.bridge.busy:
+        if self.replies.shown is not None:
             self.replies.stop()
         elif self.replies.editing is not None:
             self.replies.stop_editing()
@@ -182,20 +184,21 @@ class MainWindow(QMainWindow):
     def render_chat(self) -> None:
         """The whole conversation, when another one opens or a message is added or removed."""
         model, replies = self.chat_view.model, self.replies
+        replies.update_buttons()  # Stop stands for the chat in view's reply, if it has one
         if self.conversation_id is None:
             model.reset([], "Assistant")
             return
         persona = self.personas.persona(self.store.conversation(self.conversation_id)["persona_id"])
-        live = replies.reply_id if replies.conversation == self.conversation_id else None
+        live = replies.shown
         model.reset(self.store.messages(self.conversation_id), persona["name"] if persona else "Assistant",
-                    live, replies.text)
+                    live and live.reply_id, live.text if live else "")
         if replies.waiting == self.conversation_id:
             model.set_note(WAITING_NOTE)
-        replies.note_warming()
+        self.waits.note_warming()
 
     def on_notice(self, kind: str, message: str) -> None:
         self.notify(f"{kind}: {message}")
-        self.replies.on_notice(kind, message)
+        self.waits.on_notice(kind, message)
 
     def clear_notice(self, prefix: str) -> None:
         """A notice about a state (an edit under way, a reply in the way) goes when the state ends."""

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit
 from kvchat.app.views.composer import Composer
 from kvchat.app.views.composer_height import ComposerHeight
 from kvchat.app.views.connection_box import ConnectionBox
+from kvchat.app.views.running_button import RunningButton
 from kvchat.app.views.conversation_list import ConversationList
 from kvchat.app.views.top_bar import Chip, TopBar
 
@@ -75,6 +76,7 @@ def top_bar(win) -> TopBar:
     win.persona_edit_button, win.persona_new_button, win.export_button = (
         QToolButton(autoRaise=True, toolTip=t) for t in ("Edit persona", "New persona", "Export chat"))
     win.connection_box = ConnectionBox()
+    win.running_button = RunningButton()
     win.model_chip = Chip("model", "The model: click to change it")
     win.model_chip.setMinimumWidth(90)  # a narrow window elides the chip instead of overlapping the persona
     win.context_chip = Chip("context", "Context length: click to change it")
@@ -91,7 +93,7 @@ def top_bar(win) -> TopBar:
     for b in (win.persona_edit_button, win.persona_new_button):
         row.addWidget(b)
     row.addStretch(1)
-    for w in (win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.more_button, win.library_button,
+    for w in (win.running_button, win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.more_button, win.library_button,
               win.export_button, win.memory_button, win.settings_button):
         row.addWidget(w)
     # narrow, the library's and export's buttons go into the overflow menu first, then the chips
