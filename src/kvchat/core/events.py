@@ -79,6 +79,15 @@ class Notice:
     message: str
 
 
+def replies_wait(notice: Notice) -> bool | None:
+    """What a notice says of the decode step's warm-up: True while replies wait for it (a CUDA
+    capture holds the engine for its seconds), False once none does (ready, eager, or a CPU compile
+    in the background, which replies never wait for); None for a notice about something else."""
+    if notice.kind not in ("warm-up", "eager"):
+        return None
+    return notice.kind == "warm-up" and notice.message.startswith("preparing") and "background" not in notice.message
+
+
 @dataclass
 class ModelReady:
     """A model finished loading and serves requests; ``settings`` are the engine's config as a

@@ -18,8 +18,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, PrefillProgress,
-                                Refused, Request, TokenDelta)
+from kvchat.core.events import (EngineError, Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, PrefillProgress,
+                                Refused, Request, TokenDelta, replies_wait)
 from kvchat.core.memory import MemorySnapshot
 from kvchat.serve.guard import Guard
 from kvchat.serve.schema import MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, error_body, parse
@@ -110,6 +110,7 @@ class EngineState:
 
     def __init__(self):
         self.loading, self.error = True, None
+        self.warming = False  # replies wait for the decode step's capture (CUDA)
         self.snapshot: MemorySnapshot | None = None
 
     def __call__(self, event) -> None:
@@ -121,6 +122,8 @@ class EngineState:
             self.loading = True
         elif isinstance(event, MemorySnapshot):
             self.snapshot = event
+        elif isinstance(event, Notice) and replies_wait(event) is not None:
+            self.warming = replies_wait(event)
 
 
 class Waiter:
@@ -197,6 +200,8 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
             return error_response(503, state.error or "the engine has stopped", "server_error")
         if state.loading:
             return error_response(503, "the model is loading", "server_error")
+        if state.warming:  # as vLLM's: healthy once a reply can start, its graphs captured
+            return error_response(503, "warming up: capturing the decode step", "server_error")
         return {"status": "ok", "model": model_name, "requests": counters.active}
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}

@@ -6,6 +6,8 @@ import time
 
 from PySide6.QtCore import QObject
 
+from kvchat.core.events import Notice, replies_wait
+
 WARMING_NOTE = "Preparing fast decoding for this model (up to a minute the first time): the reply starts after it."
 
 
@@ -52,10 +54,9 @@ class WaitNotes(QObject):
             self.show(key, "")
 
     def on_notice(self, kind: str, message: str) -> None:
-        if kind in ("warm-up", "eager"):  # eager: the compile failed, so it is over too
-            # a compile in the background (the CPU) keeps replies decoding eagerly: nothing waits;
-            # a CUDA capture holds the reply for its seconds
-            self.warming = kind == "warm-up" and message.startswith("preparing") and "background" not in message
+        waits = replies_wait(Notice(kind, message))
+        if waits is not None:
+            self.warming = waits
             self.note_warming()
 
     def note_warming(self) -> None:
