@@ -141,6 +141,7 @@ def test_serve_on_a_taken_port_is_one_line(taken_port):
 @pytest.mark.parametrize("args, message", [
     (["bench", "decode", "--random-weights", "/nonexistent"], "--random-weights /nonexistent: no such file"),
     (["eval", "ppl", "--text", "/nonexistent"], "--text /nonexistent: no such file"),
+    (["eval", "ppl", "--kv-precision", "int8,int5"], "--kv-precision int8,int5: choose from"),
 ])
 def test_missing_paths_are_one_line(args, message):
     one_error_line(kvchat(*args, timeout=60), message)
@@ -163,3 +164,36 @@ def test_a_url_with_credentials_is_never_written(tmp_path):
     with pytest.raises(ValueError, match="plain text"):
         saved.save(Connection("lab", "http://ada:s3cret@gpu-box:8000"))
     assert not (tmp_path / "connections.json").exists()
+
+
+def test_eval_ppl_scores_several_texts_and_precisions_in_one_json_document(tmp_path, starter):
+    """Each text under its own kind (its file name), fp16 first, then each precision asked for, with
+    the increase against that text's own fp16 figure."""
+    from kvchat.bench.evaluate import TEXTS
+
+    prose, code = tmp_path / "prose.txt", tmp_path / "code.txt"
+    prose.write_text((TEXTS / "prose.txt").read_text()[:2000])
+    code.write_text((TEXTS / "code.txt").read_text()[:2000])
+    r = kvchat("eval", "ppl", "--text", str(prose), "--text", str(code), "--kv-precision", "int8,int4",
+               "--context", "128", "--chunk", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["context"], report["chunk"]) == (128, 32)
+    assert [t["kind"] for t in report["texts"]] == ["prose", "code"]
+    for text in report["texts"]:
+        rows = text["results"]
+        assert [row["precision"] for row in rows] == ["fp16", "int8", "int4"] and rows[0]["increase_pct"] == 0
+        assert all(row["scored_tokens"] == rows[0]["scored_tokens"] > 0 for row in rows)
+        for row in rows[1:]:
+            assert abs(row["increase_pct"] - 100 * (row["ppl"] / rows[0]["ppl"] - 1)) < 1e-9
+
+
+def test_the_shipped_eval_texts_hold_the_windows_their_readme_promises(starter):
+    """Two windows of 4,096 tokens each (the chat transcript one), in the starter's tokenizer."""
+    from kvchat.bench.evaluate import KINDS, read_texts
+
+    texts = read_texts(None)
+    assert [kind for kind, _, _ in texts] == list(KINDS)
+    for kind, _, text in texts:
+        tokens = len(starter.tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert tokens >= (4096 if kind == "chat" else 8192), (kind, tokens)

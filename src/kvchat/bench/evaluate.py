@@ -6,6 +6,7 @@ half a window. Each window goes through the paged cache in prefill chunks, so th
 quantized K/V, as a chat does. Token ids come from the model's Hugging Face tokenizer, no BOS.
 """
 import math
+from pathlib import Path
 
 import torch
 
@@ -62,59 +63,74 @@ def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: P
 
 
 LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c 512, same GGUF, GPL-3 (q8_0/q4_0)
+TEXTS = Path(__file__).parent / "texts"
+KINDS = ("prose", "code", "chat", "french")  # the texts shipped in bench/texts (their sources: README.md there)
 
 
-def main(which: str, model: str, text_file: str, context: int, precision: str, as_json: bool,
+def read_texts(paths: list[str] | None) -> list[tuple[str, str, str]]:
+    """(kind, path, text) for each file; none given: the shipped set, one text per kind."""
+    from kvchat.core.config import ConfigError
+
+    named = [(Path(p).stem, p) for p in paths] if paths else [(k, str(TEXTS / f"{k}.txt")) for k in KINDS]
+    out = []
+    for kind, path in named:
+        try:
+            out.append((kind, path, Path(path).expanduser().read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+    return out
+
+
+def main(which: str, model: str, text_files: list[str] | None, context: int, precisions: list[str], as_json: bool,
          weights: str = "none", chunk: int | None = None) -> None:
-    """``weights`` other than none: the baseline is the checkpoint's own weights with an fp16 KV
-    cache, against those weights with the ``precision`` cache. ``chunk``: the prefill chunk, by
-    default the engine's own, which is how a pasted document reaches the cache."""
+    """Each text (``text_files``, else the shipped prose, code, chat and French) against the fp16
+    cache, for each of ``precisions``. ``weights`` other than none: the baseline is the checkpoint's
+    own weights with an fp16 KV cache, against those weights with each precision's cache.
+    ``chunk``: the prefill chunk, by default the engine's own, which is how a pasted document
+    reaches the cache."""
     import json
-    from pathlib import Path
 
     from kvchat.core.config import ConfigError
     from kvchat.engine.model.loading import load
 
-    try:
-        text = Path(text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {text_file}: {e}") from None
     if context < 4 or context % 2:
         raise ConfigError("--context must be an even number >= 4")
     chunk = chunk or EngineConfig().prefill_chunk
     if chunk < 1:
         raise ConfigError("--chunk must be at least 1")
+    texts = read_texts(text_files)
     lm = load(model)
-    tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(tokens) < context:
-        raise ConfigError(f"{text_file} has {len(tokens)} tokens, fewer than one window of {context}")
-    if which == "kld":
-        result = kl_divergence(lm, tokens, context, Precision(precision), chunk)
-        print(json.dumps(result, indent=2) if as_json else
-              f"KL(fp16 || {precision}) over {result['positions']} positions: mean {result['kl_mean']:.5f}, "
-              f"p99 {result['kl_p99']:.5f}")
-        return
-    base = perplexity(lm, tokens, context, Precision.FP16, chunk)
-    base["weights"] = "none"
-    if weights != "none":
-        other = perplexity(load(model, weights=weights), tokens, context, Precision(precision), chunk)
-        rows = [base, {**other, "weights": weights}]
-    else:
-        rows = [base] if precision == "fp16" else [base, perplexity(lm, tokens, context, Precision(precision), chunk)]
-        rows[-1]["weights"] = "none"
-    for r in rows:
-        r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
+    other = lm if weights == "none" else load(model, weights=weights)
+    report = []
+    for kind, path, text in texts:
+        tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) < context:
+            raise ConfigError(f"{path} has {len(tokens)} tokens, fewer than one window of {context}")
+        if which == "kld":
+            rows = [kl_divergence(other, tokens, context, Precision(p), chunk) for p in precisions]
+        else:
+            base = {**perplexity(lm, tokens, context, Precision.FP16, chunk), "weights": "none"}
+            rows = [base] + [{**perplexity(other, tokens, context, Precision(p), chunk), "weights": weights}
+                             for p in precisions if p != "fp16" or weights != "none"]
+            for r in rows:
+                r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
+        report.append({"kind": kind, "text": path, "tokens": len(tokens), "results": rows})
     if as_json:
-        print(json.dumps({"text": text_file, "context": context, "chunk": chunk, "tokens": len(tokens),
-                          "results": rows}, indent=2))
+        print(json.dumps({"context": context, "chunk": chunk, "texts": report}, indent=2))
         return
-    print(f"{text_file}: {len(tokens)} tokens (Hugging Face tokenizer ids, no BOS), context {context}, "
-          f"prefill chunks of {chunk}, {rows[0]['scored_tokens']} scored")
-    for r in rows:
-        ref = LLAMA_CPP.get(r["precision"]) if Path(text_file).name == "GPL-3" and r["weights"] == "none" \
-            and context == 512 else None
-        print(f"  weights {r['weights']:<4} KV {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)  bytes/token "
-              f"{r['bytes_fraction_of_fp16']:.3f} of fp16" + (f"   llama.cpp: {ref}" if ref else ""))
+    print(f"context {context}, prefill chunks of {chunk}; token ids from the Hugging Face tokenizer, no BOS")
+    for entry in report:
+        print(f"{entry['kind']} ({entry['text']}): {entry['tokens']} tokens")
+        for r in entry["results"]:
+            if which == "kld":
+                print(f"  KL(fp16 || {r['precision']}) over {r['positions']} positions: mean {r['kl_mean']:.5f}, "
+                      f"p99 {r['kl_p99']:.5f}")
+                continue
+            gpl3 = Path(entry["text"]).name == "GPL-3"
+            ref = LLAMA_CPP.get(r["precision"]) if gpl3 and r["weights"] == "none" and context == 512 else None
+            print(f"  weights {r['weights']:<4} KV {r['precision']:<5} ppl {r['ppl']:.3f}  ({r['increase_pct']:+.2f}%)"
+                  f"  bytes/token {r['bytes_fraction_of_fp16']:.3f} of fp16  {r['scored_tokens']} scored"
+                  + (f"   llama.cpp: {ref}" if ref else ""))
 
 
 @torch.inference_mode()

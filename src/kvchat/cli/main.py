@@ -95,9 +95,10 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="quality of a quantized KV cache against fp16")
     ev.add_argument("which", choices=["ppl", "kld"])
     ev.add_argument("--model", default="starter")
-    ev.add_argument("--text", required=True, help="a UTF-8 text file, e.g. /usr/share/common-licenses/GPL-3")
+    ev.add_argument("--text", action="append", default=None,
+                    help="a UTF-8 text file (again for more); default: the shipped prose, code, chat and French")
     ev.add_argument("--context", type=int, default=512)
-    ev.add_argument("--kv-precision", default="int4", choices=LADDER_NAMES)
+    ev.add_argument("--kv-precision", default="int4", help="one or more of fp16, int8, k8v4, int4, comma-separated")
     ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
     ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
     ev.add_argument("--json", action="store_true")
@@ -265,13 +266,17 @@ def cmd_plan(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    if not os.path.isfile(os.path.expanduser(args.text)):
-        raise ConfigError(f"--text {args.text}: no such file")
+    for text in args.text or ():
+        if not os.path.isfile(os.path.expanduser(text)):
+            raise ConfigError(f"--text {text}: no such file")
+    precisions = [p.strip() for p in args.kv_precision.split(",") if p.strip()]
+    wrong = [p for p in precisions if p not in LADDER_NAMES]
+    if wrong or not precisions:
+        raise ConfigError(f"--kv-precision {args.kv_precision}: choose from {', '.join(LADDER_NAMES)}")
     quiet_transformers()
     from kvchat.bench import evaluate
 
-    evaluate.main(args.which, args.model, args.text, args.context, args.kv_precision, args.json, args.weights,
-                  args.chunk)
+    evaluate.main(args.which, args.model, args.text, args.context, precisions, args.json, args.weights, args.chunk)
     return 0
 
 

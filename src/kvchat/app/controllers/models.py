@@ -134,7 +134,8 @@ class ModelController(QObject):
         count = len(self.win.replies.live)
         if not count:
             return True
-        what, them, where = ("A reply is", "it", "it is") if count == 1 else (f"{count} replies are", "them", "they are")
+        what, them, where = (("A reply is", "it", "it is") if count == 1
+                             else (f"{count} replies are", "them", "they are"))
         if QMessageBox.question(self.win, "Stop the reply?" if count == 1 else "Stop the replies?",
                                 f"{what} being written. {change} stops {them} where {where} "
                                 "(what was written so far is kept).", QMessageBox.Yes | QMessageBox.Cancel,

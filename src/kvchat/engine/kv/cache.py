@@ -6,6 +6,7 @@ import torch
 from kvchat.kernels import dispatch, quant
 
 from kvchat.core.config import Precision
+from kvchat.engine.kv.calibration import CALIBRATION_ID
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape
 
 class KVCache:
@@ -31,7 +32,8 @@ class KVCache:
     @property
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
-        rot = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}" if self.format.quantized else ""
+        quantized = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}|{CALIBRATION_ID}"
+        rot = quantized if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
     def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,

@@ -1,11 +1,17 @@
 """Key statistics for the quantized KV modes, from a fixed text: computed once per loaded model (a
-fraction of a second on the starter) and identical on every run, so cached blocks stay valid.
+fraction of a second on the starter) and identical on every run, so cached blocks stay valid. The
+text mixes the kinds users paste: prose, code, a chat, other languages, a table, JSON, SQL. Against
+one English paragraph with a little code, int4's perplexity increase at context 4096 fell from
++1.15% to +0.59% on Python's documentation and from +1.09% to +0.68% on French; code and chat
+moved by a tenth of a point (docs/performance.md).
 
 - centre: the mean key per layer and KV head, subtracted before quantizing (see kernels/quant.py);
 - channel scale s: keys are multiplied by s and queries divided by it, which leaves q . k exact and
   spends the 4 bits where the queries look. Minimizing the expected score error
   (sum q_j^2 / s_j^2)(sum s_j^2 var_j) gives s_j = (E[q_j^2] / var_j)^(1/4), normalized to mean 1.
 """
+import hashlib
+
 import torch
 
 from kvchat.core.config import Precision
@@ -20,7 +26,29 @@ def mean(values):
 In 1887 the lighthouse was rebuilt after a storm. Its lamp burned paraffin until 1952, then
 electricity. Questions people ask the librarian: Where are the maps? How do I renew a book? Can you
 recommend a novel about the sea? The answer, usually, is yes - and a cup of tea.
+User: My script crashes with KeyError: 'name' when the JSON has no name field. How do I fix it?
+Assistant: Use data.get("name", "unknown") instead of data["name"]; get returns the default when the key is missing.
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+for i in range(10):
+    print(f"{i:>3} {i * i:>5}")
+Le marché ouvre à huit heures. Les pêcheurs vendent leurs poissons sur le quai, et les enfants courent
+entre les étals. Der Zug nach Berlin fährt um 9.15 Uhr ab Gleis 4. El museo está cerrado los lunes.
+| name  | price | qty |
+|-------|-------|-----|
+| apple | 0.50  | 12  |
+{"id": 17, "tags": ["red", "fruit"], "price": 0.5, "in_stock": true}
+SELECT name, COUNT(*) FROM orders WHERE created_at > '2024-01-01' GROUP BY name ORDER BY 2 DESC;
 """
+# in the prefix cache's key: blocks quantized with other statistics are other bytes
+CALIBRATION_ID = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:12]
 
 
 @torch.inference_mode()
