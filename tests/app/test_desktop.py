@@ -3,7 +3,8 @@ focus keys, shortcuts, a chat's context menu, the window and last chat restored,
 file, and a message box that grows."""
 from PySide6.QtCore import QStandardPaths, Qt
 from PySide6.QtGui import QContextMenuEvent
-from PySide6.QtWidgets import QApplication, QFileDialog, QInputDialog, QLineEdit, QMenu, QMessageBox
+from PySide6.QtWidgets import (QApplication, QFileDialog, QInputDialog, QLineEdit, QMenu, QMessageBox, QStyle,
+                               QStyleOptionSlider)
 
 from kvchat.app.views.composer_height import MAX_LINES
 from kvchat.app.views.settings_dialog import SettingsDialog
@@ -163,5 +164,11 @@ def test_the_message_box_grows_to_ten_lines_then_scrolls(qtbot, app_parts):
         qtbot.keyClick(box, Qt.Key_Return, Qt.ShiftModifier)
         qtbot.keyClicks(box, f"line {n}")
     assert box.height() == height.height_for(MAX_LINES) and box.verticalScrollBar().maximum() > 0
+    bar = box.verticalScrollBar()  # a thin bar in the theme's colours, with no old-style arrows
+    option = QStyleOptionSlider()
+    bar.initStyleOption(option)
+    for arrow in (QStyle.SC_ScrollBarAddLine, QStyle.SC_ScrollBarSubLine):
+        assert bar.style().subControlRect(QStyle.CC_ScrollBar, option, arrow, bar).height() == 0
+    assert bar.isVisible() and bar.width() <= 12
     qtbot.keyClick(box, Qt.Key_Return)  # sent: back to its first size
     qtbot.waitUntil(lambda: box.height() == empty, timeout=10000)

@@ -51,6 +51,11 @@ QComboBox QAbstractItemView {{ background: {panel}; color: {text}; border: 1px s
                                selection-background-color: {hover}; selection-color: {text}; outline: none; }}
 QFrame#attachmentChip {{ background: {chip}; border: 1px solid {border}; border-radius: 10px; }}
 QLabel[muted="true"] {{ color: {muted}; }}
+QScrollBar:vertical {{ background: transparent; width: 10px; margin: 2px; }}
+QScrollBar::handle:vertical {{ background: {border}; border-radius: 3px; min-height: 24px; }}
+QScrollBar::handle:vertical:hover {{ background: {muted}; }}
+QScrollBar::add-line:vertical, QScrollBar::sub-line:vertical {{ height: 0; border: none; }}
+QScrollBar::add-page:vertical, QScrollBar::sub-page:vertical {{ background: none; }}
 """
 
 
