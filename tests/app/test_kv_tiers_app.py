@@ -51,7 +51,7 @@ def test_the_memory_panel_shows_each_tiers_use_capacity_and_hits(qtbot):
     qtbot.addWidget(panel)
     snapshot = {"device": "cpu", "total": 24 * GiB, "other_processes": GiB, "weights": GiB, "kv_total": GiB,
                 "kv_in_use": 0, "kv_reclaimable": 0, "activations_reserve": GiB // 4, "free": 20 * GiB,
-                "precision": "int8", "max_context": {}, "on_cpu": True,
+                "precision": "int8", "max_context": {}, "on_cpu": True, "runtime": 600 << 20,
                 "tiers": {"ram_used": 512 << 20, "ram_capacity": 4 * GiB, "ram_hits": 375,
                           "disk_used": GiB, "disk_capacity": 4 * GiB, "disk_hits": 12}}
     panel.show_snapshot(snapshot)

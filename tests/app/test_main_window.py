@@ -56,6 +56,8 @@ def test_a_reply_waiting_for_the_warm_up_says_why_and_stop_ends_it_at_once(qtbot
     win.input.setPlainText("Name a color.")
     qtbot.keyClick(win.input, Qt.Key_Return)  # queued behind the compile; the stopped one is skipped
     assert not win.send_button.isEnabled() and not compiled.is_set()
+    # the capture still runs: the new reply says so too (the stop did not end the warm-up)
+    qtbot.waitUntil(lambda: [i.property("text") for i in qml_items(win, "note")] == [WARMING_NOTE], timeout=5000)
     compiled.set()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
     messages = store.messages(win.conversation_id)
@@ -408,3 +410,33 @@ def test_a_narrow_window_keeps_the_persona_badge_whole(qtbot, app_parts):
         with answering(SettingsDialog, lambda d: d.reject() or True) as got:
             win.more_button.menu().actions()[0].trigger()
         assert got == [True]
+
+
+def test_the_running_button_opens_a_chat_the_search_hides_and_the_list_marks_none(qtbot, app_parts):
+    """Two chats with replies running (the fake serves them one after the other); the list filtered
+    to the second; the button opens the first: no other chat stays highlighted, and a click on the
+    second opens it again."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    bridge.engine.pace.hold()  # no token comes: both replies stay running
+    send_keys = lambda text: (win.input.setPlainText(text), qtbot.keyClick(win.input, Qt.Key_Return))  # noqa: E731
+    send_keys("Tell me about Lisbon")
+    first = win.conversation_id
+    qtbot.mouseClick(win.new_button, Qt.LeftButton)
+    send_keys("Tell me about Porto")
+    second = win.conversation_id
+    assert win.running_button.text() == "2 replies running" and win.stop_button.isVisible()
+    qtbot.keyClicks(win.search, "Porto")
+    qtbot.waitUntil(lambda: [i.text() for i in win.conversation_list.chat_items()] == ["Tell me about Porto"])
+    qtbot.mouseClick(win.running_button, Qt.LeftButton)
+    assert win.conversation_id == first and win.conversation_list.currentItem() is None
+    assert "Lisbon" in win.chat_view.toPlainText() and win.stop_button.isVisible()
+    click_chat(qtbot, win, "Tell me about Porto")
+    assert win.conversation_id == second
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)  # ends at once: nothing streamed yet
+    assert win.running_button.text() == "1 reply running" and not win.stop_button.isVisible()
+    qtbot.mouseClick(win.running_button, Qt.LeftButton)
+    assert win.conversation_id == first
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)
+    assert not bridge.busy and not win.running_button.isVisible()
+    assert [m.role for m in store.messages(first)] == [m.role for m in store.messages(second)] == ["user"]

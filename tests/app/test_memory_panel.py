@@ -31,3 +31,20 @@ def test_the_panel_shows_the_chats_tokens_and_the_prefix_caches_savings(qtbot, a
     assert "no reply yet" in panel.chat.text() and f"<b>{saved:,}</b>" in panel.saved.text()
     click_chat(qtbot, win, "What is the capital of France?")
     assert f"{second['prompt_tokens'] + second['generated_tokens']:,} of 512 tokens" in panel.chat.text()
+
+
+def test_kvchat_itself_is_a_row_and_the_rows_add_up_to_the_machine(qtbot, app_parts):
+    """Python, Qt and torch in a row of their own (the fake's RUNTIME), not in "free"."""
+    from kvchat.core.memory import GiB
+
+    from support.fake_model import MACHINE_RAM, RUNTIME
+
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    qtbot.mouseClick(win.memory_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.gauge.updates >= 1, timeout=15000)
+    panel, snap = win.memory_panel, win.gauge.snapshot
+    assert panel.keys["kvchat itself"].isVisible() and "Python, Qt and torch" in panel.keys["kvchat itself"].toolTip()
+    assert panel.values["kvchat itself"].text() == f"{RUNTIME / GiB:.2f} GiB"  # 600 MiB: 0.59 GiB
+    rows = ("other_processes", "runtime", "weights", "kv_total", "activations_reserve", "free")
+    assert snap["runtime"] == RUNTIME and sum(snap[k] for k in rows) == MACHINE_RAM

@@ -8,7 +8,7 @@ from kvchat.app.views.persona_dialog import PersonaDialog
 from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.core.commands import LoadModel, Submit
 
-from qt_helpers import answering, hover, press, qml_click, qml_items, send
+from qt_helpers import answering, click_chat, hover, press, qml_click, qml_items, send
 
 
 def authors(win):
@@ -215,3 +215,26 @@ def test_a_weights_change_during_a_reply_asks_before_stopping_it(qtbot, app_part
     assert loads(bridge) == before + 1 and store.setting("engine")["weights"] == "int4"
     reply = store.messages(win.conversation_id)[-1]
     assert reply.role == "assistant" and reply.interrupted and len(reply.content.split()) >= 4
+
+
+def test_a_message_waiting_for_a_stop_is_not_sent_once_another_chat_is_open(qtbot, app_parts):
+    """Enter during a stop sends once the reply has ended, into its own chat; open another chat
+    before that and the message stays in the box, unsent, for the user to place."""
+    win, store, bridge, _ = app_parts
+    other = store.create_conversation("Older chat")
+    win.chats.refresh()
+    bridge.engine.pace.hold()
+    bridge.engine.pace.give(2)
+    win.input.setPlainText("Write a very long story.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    first = win.conversation_id
+    qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 2, timeout=10000)
+    qtbot.mouseClick(win.stop_button, Qt.LeftButton)
+    win.input.setPlainText("Name a color.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    assert win.notice_label.text() == SEND_AFTER_STOP
+    click_chat(qtbot, win, "Older chat")
+    assert win.conversation_id == other and win.notice_label.text() != SEND_AFTER_STOP
+    qtbot.waitUntil(lambda: not bridge.busy, timeout=10000)
+    assert [m.role for m in store.messages(first)] == ["user", "assistant"] and not store.messages(other)
+    assert win.input.toPlainText() == "Name a color."

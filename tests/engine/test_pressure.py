@@ -44,6 +44,22 @@ def test_snapshots_arrive_about_once_a_second_and_add_up(short_starter):
     assert snap.max_context["int4"] > snap.max_context["int8"] > snap.max_context["fp16"] > 0
 
 
+def test_the_process_itself_has_its_own_row_and_is_not_counted_free(short_starter):
+    """Python, torch (and Qt) take memory beyond the weights and the pool: a row of their own, taken
+    from free, not hidden in it, and not mistaken for another program's."""
+    probe = ScriptedProbe(total=8 * GiB, other=GiB)
+    e = engine(short_starter, probe=probe, max_context=512, headroom_bytes=GiB)
+    runtime = 700 << 20
+    probe._own = e.weights_bytes + e.kvpool.usage()["kv_total"] + runtime
+    events = collect(e)
+    assert wait_for(lambda: any(isinstance(x, MemorySnapshot) for x in events), timeout=6)
+    snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
+    e.close()
+    assert snap.runtime == runtime and snap.other_processes == GiB
+    parts = snap.other_processes + snap.runtime + snap.weights + snap.kv_total + snap.activations_reserve + snap.free
+    assert parts == snap.total  # every byte in one row
+
+
 def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_starter):
     probe = ScriptedProbe(total=8 * GiB)
     e = engine(short_starter, probe=probe, max_context=1024, kv_precision="auto", headroom_bytes=GiB)

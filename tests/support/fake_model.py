@@ -23,6 +23,7 @@ STARTER_LABEL = "starter (SmolLM2-135M-Instruct)"
 EOS = 2
 MACHINE_RAM = 24 << 30  # the fake machine: a CPU with 24 GiB, 2 GiB of it taken by other programs
 OTHER_PROGRAMS = 2 << 30
+RUNTIME = 600 << 20  # the fake engine's own process besides weights and KV (Python, Qt, torch)
 FULL_BYTES = 4  # the CPU keeps "fp16" K/V in fp32, as the engine does there
 
 CANNED = (("capital of france", "The capital of France is Paris."),
@@ -168,14 +169,14 @@ def snapshot(model: FakeModel, config, precision: Precision, cached_tokens: int,
     per_token = bytes_per_token(model.shape, precision, FULL_BYTES)
     used = min(kv_total, int(in_use * per_token))
     reclaimable = min(kv_total - used, int(cached_tokens * per_token))
-    kv_room = MACHINE_RAM - OTHER_PROGRAMS - model.weights_bytes - activations - config.headroom_bytes
+    kv_room = MACHINE_RAM - OTHER_PROGRAMS - RUNTIME - model.weights_bytes - activations - config.headroom_bytes
     room = max(kv_total, kv_room)
     return MemorySnapshot(
         device="cpu", total=MACHINE_RAM, other_processes=OTHER_PROGRAMS, weights=model.weights_bytes,
         kv_total=kv_total, kv_in_use=used, kv_reclaimable=reclaimable, activations_reserve=activations,
         free=max(0, kv_room + config.headroom_bytes - kv_total), precision=precision.value,
         max_context={p.value: int(room // (bytes_per_token(model.shape, p, FULL_BYTES) * BLOCK_SIZE)) * BLOCK_SIZE
-                     for p in LADDER}, on_cpu=True)
+                     for p in LADDER}, on_cpu=True, runtime=RUNTIME)
 
 
 def layout(model: FakeModel, config) -> Precision:

@@ -98,14 +98,15 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
     chunk = chunk or EngineConfig().prefill_chunk
     if chunk < 1:
         raise ConfigError("--chunk must be at least 1")
-    texts = read_texts(text_files)
     lm = load(model)
-    other = lm if weights == "none" else load(model, weights=weights)
-    report = []
-    for kind, path, text in texts:
-        tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    texts = [(kind, path, lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+             for kind, path, text in read_texts(text_files)]
+    for _, path, tokens in texts:  # every text checked before any is scored
         if len(tokens) < context:
             raise ConfigError(f"{path} has {len(tokens)} tokens, fewer than one window of {context}")
+    other = lm if weights == "none" else load(model, weights=weights)
+    report = []
+    for kind, path, tokens in texts:
         if which == "kld":
             rows = [kl_divergence(other, tokens, context, Precision(p), chunk) for p in precisions]
         else:

@@ -157,3 +157,6 @@ class MemorySnapshot:
     # the KV tiers under the pool: ram_used, ram_capacity, ram_hits, disk_used, disk_capacity,
     # disk_hits (bytes; hits in blocks restored); empty where there are none
     tiers: dict = field(default_factory=dict)
+    # what kvchat's own process holds besides the weights and the pool: Python, Qt, torch (and the
+    # CUDA context; on the CPU, the RAM copy of cached conversations too)
+    runtime: int = 0

@@ -33,23 +33,27 @@ class MemoryGovernor:
         self.next_snapshot = now + SNAPSHOT_PERIOD
         try:
             total, used = e.probe.totals()
-            other = max(0, used - e.probe.own())
+            own = e.probe.own()
         except Exception:  # a probe failing must never stop the engine
             log.exception("memory probe failed")
             return
+        other = max(0, used - own)
+        # pressure is judged on other programs alone: what the pool gives back may stay in this
+        # process's pages for a while, and counting it would shrink the pool again
         self.relieve_pressure(total, other, list(live))
-        e.emit(self.snapshot(total, other))
+        e.emit(self.snapshot(total, other, max(0, own - e.weights_bytes - e.kvpool.usage()["kv_total"])))
 
     def kv_room(self, total: int, other: int) -> int:
         """Bytes the KV pool may take: what the device has, less everything else and the headroom."""
         e = self.engine
         return total - other - e.weights_bytes - e.activations - e.config.headroom_bytes
 
-    def snapshot(self, total: int, other: int) -> MemorySnapshot:
+    def snapshot(self, total: int, other: int, runtime: int = 0) -> MemorySnapshot:
+        """``runtime``: this process beyond its weights and pool, which would otherwise pass for free."""
         e = self.engine
         pool = e.kvpool
         usage = pool.usage()
-        kv_room = self.kv_room(total, other)
+        kv_room = self.kv_room(total, other + runtime)
         free = kv_room + e.config.headroom_bytes - usage["kv_total"]
         room = max(usage["kv_total"], kv_room)  # what the pool could grow to now
         device = e.loaded.device
@@ -57,7 +61,7 @@ class MemoryGovernor:
             device=str(device), total=total, other_processes=other, weights=e.weights_bytes,
             activations_reserve=e.activations, free=max(0, free), precision=pool.precision.value,
             max_context={p.value: pool.tokens_for(p, room) for p in PRECISIONS},
-            on_cpu=device.type == "cpu", **usage)
+            on_cpu=device.type == "cpu", runtime=runtime, **usage)
 
     def relieve_pressure(self, total: int, other: int, live: list[Sequence]) -> None:
         """Another process took memory: shrink the pool to give it back, stepping the precision down

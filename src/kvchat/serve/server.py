@@ -122,8 +122,9 @@ class EngineState:
             self.loading = True
         elif isinstance(event, MemorySnapshot):
             self.snapshot = event
-        elif isinstance(event, Notice) and replies_wait(event) is not None:
-            self.warming = replies_wait(event)
+        elif isinstance(event, Notice):
+            waits = replies_wait(event)
+            self.warming = self.warming if waits is None else waits
 
 
 class Waiter:

@@ -38,6 +38,7 @@ class ConversationController(QObject):
         empty chats that outlive a restart."""
         win = self.win
         win.replies.stop_editing()
+        win.replies.leave()
         if win.conversation_id is not None and not self.store.messages(win.conversation_id):
             win.input.setFocus()
             return win.conversation_id
@@ -50,6 +51,7 @@ class ConversationController(QObject):
     def open(self, conversation_id: int) -> None:
         win = self.win
         win.replies.stop_editing()
+        win.replies.leave()
         win.conversation_id = conversation_id
         win.conversation_list.select(conversation_id)  # opened from elsewhere than the list: the list follows
         win.personas.show(self.store.conversation(conversation_id)["persona_id"])
@@ -69,6 +71,7 @@ class ConversationController(QObject):
         if ok:
             self.store.rename_conversation(cid, title)
             self.refresh()
+            self.win.replies.update_buttons()  # the running replies' tooltip names the chats
 
     def delete(self) -> None:
         """Deletes the open chat, the one in view, after a confirmation that names it. No parameter:

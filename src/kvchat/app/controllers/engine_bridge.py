@@ -56,7 +56,6 @@ class EngineBridge(QObject):
     prefill = Signal(int, int, int)  # reply key, prompt tokens computed (the cached ones included), of all
     finished = Signal(int, dict)  # reply key, {text, token_ids, finish_reason, stats}
     reply_failed = Signal(int, str)  # reply key, why
-    running = Signal(int)  # how many replies are being written, each time it changes
     failed = Signal(str)  # a command refused: a send while a model loads, a reconfigure
     notice = Signal(str, str)  # kind, message
     snapshot = Signal(dict)
@@ -151,11 +150,13 @@ class EngineBridge(QObject):
         self.use_backend(self.make_engine(settings))
 
     def use_backend(self, backend) -> None:
-        """Replace the backend: a reply streaming on the old one is stopped (its cancelled end still
-        arrives and is saved), and the old one is closed off the GUI thread, freeing its memory."""
+        """Replace the backend: the replies streaming on the old one end now, cancelled, keeping what
+        they wrote (their late events are dropped: a closing backend may never send them), and the
+        old one is closed off the GUI thread, freeing its memory."""
         old, self.engine = self.engine, backend
-        for handle in self.handles.values():
+        for key, handle in list(self.handles.items()):
             old.cancel(handle)
+            self._cut(key)
         self._generation += 1
         self.switching, self.load_error, self.settings = True, None, {}
         self.precision = self.model_config = None
@@ -192,7 +193,6 @@ class EngineBridge(QObject):
         key = self._keys
         self.handles[key] = self.engine.submit(Request(messages=messages, sampling=sampling),
                                                listener=lambda event: self._post(_RequestEvent(key, event)))
-        self.running.emit(len(self.handles))
         return key
 
     def stop(self, key: int) -> None:
@@ -202,19 +202,18 @@ class EngineBridge(QObject):
         self.engine.cancel(handle)
         if key not in self._streamed:
             # Nothing streamed yet: the request may wait behind others, or for a CUDA capture, and
-            # its end would come only after. It ends now; its late events are dropped (the key is
-            # gone), and the engine skips it once it gets to it.
-            self._end(key)
-            self.finished.emit(key, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
+            # its end would come only after. It ends now, and the engine skips it once it gets to it.
+            self._cut(key)
 
-    def stop_all(self) -> None:
-        for key in list(self.handles):
-            self.stop(key)
+    def _cut(self, key: int) -> None:
+        """The reply ends now, cancelled; the window keeps what it showed. Its late events are
+        dropped: the key is gone."""
+        self._end(key)
+        self.finished.emit(key, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})
 
     def _end(self, key: int) -> None:
         del self.handles[key]
         self._streamed.discard(key)
-        self.running.emit(len(self.handles))
 
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)

@@ -41,6 +41,16 @@ def show_saving(win, setting: str, in_force: str | None) -> None:
     win.kv_chip.setToolTip(saving_tip(setting, in_force))
 
 
+def stop_question(count: int, change: str) -> tuple[str, str, str]:
+    """The words of asking whether ``change`` may stop ``count`` replies: title, question, and the
+    notice when the user says no."""
+    if count == 1:
+        return ("Stop the reply?", f"A reply is being written. {change} stops it where it is (what it wrote so far "
+                "is kept).", "model not changed: the reply goes on")
+    return ("Stop the replies?", f"{count} replies are being written. {change} stops them where they are (what "
+            "they wrote so far is kept).", "model not changed: the replies go on")
+
+
 class ModelController(QObject):
     """A child of the window: the bridge's signals stop reaching it when the window goes."""
 
@@ -130,18 +140,15 @@ class ModelController(QObject):
         self.load_model({**now, "model": path}, previous=None if self.bridge.load_error else now)
 
     def reply_may_stop(self, change: str) -> bool:
-        """A model change stops the reply being written: asked first, never cut unasked."""
+        """A model change stops the replies being written: asked first, never cut unasked."""
         count = len(self.win.replies.live)
         if not count:
             return True
-        what, them, where = (("A reply is", "it", "it is") if count == 1
-                             else (f"{count} replies are", "them", "they are"))
-        if QMessageBox.question(self.win, "Stop the reply?" if count == 1 else "Stop the replies?",
-                                f"{what} being written. {change} stops {them} where {where} "
-                                "(what was written so far is kept).", QMessageBox.Yes | QMessageBox.Cancel,
+        title, question, declined = stop_question(count, change)
+        if QMessageBox.question(self.win, title, question, QMessageBox.Yes | QMessageBox.Cancel,
                                 QMessageBox.Cancel) == QMessageBox.Yes:
             return True
-        self.win.notify("model not changed: the reply goes on" if count == 1 else "model not changed: the replies go on")
+        self.win.notify(declined)
         return False
 
     def load_model(self, settings: dict, previous: dict | None) -> None:

@@ -142,6 +142,13 @@ class ReplyController(QObject):
             reply.stopping = True
             self.bridge.stop(reply.key)
 
+    def leave(self) -> None:
+        """Another chat opens: a message waiting for this chat's reply to stop stays in the box, unsent."""
+        reply = self.shown
+        if reply is not None and reply.send_after_stop:
+            reply.send_after_stop = False
+            self.win.clear_notice(SEND_AFTER_STOP)
+
     def stop_all(self) -> None:
         """A model change: every reply stops where it is."""
         for reply in list(self.live.values()):

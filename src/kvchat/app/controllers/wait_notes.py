@@ -26,7 +26,7 @@ class WaitNotes(QObject):
         self.starts: dict[int, tuple[float, int]] = {}  # per reply key: when and where its pace is measured from
         self.warming = False  # a reply waits for the decode step's capture
         win.bridge.prefill.connect(self.on_progress)
-        win.bridge.token.connect(lambda key, *_: self.clear(key))
+        win.bridge.token.connect(lambda key, *_: self.on_token(key))
         win.bridge.finished.connect(lambda key, *_: self.clear(key))
         win.bridge.reply_failed.connect(lambda key, *_: self.clear(key))
 
@@ -48,10 +48,15 @@ class WaitNotes(QObject):
             self.win.chat_view.model.set_note(note)
 
     def clear(self, key: int) -> None:
-        if self.starts.pop(key, None) is not None or self.warming:
-            if self.warming:
-                self.warming = False  # a token or an end: the decode step is ready, whatever the notices said
+        """The reply's prompt is read, or it ended (a stop while it waits leaves the capture going)."""
+        if self.starts.pop(key, None) is not None:
             self.show(key, "")
+
+    def on_token(self, key: int) -> None:
+        self.clear(key)
+        if self.warming:  # a token: the decode step is ready, whatever the notices said
+            self.warming = False
+            self.note_warming()  # the reply in view may be another chat's, whose token comes next
 
     def on_notice(self, kind: str, message: str) -> None:
         waits = replies_wait(Notice(kind, message))

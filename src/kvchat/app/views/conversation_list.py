@@ -46,9 +46,10 @@ class ConversationList(QListWidget):
         self.blockSignals(False)
 
     def select(self, conversation_id: int) -> None:
-        """Highlight that chat, without the signal a user's click gives."""
+        """Highlight that chat, without the signal a user's click gives; none when a search hides it,
+        so that no other chat looks open (and a click on that one opens it)."""
         item = next((i for i in self.chat_items() if i.data(Qt.UserRole) == conversation_id), None)
-        if item is not None and item is not self.currentItem():
+        if item is not self.currentItem():
             self.blockSignals(True)
             self.setCurrentItem(item)
             self.blockSignals(False)

@@ -7,6 +7,7 @@ from kvchat.core.memory import GiB
 
 SEGMENTS = [  # snapshot key, label, colour
     ("other_processes", "other programs", "#9e9e9e"),
+    ("runtime", "kvchat itself", "#78909c"),
     ("weights", "weights", "#5c6bc0"),
     ("kv_in_use", "KV in use", "#ef6c00"),
     ("kv_reclaimable", "prefix cache", "#ffb74d"),

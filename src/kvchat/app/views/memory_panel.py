@@ -9,7 +9,9 @@ from kvchat.core.memory import GiB
 
 from kvchat.app.views.gauge import MemoryGauge, colours, is_dark, segments
 
-ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "other programs", "free"]
+ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "kvchat itself", "other programs", "free"]
+ROW_TIPS = {"kvchat itself": "What kvchat holds besides the weights and the KV cache: Python, Qt and torch, and on "
+                             "the CPU the copy of cached conversations kept in RAM"}
 
 
 def percent(value: float | None) -> str:
@@ -65,6 +67,7 @@ class MemoryPanel(QFrame):
             key = self.keys[label] = QLabel()
             value = QLabel("–")
             value.setAlignment(Qt.AlignRight)
+            key.setToolTip(ROW_TIPS.get(label, ""))
             grid.addWidget(key, row, 0)
             grid.addWidget(value, row, 1)
             self.values[label] = value
