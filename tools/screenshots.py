@@ -1,4 +1,5 @@
-"""README screenshots: the real app under Xvfb, light and dark, at 1600x1000 and 1000x700.
+"""README screenshots: the real app under Xvfb, light and dark, at 1600x1000 and 1000x700, and a
+reply with two versions, the model library, a pasted document.
 
 A fresh data folder gets a few earlier chats (for the sidebar's date groups); then a question is
 typed with xdotool and the starter's real reply is awaited before each picture.
@@ -19,6 +20,8 @@ QUESTION = "Write a Python function that reverses a string, with a short example
 EARLIER = [("Plan a weekend in Lisbon", 0), ("Explain the KV cache", 1), ("Regex for dates", 3),
            ("Summarise this email", 5), ("Rust lifetimes question", 12), ("Birthday poem for Ana", 40)]
 SIZES = [(1600, 1000), (1000, 700)]
+VERSIONS = ["Sage green: it is calm, hides splashes, and goes with wood and white tiles.",
+            "Warm white: it makes a small kitchen look larger and brighter in the morning light."]
 DOCUMENT = "Quarterly report: the cache team\n" + " ".join(  # a pasted page, past the 2,000-character chip threshold
     ["The prefix cache served most prompt tokens this quarter, and the memory governor kept every chat within "
      "its context without trimming a persona."] * 20)
@@ -35,6 +38,13 @@ def seed(home: Path, theme: str) -> Path:
         cid = store.create_conversation(title)
         store.add_message(cid, "user", title)
         store.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now - days * 86400 - 60, cid))
+    # a reply written twice (Regenerate): the app opens this chat first, its ‹ 2/2 › in view
+    cid = store.create_conversation("Name a colour for a kitchen")
+    store.add_message(cid, "user", "Name a colour for a kitchen, and say why in one line.")
+    reply = store.add_message(cid, "assistant", VERSIONS[0])
+    store.new_version(reply, None)
+    store.update_message(reply, VERSIONS[1])
+    store.set_setting("last_chat", cid)
     store.set_setting("theme", theme)
     store.set_setting("memory_panel", True)
     store.close()
@@ -55,10 +65,11 @@ def wait_for(what, timeout: float, step: float = 0.5):
     raise SystemExit(f"timed out after {timeout} s")
 
 
-def reply_done(db: Path) -> bool:
+def reply_done(db: Path, replies: int) -> bool:
+    """The ``replies``-th reply (the seeded one counts) has been written to its end."""
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT content, interrupted FROM messages WHERE role='assistant'").fetchall()
-    return bool(rows) and rows[-1][0].strip() and not rows[-1][1]
+    return len(rows) >= replies and rows[-1][0].strip() and not rows[-1][1]
 
 
 def compile_settled(pid: int) -> None:
@@ -110,7 +121,7 @@ def attachment(window: str, db: Path, theme: str, out: Path) -> None:
     xdotool("key", "Return")
     time.sleep(4.0)  # the prefill's progress under the reply
     snap(window, out / f"screenshot-{theme}-prefill.png")
-    wait_for(lambda: reply_done(db), 600)
+    wait_for(lambda: reply_done(db, 3), 600)
     time.sleep(1.5)
 
 
@@ -124,11 +135,14 @@ def shoot(theme: str, out: Path, app: str, home: Path) -> None:
         xdotool("windowsize", window, "1600", "1000")
         xdotool("windowmove", window, "0", "0")
         time.sleep(1.0)
+        time.sleep(3.0)  # the chat opened at start: a reply with two versions
+        snap(window, out / f"screenshot-{theme}-versions.png")
         xdotool("windowfocus", "--sync", window)
+        xdotool("key", "ctrl+n")
         xdotool("type", "--delay", "15", QUESTION)
         xdotool("key", "Return")
         try:
-            wait_for(lambda: reply_done(db), 400)
+            wait_for(lambda: reply_done(db, 2), 400)
         except SystemExit:
             subprocess.run(["import", "-window", "root", str(out / f"screenshots-failed-{theme}.png")])
             raise
