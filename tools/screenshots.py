@@ -135,7 +135,8 @@ def shoot(theme: str, out: Path, app: str, home: Path) -> None:
         xdotool("windowsize", window, "1600", "1000")
         xdotool("windowmove", window, "0", "0")
         time.sleep(1.0)
-        time.sleep(3.0)  # the chat opened at start: a reply with two versions
+        time.sleep(30.0)  # the model loaded (a GGUF's first conversion included); the chat opened at start
+        # holds a reply with two versions
         snap(window, out / f"screenshot-{theme}-versions.png")
         xdotool("windowfocus", "--sync", window)
         xdotool("key", "ctrl+n")
