@@ -16,6 +16,9 @@ def test_bench_ui_streams_into_the_real_window_and_reports_per_token_cost():
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(result["runs"]) == ["10", "200"]
+    bars, worst = result["bars"], max(result["ms_per_token"].values())
+    assert (bars["ms_per_token"], bars["ratio"]) == (2.0, 1.2)
+    assert bars["ms_met"] == (worst <= 2.0) and bars["ratio_met"] == (result["ratio"] <= 1.2)
     for n, run in result["runs"].items():
         # measure() raises unless the streamed reply reached the view: a run is a reply shown
         assert run["messages"] == int(n) and run["tokens"] == 30 and run["gui_cpu_s"] > 0
