@@ -98,9 +98,9 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
     chunk = chunk or EngineConfig().prefill_chunk
     if chunk < 1:
         raise ConfigError("--chunk must be at least 1")
+    named = read_texts(text_files)  # an unreadable file is said before the model loads
     lm = load(model)
-    texts = [(kind, path, lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-             for kind, path, text in read_texts(text_files)]
+    texts = [(kind, path, lm.tokenizer(text, add_special_tokens=False)["input_ids"]) for kind, path, text in named]
     for _, path, tokens in texts:  # every text checked before any is scored
         if len(tokens) < context:
             raise ConfigError(f"{path} has {len(tokens)} tokens, fewer than one window of {context}")

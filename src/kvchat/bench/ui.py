@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+MS_BAR, RATIO_BAR = 2.0, 1.2  # the desktop issue's bars: GUI-thread ms per token, and 200 messages against 10
 REPLY = ("Here is a small function that does it, followed by a short explanation of each step.\n\n"
          "```python\ndef word_counts(text: str) -> dict[str, int]:\n    counts = {}\n"
          "    for word in text.lower().split():\n        word = word.strip('.,;:!?')\n"
@@ -156,9 +157,6 @@ def settle(app, seconds: float) -> None:
     while time.perf_counter() < end:
         app.processEvents()
         time.sleep(0.002)
-
-
-MS_BAR, RATIO_BAR = 2.0, 1.2  # the desktop issue's bars: GUI-thread ms per token, and 200 messages against 10
 
 
 def bench(tokens: int = 200, interval_ms: float = 25.0, sizes=(10, 200)) -> dict:

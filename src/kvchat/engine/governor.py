@@ -41,18 +41,20 @@ class MemoryGovernor:
         # pressure is judged on other programs alone: what the pool gives back may stay in this
         # process's pages for a while, and counting it would shrink the pool again
         self.relieve_pressure(total, other, list(live))
-        e.emit(self.snapshot(total, other, max(0, own - e.weights_bytes - e.kvpool.usage()["kv_total"])))
+        e.emit(self.snapshot(total, other, own))
 
     def kv_room(self, total: int, other: int) -> int:
         """Bytes the KV pool may take: what the device has, less everything else and the headroom."""
         e = self.engine
         return total - other - e.weights_bytes - e.activations - e.config.headroom_bytes
 
-    def snapshot(self, total: int, other: int, runtime: int = 0) -> MemorySnapshot:
-        """``runtime``: this process beyond its weights and pool, which would otherwise pass for free."""
+    def snapshot(self, total: int, other: int, own: int = 0) -> MemorySnapshot:
+        """``own``: this process's bytes; beyond its weights and pool (its runtime) they would
+        otherwise pass for free."""
         e = self.engine
         pool = e.kvpool
         usage = pool.usage()
+        runtime = max(0, own - e.weights_bytes - usage["kv_total"])
         kv_room = self.kv_room(total, other + runtime)
         free = kv_room + e.config.headroom_bytes - usage["kv_total"]
         room = max(usage["kv_total"], kv_room)  # what the pool could grow to now

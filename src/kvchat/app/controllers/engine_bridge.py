@@ -16,7 +16,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 
 from kvchat.core.config import DEFAULT_CONTEXT, DISK_CACHE_BYTES, EngineConfig, SamplingParams
 from kvchat.core.events import (Error, Finished, LoadFailed, LoadProgress, ModelReady, Notice, PrefillProgress,
-                                  Request, RequestHandle, TokenDelta)
+                                  Request, RequestHandle, TokenDelta, replies_wait)
 from kvchat.core.memory import GiB, MemorySnapshot
 from kvchat.remote.connect import open_remote
 from kvchat.remote.metrics import ServerMemory
@@ -58,6 +58,7 @@ class EngineBridge(QObject):
     reply_failed = Signal(int, str)  # reply key, why
     failed = Signal(str)  # a command refused: a send while a model loads, a reconfigure
     notice = Signal(str, str)  # kind, message
+    warming = Signal(bool)  # replies wait for the decode step's capture (CUDA), or no longer do
     snapshot = Signal(dict)
     reconfigured = Signal(dict)
     # done, total (0: unknown), stage: download in bytes (object: sizes pass 2 GiB), convert in tensors
@@ -257,6 +258,9 @@ class EngineBridge(QObject):
             self.server_memory.emit(asdict(item))
         elif isinstance(item, Notice):
             self.notice.emit(item.kind, item.message)
+            waits = replies_wait(item)
+            if waits is not None:
+                self.warming.emit(waits)
 
     def _on_request_event(self, key: int, event) -> None:
         if key not in self.handles:  # a reply ended early by stop(): its late events have no one to reach

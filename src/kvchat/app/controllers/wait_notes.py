@@ -6,7 +6,6 @@ import time
 
 from PySide6.QtCore import QObject
 
-from kvchat.core.events import Notice, replies_wait
 
 WARMING_NOTE = "Preparing fast decoding for this model (up to a minute the first time): the reply starts after it."
 
@@ -29,6 +28,7 @@ class WaitNotes(QObject):
         win.bridge.token.connect(lambda key, *_: self.on_token(key))
         win.bridge.finished.connect(lambda key, *_: self.clear(key))
         win.bridge.reply_failed.connect(lambda key, *_: self.clear(key))
+        win.bridge.warming.connect(self.on_warming)
 
     def on_progress(self, key: int, done: int, total: int) -> None:
         now = time.monotonic()
@@ -58,11 +58,9 @@ class WaitNotes(QObject):
             self.warming = False
             self.note_warming()  # the reply in view may be another chat's, whose token comes next
 
-    def on_notice(self, kind: str, message: str) -> None:
-        waits = replies_wait(Notice(kind, message))
-        if waits is not None:
-            self.warming = waits
-            self.note_warming()
+    def on_warming(self, waits: bool) -> None:
+        self.warming = waits
+        self.note_warming()
 
     def note_warming(self) -> None:
         """Under the reply in view while it waits for the decode step: why."""

@@ -198,7 +198,6 @@ class MainWindow(QMainWindow):
 
     def on_notice(self, kind: str, message: str) -> None:
         self.notify(f"{kind}: {message}")
-        self.waits.on_notice(kind, message)
 
     def clear_notice(self, prefix: str) -> None:
         """A notice about a state (an edit under way, a reply in the way) goes when the state ends."""

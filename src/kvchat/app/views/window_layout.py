@@ -93,8 +93,8 @@ def top_bar(win) -> TopBar:
     for b in (win.persona_edit_button, win.persona_new_button):
         row.addWidget(b)
     row.addStretch(1)
-    for w in (win.running_button, win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.more_button, win.library_button,
-              win.export_button, win.memory_button, win.settings_button):
+    for w in (win.running_button, win.connection_box, win.model_chip, win.context_chip, win.kv_chip, win.more_button,
+              win.library_button, win.export_button, win.memory_button, win.settings_button):
         row.addWidget(w)
     # narrow, the library's and export's buttons go into the overflow menu first, then the chips
     win.top_bar = TopBar(row, [win.context_chip, win.kv_chip, win.library_button, win.export_button],
