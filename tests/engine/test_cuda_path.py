@@ -34,8 +34,9 @@ def runner_at(model, precision: str, prompt: int = 40):
     kv = KVCache(shape, 64, 16, torch.float32, "cpu", precision)
     if kv.format.quantized:
         gen = torch.Generator().manual_seed(3)
-        kv.k_centers = [torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) * 0.1] * shape.num_layers
-        kv.k_scales = [torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5] * shape.num_layers
+        kv.calibrated([torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) * 0.1] * shape.num_layers,
+                      [torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5] * shape.num_layers,
+                      [torch.rand(2, shape.num_kv_heads, generator=gen) * 0.05 + 0.01] * shape.num_layers)
     manager = KVCacheManager(BlockPool(64), 16, "test")
     runner = ModelRunner(model, kv, manager, "eager")
     seq = Sequence(list(range(3, 3 + prompt)))

@@ -11,12 +11,12 @@ from kvchat.engine.tensor_peak import TensorPeak
 from kvchat.kernels import quant
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=8, head_dim=128)  # an 8B model's K/V heads
-STATS = ([torch.zeros(8, 128)] * 2, [torch.ones(8, 128)] * 2)
+STATS = ([torch.zeros(8, 128)] * 2, [torch.ones(8, 128)] * 2, [torch.full((2, 8), 0.05)] * 2)
 
 
 def filled(precision: str, num_blocks: int) -> KVCache:
     kv = KVCache(SHAPE, num_blocks, 16, torch.float32, "cpu", precision)
-    kv.k_centers, kv.k_scales = STATS if kv.format.quantized else (None, None)
+    kv.calibrated(*STATS)
     slots = torch.arange(num_blocks * 16)
     gen = torch.Generator().manual_seed(0)
     for layer in range(SHAPE.num_layers):

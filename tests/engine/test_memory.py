@@ -90,7 +90,7 @@ def test_the_activations_reserve_covers_attention_over_a_long_context(precision)
     heads, chunk, context = 32, 512, 4096
     kv = KVCache(KVShape(1, 8, 128), context // 16, 16, torch.bfloat16, "cpu", precision)
     if kv.format.quantized:
-        kv.k_centers, kv.k_scales = [torch.zeros(8, 128)], [torch.ones(8, 128)]
+        kv.calibrated([torch.zeros(8, 128)], [torch.ones(8, 128)], [torch.full((2, 8), 0.05)])
     table = torch.randperm(context // 16, generator=torch.Generator().manual_seed(0)).int()
     slots = (table.long()[:, None] * 16 + torch.arange(16)).flatten()
     window = kv.new_window()

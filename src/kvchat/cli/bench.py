@@ -2,7 +2,7 @@
 import os
 
 from kvchat.cli.checks import quiet_transformers
-from kvchat.core.config import LADDER_NAMES, MAX_RUNNING, WEIGHTS, ConfigError
+from kvchat.core.config import KV_MODES, MAX_RUNNING, WEIGHTS, ConfigError
 
 
 def bench_args(sub) -> None:
@@ -29,7 +29,7 @@ def bench_args(sub) -> None:
     decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     decode.add_argument("--weights", default="none", choices=list(WEIGHTS))
-    decode.add_argument("--kv-precision", default="fp16", choices=LADDER_NAMES)
+    decode.add_argument("--kv-precision", default="fp16", choices=KV_MODES)
     decode.add_argument("--prompt-len", type=int, default=512)
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)

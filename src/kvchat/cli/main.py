@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, LADDER_NAMES, MAX_RUNNING, WEIGHTS,
+from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, KV_MODES, MAX_RUNNING, WEIGHTS,
                                 ConfigError, EngineConfig, SamplingParams)
 from kvchat.cli.bench import bench_args, cmd_bench
 from kvchat.cli.checks import check_engine_args, check_serve_args, print_capped, quiet_transformers
@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", action="append", default=None,
                     help="a UTF-8 text file (again for more); default: the shipped prose, code, chat and French")
     ev.add_argument("--context", type=int, default=512)
-    ev.add_argument("--kv-precision", default="int4", help="one or more of fp16, int8, k8v4, int4, comma-separated")
+    ev.add_argument("--kv-precision", default="int4", help="one or more of " + ", ".join(KV_MODES) + ", comma-separated")
     ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
     ev.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 512)")
     ev.add_argument("--json", action="store_true")
@@ -270,9 +270,9 @@ def cmd_eval(args) -> int:
         if not os.path.isfile(os.path.expanduser(text)):
             raise ConfigError(f"--text {text}: no such file")
     precisions = [p.strip() for p in args.kv_precision.split(",") if p.strip()]
-    wrong = [p for p in precisions if p not in LADDER_NAMES]
+    wrong = [p for p in precisions if p not in KV_MODES]
     if wrong or not precisions:
-        raise ConfigError(f"--kv-precision {args.kv_precision}: choose from {', '.join(LADDER_NAMES)}")
+        raise ConfigError(f"--kv-precision {args.kv_precision}: choose from {', '.join(KV_MODES)}")
     quiet_transformers()
     from kvchat.bench import evaluate
 

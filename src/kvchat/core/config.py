@@ -12,13 +12,15 @@ class Precision(str, Enum):
     AUTO = "auto"  # the engine picks, and steps down under memory pressure
     FP16 = "fp16"  # the model's own dtype (fp32 on CPU)
     INT8 = "int8"
+    FP8 = "fp8"  # e4m3, one scale per layer and KV head
     K8V4 = "k8v4"
     INT4 = "int4"
 
 
 # The precision ladder, best first: what Auto steps down through and the planner tries in turn.
+# fp8 stands in it only on a GPU with fp8 conversions (``ladder``); any precision may be asked for.
 LADDER = (Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4)
-LADDER_NAMES = [p.value for p in LADDER]  # the modes a bench or an eval runs in (no auto)
+KV_MODES = [p.value for p in Precision if p != Precision.AUTO]  # the modes a bench or an eval runs in
 KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
 BLOCK_SIZE = 16  # tokens a KV block holds

@@ -10,33 +10,39 @@ SINKS = 4  # first tokens of a sequence kept in full precision
 READ_SLICE = 2048  # tokens dequantized at a time when a prefill reads its past: bounds the fp32 copy
 
 
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
 @dataclass(frozen=True)
 class KVFormat:
     name: str
     k_bits: int  # 16: the model's dtype, unquantized
     v_bits: int
+    float8: bool = False  # e4m3 codes with no per-token scale (one per layer and KV head, folded in)
 
     @property
     def quantized(self) -> bool:
         return self.k_bits < 16 or self.v_bits < 16
 
 
-FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("k8v4", 8, 4),
-                               KVFormat("int4", 4, 4))}
+FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("fp8", 8, 8, True),
+                               KVFormat("k8v4", 8, 4), KVFormat("int4", 4, 4))}
 
 
 def qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def element_bytes(bits: int, full_bytes: int = 2) -> float:
-    """Bytes per K or V element, its share of the group's fp16 scale included."""
-    return full_bytes if bits == 16 else bits / 8 + SCALE_BYTES / GROUP
+def element_bytes(bits: int, full_bytes: int = 2, grouped: bool = True) -> float:
+    """Bytes per K or V element, its share of the group's fp16 scale included (``grouped``)."""
+    return full_bytes if bits == 16 else bits / 8 + (SCALE_BYTES / GROUP if grouped else 0)
 
 
 def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
     """K and V of one token in one layer, scales included."""
-    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes) + element_bytes(fmt.v_bits, full_bytes))
+    grouped = not fmt.float8
+    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes, grouped)
+                                  + element_bytes(fmt.v_bits, full_bytes, grouped))
 
 
 def window_bytes(layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,

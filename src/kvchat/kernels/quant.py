@@ -21,7 +21,12 @@
   precision, outside the pool (``RecentWindow``), already centred, scaled and rotated; attention reads
   those rows from there instead of their quantized copies. The pool's blocks are the same with or
   without it. Measured on the starter (int4, GPL-3, context 512): +3.2% -> +1.1% (newest 64).
-- Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, when quantized,
+- fp8 (e4m3) stores the same transformed K and V as codes with no per-token scale: 1 byte a value,
+  half of fp16. A scale per layer and KV head, from calibration, maps the largest value to a
+  quarter of e4m3's range; the pool's owner folds it in (the key's into its channel scale, the
+  value's divided before the write and multiplied back into the output), so the kernels only cast,
+  saturating at +-448.
+- Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, in the int modes,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
 import math
@@ -30,10 +35,11 @@ import weakref
 import torch
 
 # the sizes, torch-free, live in layout.py; FORMATS and token_bytes are read through here too
-from kvchat.kernels.layout import (FORMATS, GROUP, SINKS, WINDOW, KVFormat, qmax, token_bytes,  # noqa: F401
-                                   window_bytes)
+from kvchat.kernels.layout import (FORMATS, FP8_MAX, GROUP, SINKS, WINDOW, KVFormat, qmax,  # noqa: F401
+                                   token_bytes, window_bytes)
 
 SCALE_DTYPE = torch.float16
+FP8_DTYPE = torch.float8_e4m3fn
 _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
@@ -78,6 +84,16 @@ def quantize(x: torch.Tensor, bits: int, clip: bool = False) -> tuple[torch.Tens
     return data, scale
 
 
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as the pool keeps them, uint8 (the CPU has no index_copy or index_select for
+    float8 tensors), saturating: a cast alone turns what lies past +-448 into NaN."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+
+
+def from_fp8(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return codes.view(FP8_DTYPE).to(dtype)
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, dtype=torch.float32) -> torch.Tensor:
     q = data if bits == 8 else unpack_int4(data)
     groups = q.to(dtype).unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)
@@ -98,6 +114,8 @@ def _layer_tensors(fmt, num_blocks, block_size, kv_heads, head_dim, dtype, devic
         lead = (num_blocks, block_size, kv_heads)
         if bits == 16:
             out[name] = torch.zeros(*lead, head_dim, dtype=dtype, device=device)
+        elif fmt.float8:
+            out[name] = torch.zeros(*lead, head_dim, dtype=torch.uint8, device=device)  # e4m3 bits
         else:
             width = head_dim if bits == 8 else head_dim // 2
             out[name] = torch.zeros(*lead, width, dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
@@ -122,6 +140,9 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
     for name, x, bits in (("k", k, fmt.k_bits), ("v", v, fmt.v_bits)):
         if bits == 16:
             _store(tensors[name], slots, x)
+            continue
+        if fmt.float8:
+            _store(tensors[name], slots, to_fp8(x))
             continue
         data, scale = quantize(x, bits, clip=name == "k" and bits == 4)
         _store(tensors[name], slots, data)
@@ -171,6 +192,8 @@ def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, firs
     data = gather(tensors[name], block_table, length, first_block)
     if bits == 16:
         return data
+    if fmt.float8:
+        return from_fp8(data, dtype)
     return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)
 
 

@@ -6,7 +6,7 @@ import torch
 from kvchat.kernels import dispatch, quant
 
 from kvchat.core.config import Precision
-from kvchat.engine.kv.calibration import CALIBRATION_ID
+from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape
 
 class KVCache:
@@ -20,6 +20,8 @@ class KVCache:
         self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
         self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
+        self.fp8_scales: list[torch.Tensor] | None = None  # likewise, fp8 only: [2, kv_heads], K and V
+        self._key_scales: list[torch.Tensor] | None = None
         self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
         # the full-precision rows each new sequence's window takes over once the last one's
         # sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs it has
@@ -33,10 +35,33 @@ class KVCache:
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
         quantized = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}|{CALIBRATION_ID}"
-        rot = quantized if self.format.quantized else ""
+        rot = quantized + (f"|fp8-at-{FP8_TARGET}" if self.format.float8 else "") if self.format.quantized else ""
         return f"{self.precision.value}|{self.dtype}{rot}"
 
-    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None,
+    def calibrated(self, k_centers=None, k_scales=None, fp8_scales=None) -> None:
+        """Set the key statistics (``calibration.calibrate``) this pool's format uses."""
+        quantized = self.format.quantized
+        self.k_centers, self.k_scales = (k_centers, k_scales) if quantized else (None, None)
+        self.fp8_scales = fp8_scales if self.format.float8 else None
+        self._key_scales = self.k_scales
+        if self.fp8_scales is not None:
+            self._key_scales = [s / f[0, :, None] for s, f in zip(self.k_scales, self.fp8_scales)]
+
+    @property
+    def transform(self) -> str | None:
+        """Which transform a window's and the sink cache's rows are in: the same in every int mode."""
+        return None if not self.format.quantized else "fp8" if self.format.float8 else "int"
+
+    def key_scale(self, layer: int) -> torch.Tensor | None:
+        """The keys' channel scale; in fp8 with the layer's scale folded in (queries divide by it)."""
+        return self._key_scales[layer] if self._key_scales is not None else None
+
+    def value_scale(self, layer: int) -> torch.Tensor | None:
+        """fp8's per-KV-head value scale ``[kv_heads, 1]``: values are divided by it before the
+        write, and attention's output multiplied by it."""
+        return self.fp8_scales[layer][1, :, None] if self.fp8_scales is not None else None
+
+    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None, fp8_scales=None,
                   windows=(), release: bool = False) -> "KVCache":
         """This pool's contents in another layout and size; block ids are kept (a shrink drops
         ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
@@ -52,21 +77,22 @@ class KVCache:
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
         device = self.device
         new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
-        new.k_centers, new.k_scales = (k_centers, k_scales) if new.format.quantized else (None, None)
+        new.calibrated(k_centers, k_scales, fp8_scales)
         allocate = lambda: quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
                                                self.shape.head_dim, self.dtype, device)
         new.layers = [None if release else allocate() for _ in self.layers]
-        # every quantized mode transforms keys alike, so sinks carry over between them
+        # the int modes transform keys alike, so sinks carry over between them
         new.window_storage = self.window_storage  # the same rows: the live windows and the graphs read them
-        new.sink_cache = self.sink_cache.copy() if self.format.quantized and new.format.quantized else OrderedDict()
+        new.sink_cache = self.sink_cache.copy() if new.transform and self.transform == new.transform else OrderedDict()
         keep_slots = min(num_blocks, self.num_blocks) * self.block_size
         for i in range(len(new.layers)):
             layer = new.layers[i] = new.layers[i] or allocate()
             center = new.k_centers[i] if new.k_centers is not None else None
-            scale = new.k_scales[i] if new.k_scales is not None else None
+            scale, v_scale = new.key_scale(i), new.value_scale(i)
             for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
                 slots = torch.arange(first, min(first + SLICE_BLOCKS * self.block_size, keep_slots), device=device)
                 k, v = self._plain(i, slots)
+                v = v / v_scale if v_scale is not None else v
                 quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
             for window, block_ids, length in windows:
                 sinks = min(window.sinks, length)
@@ -75,6 +101,7 @@ class KVCache:
                     slots = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
                         + pos % self.block_size
                     k, v = self._plain(i, slots)
+                    v = v / v_scale if v_scale is not None else v
                     window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
                                  quant.rotate(v, new.rotation))
             if release:
@@ -93,17 +120,21 @@ class KVCache:
             data = t[name].flatten(0, 1).index_select(0, slots)
             if bits == 16:
                 return data.float()
+            if fmt.float8:
+                return quant.from_fp8(data)
             return quant.dequantize(data, t[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
 
         k, v = rows("k", fmt.k_bits), rows("v", fmt.v_bits)
         if fmt.k_bits < 16:
             k = quant.rotate(k, self.rotation)  # H is its own inverse
             if self.k_scales is not None:
-                k = k / self.k_scales[layer]
+                k = k / self.key_scale(layer)
             if self.k_centers is not None:
                 k = k + self.k_centers[layer]
         if fmt.v_bits < 16:
             v = quant.rotate(v, self.rotation)
+        if self.fp8_scales is not None:
+            v = v * self.value_scale(layer)
         return k, v
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -184,7 +215,9 @@ class KVCache:
         """Store the new tokens' K/V; in the quantized modes, return them as transformed before
         rounding (``attend``'s ``fresh``) when there are several (a prefill chunk)."""
         center = self.k_centers[layer] if self.k_centers is not None else None
-        s = self.k_scales[layer] if self.k_scales is not None else None
+        s, v_scale = self.key_scale(layer), self.value_scale(layer)
+        if v_scale is not None:
+            value = value / v_scale.to(value.dtype)
         rows = []
 
         def keep_rows(k, v):
@@ -202,7 +235,11 @@ class KVCache:
                scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
                window_meta: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.k_scales[layer] if self.k_scales is not None else None
-        return dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
-                                         first_block, self.rotation, s, None if window is None else (window, layer),
-                                         context_lens, fresh, window_meta)
+        out = dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
+                                        first_block, self.rotation, self.key_scale(layer),
+                                        None if window is None else (window, layer), context_lens, fresh, window_meta)
+        v_scale = self.value_scale(layer)
+        if v_scale is None:
+            return out
+        t, heads, d = out.shape  # each query head takes its KV head's scale (GQA: heads grouped by KV head)
+        return (out.view(t, v_scale.shape[0], -1, d) * v_scale[:, None].to(out.dtype)).view(t, heads, d)

@@ -9,6 +9,9 @@ moved by a tenth of a point (docs/performance.md).
 - channel scale s: keys are multiplied by s and queries divided by it, which leaves q . k exact and
   spends the 4 bits where the queries look. Minimizing the expected score error
   (sum q_j^2 / s_j^2)(sum s_j^2 var_j) gives s_j = (E[q_j^2] / var_j)^(1/4), normalized to mean 1.
+- fp8 scales: per KV head, the largest transformed key and value of the text over ``FP8_TARGET``, so
+  a text with values several times larger still fits under e4m3's 448 (the codes keep 3 bits of
+  mantissa at any magnitude, so headroom costs nothing until values reach e4m3's subnormals).
 """
 import hashlib
 
@@ -16,6 +19,9 @@ import torch
 
 from kvchat.core.config import Precision
 from kvchat.engine.kv.manager import Sequence
+from kvchat.kernels import quant
+
+FP8_TARGET = quant.FP8_MAX / 8  # where the calibration text's largest |K| or |V| lands
 
 CALIBRATION_TEXT = """\
 The harbour town woke slowly. Fishing boats came in on the morning tide, and the market stalls
@@ -53,9 +59,10 @@ CALIBRATION_ID = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:12]
 
 @torch.inference_mode()
 def calibrate(lm, scratch_pool):
-    """Per layer: key centre ``[kv_heads, D]`` and channel scale ``[kv_heads, D]``, from the keys and
-    queries of the calibration text run through ``scratch_pool(lm, tokens, Precision.FP16)``, a new
-    fp16 pool (the pool's own constructor: the pool calls this when it first needs a quantized layout)."""
+    """Per layer: key centre ``[kv_heads, D]``, channel scale ``[kv_heads, D]`` and fp8 scales
+    ``[2, kv_heads]`` (K, V), from the keys, values and queries of the calibration text run through
+    ``scratch_pool(lm, tokens, Precision.FP16)``, a new fp16 pool (the pool's own constructor: the
+    pool calls this when it first needs a quantized layout)."""
     ids = lm.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
     pool = scratch_pool(lm, len(ids), Precision.FP16)
     seq = Sequence(ids)
@@ -70,13 +77,17 @@ def calibrate(lm, scratch_pool):
     pool.kv.attend = record_queries
     pool.runner.forward(seq, len(ids), want_logits=False)
     order = torch.tensor([b.id for b in seq.blocks], device=lm.device)
-    centers, scales = [], []
+    centers, scales, fp8 = [], [], []
+    rotation = quant.hadamard(pool.shape.head_dim, lm.device)
     for i, layer in enumerate(pool.kv.layers):
-        k = layer["k"].index_select(0, order).flatten(0, 1)[:len(ids)].float()
+        k, v = (layer[n].index_select(0, order).flatten(0, 1)[:len(ids)].float() for n in ("k", "v"))
         c = k.mean(0)
         var = ((k - c) ** 2).mean(0)
         q2 = (qs[i] ** 2).unflatten(1, (k.shape[1], -1)).mean((0, 2))  # per KV head, over its query group
         s = (q2 / var.clamp(min=1e-6)) ** 0.25
+        s = s / s.mean(-1, keepdim=True)
         centers.append(c)
-        scales.append(s / s.mean(-1, keepdim=True))
-    return centers, scales
+        scales.append(s)
+        largest = [x.abs().amax((0, 2)) for x in (quant.transform_keys(k, rotation, c, s), quant.rotate(v, rotation))]
+        fp8.append((torch.stack(largest) / FP8_TARGET).clamp(min=1e-6))
+    return centers, scales, fp8

@@ -5,6 +5,7 @@ import logging
 import torch
 
 from kvchat.engine.kv.block_pool import BlockPool
+from kvchat.kernels import quant
 from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
@@ -17,7 +18,8 @@ from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
 
 log = logging.getLogger("kvchat.kv_pool")
-DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
+DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.FP8: Precision.INT4,
+             Precision.K8V4: Precision.INT4}
 
 
 def kv_dtype(lm) -> torch.dtype:
@@ -35,7 +37,7 @@ class KVPool:
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
         if self.kv.format.quantized:
-            self.kv.k_centers, self.kv.k_scales = self.key_stats()
+            self.kv.calibrated(*self.key_stats())
         self.pool = BlockPool(num_blocks)
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
@@ -87,7 +89,7 @@ class KVPool:
         n = self.blocks_for(precision, budget)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False
-        stats = self.key_stats() if precision != Precision.FP16 else (None, None)
+        stats = self.key_stats() if precision != Precision.FP16 else (None, None, None)
         windows = self._new_windows(precision, live)
         new_kv = self.kv.converted(precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
         for seq, window, _ in windows:
@@ -115,12 +117,14 @@ class KVPool:
 
     def _new_windows(self, precision: Precision, live) -> list:
         """Live sequences keep their newest tokens in full precision through a conversion: a
-        quantized window stays valid (every quantized mode transforms keys alike); leaving fp16, a
-        new one is filled from the fp16 pool. Returns ``(seq, new window, what to fill)`` for the
-        sequences whose window changes; the caller sets them once the conversion succeeded."""
+        window stays valid between int modes (they transform keys alike); otherwise a new one is
+        filled from the old pool (exact from fp16; from fp8 or an int mode, its rounded rows).
+        Returns ``(seq, new window, what to fill)`` for the sequences whose window changes; the
+        caller sets them once the conversion succeeded."""
         out = []
+        fp8 = lambda p: quant.FORMATS[Precision(p).value].float8
         for seq in live:
-            if not self.kv.format.quantized or precision == Precision.FP16:
+            if not self.kv.format.quantized or precision == Precision.FP16 or fp8(precision) != self.kv.format.float8:
                 window = self.kv.new_window(precision)
                 fill = (window, [b.id for b in seq.blocks], seq.num_computed) if window is not None else None
                 out.append((seq, window, fill))
