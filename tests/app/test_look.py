@@ -36,8 +36,8 @@ def test_settings_speak_plain_words_with_help_and_the_themes_colours(qtbot, app_
     with answering(SettingsDialog, look) as got:
         qtbot.mouseClick(win.settings_button, Qt.LeftButton)
     assert got == [True]
-    assert seen["precision"] == ["automatic", "off (KV fp16)", "moderate (KV int8)", "strong (KV k8v4)",
-                                 "maximum (KV int4)"]
+    assert seen["precision"] == ["automatic", "off (KV fp16)", "moderate (KV int8)", "moderate, GPU (KV fp8)",
+                                 "strong (KV k8v4)", "maximum (KV int4)"]
     assert "8 bits" in seen["tip"] and seen["weights"][1] == "as stored (fp32 on the CPU)"
     assert any("KV cache" in h for h in seen["help"]) and any("headroom" in h for h in seen["help"])
     assert seen["bg"] == COLOURS[True]["bg"]  # drawn in the dark theme, not stock grey

@@ -62,7 +62,7 @@ def together(lm, precision: str, mode: str) -> tuple[torch.Tensor, list[Sequence
     return torch.stack(rows, 1), seqs
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "fp8", "k8v4", "int4"])
 def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny, precision):
     got, seqs = together(tiny, precision, "eager")
     for i, prompt in enumerate(PROMPTS):

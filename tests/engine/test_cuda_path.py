@@ -48,7 +48,7 @@ def on_cuda_path():
     return mock.patch.object(dispatch, "use_triton", lambda *args: True)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "fp8", "int4"])
 def test_the_cuda_path_decodes_as_the_reference_does(model, precision):
     """Prefill and three decode steps, the window's ring written by the write kernel and read by
     the decode kernel, against the pure-torch path."""

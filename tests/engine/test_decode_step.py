@@ -95,7 +95,7 @@ def test_the_cpu_decode_forward_with_traced_attention_has_no_graph_break(tiny):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "fp8", "k8v4", "int4"])
 def test_compiled_decode_equals_eager(tiny, precision):
     prompt = prompt_ids()
     want_tokens, want, _ = decode(tiny, "eager", precision, prompt, 64)

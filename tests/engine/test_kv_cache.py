@@ -78,3 +78,32 @@ def test_a_conversion_that_releases_frees_each_old_layer_once_converted():
     want = twin.converted("int8", 64, *STATS)
     assert kv.layers == [None, None]
     assert all(torch.equal(new.layers[i][n], want.layers[i][n]) for i in range(2) for n in want.layers[i])
+
+
+def test_fp8_stores_values_over_their_head_scale_and_gives_them_back():
+    """fp8 codes carry no per-token scale: each KV head's values are divided by its calibrated scale
+    before rounding (0.05 here, so values of a few units land near 50, well inside e4m3's 448) and
+    multiplied back when read. A round trip through fp8 is within e4m3's rounding."""
+    kv = filled("fp16", 8)
+    fp8 = kv.converted("fp8", 8, *STATS)
+    codes = quant.from_fp8(fp8.layers[0]["v"])
+    rotated = quant.rotate(kv.layers[0]["v"], quant.hadamard(128)) / 0.05
+    assert (codes - rotated).abs().max() <= rotated.abs().max() / 16  # half a step of e4m3 at the top
+    back = fp8.converted("fp16", 8)
+    for name in ("k", "v"):
+        want = kv.layers[1][name]
+        err = (back.layers[1][name] - want).norm() / want.norm()
+        assert err < 0.05, (name, err)  # measured: 0.026 (K and V)
+
+
+def test_sinks_carry_over_between_pools_of_one_transform_only():
+    """The int modes transform keys alike, so their cached sink rows serve one another; fp8's rows
+    are scaled otherwise."""
+    kv = filled("int8", 8)
+    kv.sink_cache[(1, 2, 3, 4)] = (torch.zeros(2, 4, 8, 128), torch.zeros(2, 4, 8, 128))
+    assert list(kv.converted("int4", 8, *STATS).sink_cache) == [(1, 2, 3, 4)]
+    assert not kv.converted("fp8", 8, *STATS).sink_cache
+    fp8 = filled("fp8", 8)
+    fp8.sink_cache[(5, 6, 7, 8)] = (torch.zeros(2, 4, 8, 128), torch.zeros(2, 4, 8, 128))
+    assert list(fp8.converted("fp8", 16, *STATS).sink_cache) == [(5, 6, 7, 8)]
+    assert not fp8.converted("int8", 8, *STATS).sink_cache

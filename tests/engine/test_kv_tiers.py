@@ -52,7 +52,7 @@ def script(e: Engine, others=OTHERS):
     return ask(e, A + first.token_ids + QUESTION)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "fp8", "k8v4", "int4"])
 def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(short_starter, tmp_path, precision):
     """Pushed out of a small pool by two other chats, the conversation comes back from RAM; after a
     restart, from disk (with the full-precision sinks a quantized pool needs: the new engine has

@@ -5,11 +5,11 @@ stack read back with the wheel's cuobjdump), in a fresh process with the interpr
 The occupancy designed for: the decode kernel, 4 warps a program, keeps to 128 registers a thread,
 so that registers allow 4 programs an SM (65,536 / (4 x 128 x 128)), the count its splits are
 sized for (``triton_decode.PROGRAMS_PER_SM``); shared memory, 32-40 KB a program, allows those 4 on
-sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB), which still keeps 32+ KB in flight per SM against
+sm_90 (228 KB) and 2 on sm_86/sm_89 (100 KB; fp8's tiles of 32, 13-21 KB, allow 4), which still keeps 32+ KB in flight per SM against
 the ~6 KB a 4090's SM needs (``kvchat bench kernels``' model). The other kernels (write,
 dequantize, merge) hold no pipeline: 168 registers, 3 programs an SM. No variant spills.
 
-A representative part runs here (15 variants x 3 targets, 45 compiles, about 45 s in one process,
+A representative part runs here (17 variants x 3 targets, 51 compiles, about 50 s in one process,
 split over two): every decode variant on the 8B shape, the merge, the heaviest write (int4 keys,
 clipped) and dequantize, and decode kernels of Qwen2.5-7B (a group of 7) and of head_dim 64. ``kvchat bench kernels --compile``
 compiles the whole matrix (every variant x 3 shapes x 3 targets).
@@ -56,7 +56,8 @@ def compiled(tmp_path) -> list[dict]:
 def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_occupancy(tmp_path):
     rows = compiled(tmp_path)
     seen = {(r["shape"], r["variant"], r["target"]) for r in rows}
-    decode = [f"decode {p}" for p in compile_check.PRECISIONS] + [f"decode {p} +window" for p in ("int8", "k8v4", "int4")]
+    decode = [f"decode {p}" for p in compile_check.PRECISIONS] + [f"decode {p} +window"
+                                                                  for p in ("int8", "fp8", "k8v4", "int4")]
     for target in ("sm_86", "sm_89", "sm_90"):
         for name in decode + ["merge fp32", "merge bf16", "write int4 K", "dequantize int4"]:
             assert ("llama-8b", name, target) in seen, (name, target)

@@ -44,7 +44,7 @@ def test_roundtrip_error_is_within_half_a_step(bits, bound):
     assert (err <= amax * bound * 1.01 + 1e-6).all()
 
 
-@pytest.mark.parametrize("name, tol", [("int8", 0.02), ("k8v4", 0.12), ("int4", 0.2)])
+@pytest.mark.parametrize("name, tol", [("int8", 0.02), ("fp8", 0.12), ("k8v4", 0.12), ("int4", 0.2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (8, 2, 64), (16, 2, 128)])
 def test_quantized_attention_error_bounds(name, tol, heads, kv_heads, head_dim):
     """Relative error of the attention output against exact attention, on keys with outlier
@@ -76,6 +76,7 @@ def test_bytes_per_token_fractions():
     assert bytes_per_token(shape, "int8") / fp16 == (1 + 2 / 32) / 2
     assert bytes_per_token(shape, "k8v4") / fp16 == (1 + 0.5 + 4 / 32) / 4
     assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 2 / 32) / 2
+    assert bytes_per_token(shape, "fp8") / fp16 == 0.5  # no per-token scale
 
 
 def test_recent_window_keeps_the_sinks_and_the_newest_positions_of_a_ring():
@@ -102,7 +103,7 @@ def test_recent_window_keeps_the_sinks_and_the_newest_positions_of_a_ring():
     assert quant.RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * (quant.SINKS + quant.WINDOW) * 3 * 64 * 2
 
 
-@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
 def test_the_window_makes_its_rows_exact(name):
     """Positions the window holds are read unquantized: a sequence shorter than the window gets exact
     attention, a longer one less error than without it."""

@@ -21,13 +21,14 @@ def on_device(x):
     return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 
-def assert_same_store(want: dict, got: dict, slots) -> None:
+def assert_same_store(want: dict, got: dict, slots, fmt=None) -> None:
     """The reference's store, within the tolerance the README documents: the rotation's sums run in
     another order than torch's (on a GPU, and in the interpreter since the write kernel sums each
     tile's dot over D a slice at a time), so a value on a rounding edge may land one step away.
     Over the written slots, fewer than 1e-3 of the stored elements differ (codes and scales
     together, as ``kvchat bench kernels`` counts them); a code by one quantization step at most, a
-    scale by one fp16 rounding. Unquantized data (a copy) and every other slot: exact."""
+    scale by one fp16 rounding; an fp8 code (``fmt``) by one e4m3 step, the next code of the same
+    sign. Unquantized data (a copy) and every other slot: exact."""
     written = torch.zeros(want["k"].shape[0] * want["k"].shape[1], dtype=torch.bool)
     written[slots[slots >= 0].cpu()] = True
     differing = total = 0
@@ -35,7 +36,10 @@ def assert_same_store(want: dict, got: dict, slots) -> None:
         w, g = (t.flatten(0, 1) for t in (w, got[name].cpu()))
         assert torch.equal(w[~written], g[~written]), f"{name}: a slot that was not written changed"
         w, g = w[written], g[written]
-        if w.dtype in (torch.int8, torch.uint8):
+        if fmt is not None and fmt.float8 and name in ("k", "v"):
+            step = lambda c: (c.int() & 0x7F) * (1 - 2 * (c.int() >> 7))  # e4m3 codes in value order
+            assert ((step(w) - step(g)).abs() <= 1).all(), f"{name}: an fp8 code more than one step away"
+        elif w.dtype in (torch.int8, torch.uint8):
             a, b = (quant.unpack_int4(t) if t.dtype == torch.uint8 else t for t in (w, g))
             assert (a.int() - b.int()).abs().max() <= 1, f"{name}: a code more than one step away"
         elif name.endswith("_scale"):
@@ -67,7 +71,7 @@ def scene(fmt, heads, kv_heads, head_dim, lengths, seed):
     return pool, tables, rot, center, cscale, g
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_quantize_write_matches_the_reference_and_skips_padding(name, head_dim):
     fmt = quant.FORMATS[name]
@@ -84,7 +88,7 @@ def test_fused_quantize_write_matches_the_reference_and_skips_padding(name, head
     reference.write_kv(want, fmt, key, value, slots, rot, center, cscale)
     got = on_device(got)
     triton_kv.quantize_write(got, fmt, *(on_device(t) for t in (key, value, slots, rot, center, cscale)))
-    assert_same_store(want, got, slots)
+    assert_same_store(want, got, slots, fmt)
 
 
 SENTINEL = {torch.int8: 77, torch.uint8: 0xA5, torch.float16: 1234.0, torch.float32: 12345.0}
@@ -102,7 +106,7 @@ def guarded_pool(fmt, num_blocks, kv_heads, head_dim, guard=4096):
     return pool, buffers
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_prefill_of_several_write_tiles_stores_every_token_and_nothing_else(name, head_dim):
     """40 tokens are three tiles of 16 (16 + 16 + 8) with padding slots in each. The slot and input
@@ -126,7 +130,7 @@ def test_a_prefill_of_several_write_tiles_stores_every_token_and_nothing_else(na
     got, buffers = guarded_pool(fmt, num_blocks, kv_heads, head_dim)
     triton_kv.quantize_write(got, fmt, on_device(key_buf)[:n], on_device(value_buf)[:n], on_device(slot_buf)[:n],
                              *(on_device(t) for t in (rot, center, cscale)))
-    assert_same_store(want, got, slots)  # the slots not written among them
+    assert_same_store(want, got, slots, fmt)  # the slots not written among them
     for pool_name, buf, guard in buffers:
         assert (buf[:guard] == SENTINEL[buf.dtype]).all() and (buf[-guard:] == SENTINEL[buf.dtype]).all(), pool_name
 
@@ -151,7 +155,7 @@ def decode(query, pool, fmt, table, lengths, rot, cscale, **kwargs):
 GROUPS = [1, 4, 7, 8]  # GQA groups: MHA, Llama-3 8B, Qwen2.5-7B (28/4), and a full 8 (no padding below 16)
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", GROUPS)
 def test_paged_decode_matches_reference(name, head_dim, group):
@@ -197,7 +201,7 @@ def test_the_split_count_follows_the_sms_not_the_bucket():
     assert triton_decode.decode_splits(132, 1, 8, 1) == 1
 
 
-@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (64, 7), (128, 8)])
 @pytest.mark.parametrize("window_len", [5, 66])  # a part of the context; all but the sinks
 def test_paged_decode_with_a_full_precision_window_matches_reference(name, head_dim, group, window_len):
@@ -234,7 +238,7 @@ def test_the_gpu_bench_check_runs_and_agrees():
     from kvchat.bench import kernels as bench_kernels
 
     rows = bench_kernels.check(torch.device(DEVICE), dtype=torch.float32, length=40)
-    assert [r["precision"] for r in rows] == ["fp16", "int8", "k8v4", "int4"]
+    assert [r["precision"] for r in rows] == ["fp16", "int8", "fp8", "k8v4", "int4"]
     for r in rows:
         assert r["decode_max_abs_err"] < 1e-5
         assert r.get("write_bytes_differing", 0) < 1e-3 and r.get("write_max_steps", 0) <= 1.0

@@ -4,6 +4,8 @@ from unittest import mock
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvchat.kernels import dispatch, quant, reference, triton_kv
 
@@ -12,12 +14,13 @@ from test_triton import DEVICE, on_device
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 BS = 16
-QUANTIZED = ["int8", "k8v4", "int4"]
+QUANTIZED = ["int8", "fp8", "k8v4", "int4"]
 
 
 def random_pool(fmt, num_blocks: int, kv_heads: int, head_dim: int, seed: int) -> dict:
     """Any codes and any fp16 scales over a wide range, not only what the quantizer writes: int4's
-    nibble 0 (-8) included, and products whose rounding to bf16 has work to do."""
+    nibble 0 (-8) included, e4m3's subnormals and +-448, and products whose rounding to bf16 has
+    work to do."""
     g = torch.Generator().manual_seed(seed)
     pool = quant.layer_tensors(fmt, num_blocks, BS, kv_heads, head_dim, torch.float32, "cpu")
     for name, t in pool.items():
@@ -27,6 +30,8 @@ def random_pool(fmt, num_blocks: int, kv_heads: int, head_dim: int, seed: int) -
             t.copy_(torch.randint(-127, 128, t.shape, generator=g))
         else:
             t.copy_(torch.randint(0, 256, t.shape, generator=g))
+            if fmt.float8:  # every e4m3 code but NaN's, which writes never make (they saturate)
+                t[(t & 0x7F) == 0x7F] -= 1
     return pool
 
 
@@ -110,3 +115,28 @@ def test_a_prefill_chunk_on_the_cuda_path_reads_the_past_through_the_kernel_as_t
     assert [c.args[2] for c in kernel.call_args_list] == ["k", "v"]
     assert [c.args[4:6] for c in kernel.call_args_list] == [(0, context - chunk)] * 2
     assert torch.equal(got, want)
+
+
+@triton.jit
+def _fp8_round_trip(x_ptr, code_ptr, back_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(code_ptr + i, triton_kv._to_fp8(tl.load(x_ptr + i)).to(tl.uint8))
+    tl.store(back_ptr + i, triton_kv.load_fp8(code_ptr, i, i < N, 1).to(tl.float32))
+
+
+def test_the_kernels_fp8_codes_are_torchs_bit_for_bit():
+    """The write kernel's rounding (``_to_fp8``) and the reads without hardware fp8 (``load_fp8``)
+    against torch's e4m3 (``quant.to_fp8``, ``quant.from_fp8``) on every code's value, the midpoints
+    between neighbours (ties go to the even code), values just off them, e4m3's subnormals, zeros of
+    both signs and values past +-448 (saturated)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    values = quant.from_fp8(codes).sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), torch.tensor([0.0, -0.0, 449.0, -1e4, 5e-4])])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel())])
+    code, back = on_device(torch.zeros(n, dtype=torch.uint8)), on_device(torch.zeros(n))
+    _fp8_round_trip[(1,)](on_device(x), code, back, N=n)
+    assert torch.equal(code.cpu(), quant.to_fp8(x))
+    assert torch.equal(back.cpu(), quant.from_fp8(quant.to_fp8(x)))

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kvchat.core.config import LADDER, EngineConfig, SamplingParams
+from kvchat.core.config import ORDER, EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
 from kvchat.engine.model.loading import load
@@ -60,7 +60,7 @@ def bench_kv(model: str = "starter", prompt_len: int = 512, new_tokens: int = 12
     """Decode speed of the engine per KV precision, same model copy, prompts and threads."""
     lm = load(model)
     rows = {}
-    for precision in (p.value for p in LADDER):
+    for precision in (p.value for p in ORDER):
         engine = Engine(EngineConfig(model=model, kv_precision=precision, max_context=prompt_len + new_tokens + 64),
                         loaded=lm, disk_tier=None)
         engine.wait_ready()

@@ -27,7 +27,7 @@ from kvchat.kernels import reference
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128)
 CONTEXTS = (2048, 8192, 32768)
-PRECISIONS = ("fp16", "int8", "k8v4", "int4")
+PRECISIONS = ("fp16", "int8", "fp8", "k8v4", "int4")
 BS = 16
 # bandwidth (bytes/s), SMs, shared memory an SM gives its programs, loaded memory latency (s),
 # fixed cost of the two launches in a captured graph (s)
@@ -82,6 +82,9 @@ def _steps_apart(a, b, fmt, name, table, length: int) -> float:
     bits = fmt.k_bits if name == "k" else fmt.v_bits
     if bits == 16:
         return 0.0
+    if fmt.float8:  # e4m3 codes in value order: one step is one code
+        step = lambda t: (t.int() & 0x7F) * (1 - 2 * (t.int() >> 7))
+        return float((step(a[name]) - step(b[name])).abs().max().item())
     x = quant.read(a, fmt, name, table, length, None, torch.float32)
     y = quant.read(b, fmt, name, table, length, None, torch.float32)
     step = quant.gather(a[name + "_scale"], table, length, None).float().repeat_interleave(quant.GROUP, -1)

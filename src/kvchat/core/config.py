@@ -17,9 +17,17 @@ class Precision(str, Enum):
     INT4 = "int4"
 
 
-# The precision ladder, best first: what Auto steps down through and the planner tries in turn.
-# fp8 stands in it only on a GPU with fp8 conversions (``ladder``); any precision may be asked for.
-LADDER = (Precision.FP16, Precision.INT8, Precision.K8V4, Precision.INT4)
+# Every precision, best quality first; each holds more tokens in the same bytes than the one before.
+ORDER = (Precision.FP16, Precision.INT8, Precision.FP8, Precision.K8V4, Precision.INT4)
+
+
+def ladder(fp8: bool = False) -> tuple:
+    """What Auto steps down through and the planner tries in turn: fp8 only on a GPU that converts
+    fp8 in hardware (sm_89 and later). Any precision may still be asked for by name."""
+    return tuple(p for p in ORDER if fp8 or p != Precision.FP8)
+
+
+LADDER = ladder()
 KV_MODES = [p.value for p in Precision if p != Precision.AUTO]  # the modes a bench or an eval runs in
 KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked

@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from kvchat.core.config import BLOCK_SIZE, LADDER
+from kvchat.core.config import BLOCK_SIZE, ORDER, ladder
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
-PRECISIONS = LADDER  # best first
+PRECISIONS = ORDER  # best first
 PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as cached prefixes
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
 
@@ -110,9 +110,10 @@ class Plan:
 
 def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int = GiB,
          kv_full_bytes: int = 2, block_size: int = BLOCK_SIZE, chunk: int = 512,
-         weights_size: int | None = None) -> Plan:
+         weights_size: int | None = None, fp8: bool = False) -> Plan:
     """For each precision the largest context the memory holds, and Auto's pick: the highest
-    precision that holds ``context`` plus the prefix-cache reserve."""
+    precision of its ladder (with fp8 where the GPU converts it) that holds ``context`` plus the
+    prefix-cache reserve."""
 
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
     act = activations_bytes(config, chunk, kv_full_bytes, context)
@@ -124,7 +125,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
         per_token = bytes_per_token(shape, precision, kv_full_bytes)
         p.bytes_per_token[precision.value] = per_token
         p.max_context[precision.value] = int(budget // (per_token * block_size)) * block_size
-        if p.auto is None and budget >= need * per_token:
+        if p.auto is None and budget >= need * per_token and precision in ladder(fp8):
             p.auto = precision.value
     return p
 

@@ -29,7 +29,7 @@ OTHER_REGISTER_BUDGET = 168
 TARGETS = (86, 89, 90)
 # (name, heads, kv_heads, head_dim): Llama-3.1-8B, Qwen2.5-7B, and a 64-dim model (Llama-3.2-1B)
 SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64))
-PRECISIONS = ("fp16", "int8", "k8v4", "int4")
+PRECISIONS = ("fp16", "int8", "fp8", "k8v4", "int4")
 SHARED_PER_SM = {86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # usable per SM, bytes
 THREADS_PER_SM = {86: 1536, 89: 1536, 90: 2048}
 
@@ -42,6 +42,7 @@ class Variant:
     constexprs: dict
     num_warps: int = 4
     pointers: list = field(default_factory=list)  # 16-byte aligned, as every torch allocation is
+    fp8: bool = False  # reads fp8 codes: in hardware from sm_89 on, below by bits (``triton_kv.fp8_mode``)
 
 
 def _ptr(dtype: str) -> str:
@@ -62,14 +63,15 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
     group = heads // kv_heads
     for precision in PRECISIONS:
         fmt = quant.FORMATS[precision]
-        data = {16: dtype, 8: "i8", 4: "u8"}
+        data = {16: dtype, 8: "u8" if fmt.float8 else "i8", 4: "u8"}
+        scales = "*u8" if fmt.float8 else "*fp16"  # fp8 has none: the pool's codes stand in
         tile, stages = triton_decode.decode_config(fmt)
         for window in ((False, True) if fmt.quantized else (False,)):
             dot = tl.float16 if fmt.quantized else getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
             wdot = getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype]) if window else dot
             sig = {"q_ptr": "*fp32", "k_ptr": _ptr(data[fmt.k_bits]),
-                   "ks_ptr": "*fp16" if fmt.k_bits < 16 else _ptr(data[fmt.k_bits]),
-                   "v_ptr": _ptr(data[fmt.v_bits]), "vs_ptr": "*fp16" if fmt.v_bits < 16 else _ptr(data[fmt.k_bits]),
+                   "ks_ptr": scales if fmt.k_bits < 16 else _ptr(data[fmt.k_bits]),
+                   "v_ptr": _ptr(data[fmt.v_bits]), "vs_ptr": scales if fmt.v_bits < 16 else _ptr(data[fmt.k_bits]),
                    "table_ptr": "*i32", "len_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                    "wk_ptr": _ptr(dtype if window else data[fmt.k_bits]),
                    "wv_ptr": _ptr(dtype if window else data[fmt.k_bits]),
@@ -80,8 +82,10 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
                           STAGES=stages, DOT=dot, W_DOT=wdot, PREC="tf32", WINDOW=window,
                           W_SINKS=quant.SINKS if window else 0, W_SIZE=quant.WINDOW if window else 1)
             sig.update({k: "constexpr" for k in consts})
+            sig["FP8"] = "constexpr"
             out.append(Variant(f"decode {precision}{' +window' if window else ''}", "_paged_decode_kernel", sig,
-                               consts, triton_decode.DECODE_WARPS, [k for k, v in sig.items() if v.startswith("*")]))
+                               consts, triton_decode.DECODE_WARPS, [k for k, v in sig.items() if v.startswith("*")],
+                               fmt.float8))
     for name, out_dtype in (("merge fp32", "fp32"), (f"merge {dtype}", dtype)):
         sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": _ptr(out_dtype), "parts": "i32"}
         consts = dict(D=head_dim, CHUNK=triton_decode.MERGE_CHUNK)
@@ -91,19 +95,22 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
 
 
 def write_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Variant]:
-    """The write kernel per stored half: fp16's copy, int8 and int4 keys (centred; int4 clipped),
-    int8 and int4 values; the quantized ones as a decode token writes them (into the ring too)."""
+    """The write kernel per stored half: fp16's copy, int8, fp8 and int4 keys (centred; int4
+    clipped), int8, fp8 and int4 values; the quantized ones as a decode token writes them (into the
+    ring too)."""
     from kvchat.kernels import quant, triton_kv
 
     out = []
     for name, bits, center, clip in (("fp16", 16, False, False), ("int8 K", 8, True, False), ("int8 V", 8, False, False),
+                                     ("fp8 K", 8, True, False), ("fp8 V", 8, False, False),
                                      ("int4 K", 4, True, True), ("int4 V", 4, False, False)):
-        data = {16: dtype, 8: "i8", 4: "u8"}[bits]
+        fp8 = name.startswith("fp8")
+        data = {16: dtype, 8: "u8" if fp8 else "i8", 4: "u8"}[bits]
         sig = {"x_ptr": _ptr(dtype), "slot_ptr": "*i64", "center_ptr": "*fp32", "cscale_ptr": "*fp32",
-               "rot_ptr": "*fp32", "data_ptr": _ptr(data), "scale_ptr": "*fp16", "ring_ptr": _ptr(dtype),
-               "wmeta_ptr": "*i32", "n": "i32", "x_stride_t": "i32", "x_stride_h": "i32"}
+               "rot_ptr": "*fp32", "data_ptr": _ptr(data), "scale_ptr": "*u8" if fp8 else "*fp16",
+               "ring_ptr": _ptr(dtype), "wmeta_ptr": "*i32", "n": "i32", "x_stride_t": "i32", "x_stride_h": "i32"}
         consts = dict(KV_HEADS=kv_heads, D=head_dim, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP, CLIP=clip,
-                      RING=bits < 16, BLOCK_T=triton_kv.WRITE_TILE, BLOCK_K=triton_kv.WRITE_K)
+                      RING=bits < 16, BLOCK_T=triton_kv.WRITE_TILE, BLOCK_K=triton_kv.WRITE_K, FP8=fp8)
         sig.update({k: "constexpr" for k in consts})
         out.append(Variant(f"write {name}", "_quantize_write_kernel", sig, consts, 4,
                            [k for k, v in sig.items() if v.startswith("*")]))
@@ -111,18 +118,21 @@ def write_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Va
 
 
 def dequantize_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Variant]:
-    """``dequantize_rows`` into the model's dtype, for 8- and 4-bit halves (a prefill's context)."""
+    """``dequantize_rows`` into the model's dtype, for int8, fp8 and int4 halves (a prefill's context)."""
     from kvchat.kernels import quant
 
     out = []
-    for bits in (8, 4):
-        sig = {"data_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*fp16", "table_ptr": "*i32",
-               "out_ptr": _ptr(dtype), "first": "i32", "n": "i32", "out_stride_t": "i32", "out_stride_h": "i32"}
+    for name, bits in (("int8", 8), ("fp8", 8), ("int4", 4)):
+        fp8 = name == "fp8"
+        sig = {"data_ptr": "*i8" if name == "int8" else "*u8", "scale_ptr": "*u8" if fp8 else "*fp16",
+               "table_ptr": "*i32", "out_ptr": _ptr(dtype), "first": "i32", "n": "i32", "out_stride_t": "i32",
+               "out_stride_h": "i32"}
         consts = dict(KV_HEADS=kv_heads, D=head_dim, BS=16, BITS=bits, GROUP=quant.GROUP, ROWS=64,
                       BF16=dtype == "bf16")
         sig.update({k: "constexpr" for k in consts})
-        out.append(Variant(f"dequantize int{bits}", "_dequantize_rows_kernel", sig, consts, 4,
-                           [k for k, v in sig.items() if v.startswith("*")]))
+        sig["FP8"] = "constexpr"
+        out.append(Variant(f"dequantize {name}", "_dequantize_rows_kernel", sig, consts, 4,
+                           [k for k, v in sig.items() if v.startswith("*")], fp8))
     return out
 
 
@@ -168,8 +178,11 @@ def compile_variant(variant: Variant, capability: int) -> dict:
     fn = getattr(triton_decode, variant.kernel, None) or getattr(triton_kv, variant.kernel)
     names = list(variant.signature)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in variant.pointers}
+    consts = variant.constexprs
+    if "FP8" in variant.signature and "FP8" not in consts:  # the reads triton_kv.fp8_mode picks on this target
+        consts = {**consts, "FP8": (2 if capability >= 89 else 1) if variant.fp8 else 0}
     start = time.perf_counter()
-    src = triton.compiler.ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs, attrs=attrs)
+    src = triton.compiler.ASTSource(fn=fn, signature=variant.signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": variant.num_warps})
     seconds = time.perf_counter() - start
     use = resources(compiled.asm["cubin"])

@@ -44,6 +44,12 @@ _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
+def has_fp8(device) -> bool:
+    """The device converts fp8 in hardware (CUDA sm_89 and later): where Auto's ladder takes fp8."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def hadamard(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
     if d & (d - 1):
         raise ValueError(f"head_dim {d} is not a power of two: no Walsh-Hadamard rotation")

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kvchat.kernels import quant
 from kvchat.kernels.quant import KVFormat
-from kvchat.kernels.triton_kv import check_pool
+from kvchat.kernels.triton_kv import check_pool, fp8_mode, load_fp8
 
 # The paged decode kernel. Designed to be bound by memory bandwidth in every precision; the numbers
 # behind each choice are in ``kvchat bench kernels`` (a bytes-and-occupancy model) and in the
@@ -32,7 +32,10 @@ from kvchat.kernels.triton_kv import check_pool
 #   runs as many programs as an exact one, and an empty share costs one load.
 # - The window's rows (sinks + ring) are read BS at a time by one more program per KV head.
 DECODE_TILE = 64
-DECODE_STAGES = {"fp16": 3, "int8": 3, "k8v4": 3, "int4": 3}
+# fp8 reads tiles of 32: at 64, with no scale tiles, Triton 3.9 held its codes in 134-146 registers
+# (sm_86-90, 3 programs an SM); at 32, 96-102 (5), for half the bytes a tile, the same in flight an SM
+DECODE_TILES = {"fp8": 32}
+DECODE_STAGES = {"fp16": 3, "int8": 3, "fp8": 3, "k8v4": 3, "int4": 3}
 DECODE_WARPS = 4
 QG_MIN = 16
 PROGRAMS_PER_SM = 4  # the occupancy the register budget is designed for (tests/kernels/test_compile.py)
@@ -77,9 +80,10 @@ def _half_codes(ptr, offsets, live, D: tl.constexpr, BITS: tl.constexpr, DIM_STE
 
 @triton.jit
 def _k_tile(k_ptr, ks_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-            DOT: tl.constexpr):
+            DOT: tl.constexpr, FP8: tl.constexpr):
     """The tile's keys, transposed for the product, as two halves ``[D/2, T]`` in DOT: dequantized
-    where the product's operand lies (codes are exact in fp16, then times their scale)."""
+    where the product's operand lies (codes are exact in fp16, then times their scale; fp8 codes
+    are values, exact in fp16 too)."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[:, None]
     r = row[None, :]
@@ -87,6 +91,9 @@ def _k_tile(k_ptr, ks_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
     if BITS == 16:
         lo = tl.load(k_ptr + r * D + d, mask=live, other=0.0).to(DOT)
         hi = tl.load(k_ptr + r * D + HALF + d, mask=live, other=0.0).to(DOT)
+    elif FP8:
+        lo = load_fp8(k_ptr, r * D + d, live, FP8).to(DOT)
+        hi = load_fp8(k_ptr, r * D + HALF + d, live, FP8).to(DOT)
     else:
         width: tl.constexpr = D if BITS == 8 else HALF
         c_lo, c_hi = _half_codes(k_ptr, r * width + d, live, D, BITS, HALF)
@@ -97,7 +104,7 @@ def _k_tile(k_ptr, ks_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
 
 @triton.jit
 def _v_tile(v_ptr, vs_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-            DOT: tl.constexpr):
+            DOT: tl.constexpr, FP8: tl.constexpr):
     """The tile's values as two halves ``[T, D/2]`` in DOT."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[None, :]
@@ -106,6 +113,9 @@ def _v_tile(v_ptr, vs_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
     if BITS == 16:
         lo = tl.load(v_ptr + r * D + d, mask=live, other=0.0).to(DOT)
         hi = tl.load(v_ptr + r * D + HALF + d, mask=live, other=0.0).to(DOT)
+    elif FP8:
+        lo = load_fp8(v_ptr, r * D + d, live, FP8).to(DOT)
+        hi = load_fp8(v_ptr, r * D + HALF + d, live, FP8).to(DOT)
     else:
         width: tl.constexpr = D if BITS == 8 else HALF
         c_lo, c_hi = _half_codes(v_ptr, r * width + d, live, D, BITS, HALF)
@@ -117,10 +127,10 @@ def _v_tile(v_ptr, vs_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
 @triton.jit
 def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr, row, valid, qk_scale,
                  D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Online softmax (base 2) of the query group ``[QG_PAD, D/2]`` x 2 over the tile's rows
     ``row`` ``[T]`` (``valid`` masks the rest): the running ``acc`` halves, max ``m`` and sum ``l``."""
-    k_lo, k_hi = _k_tile(k_ptr, ks_ptr, row, valid, D, K_BITS, NCH, CH, DOT)
+    k_lo, k_hi = _k_tile(k_ptr, ks_ptr, row, valid, D, K_BITS, NCH, CH, DOT, FP8)
     s = tl.dot(q_lo, k_lo, input_precision=PREC)
     s = tl.dot(q_hi, k_hi, s, input_precision=PREC)
     s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
@@ -130,7 +140,7 @@ def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr,
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     p = p.to(DOT)
-    v_lo, v_hi = _v_tile(v_ptr, vs_ptr, row, valid, D, V_BITS, NCH, CH, DOT)
+    v_lo, v_hi = _v_tile(v_ptr, vs_ptr, row, valid, D, V_BITS, NCH, CH, DOT, FP8)
     acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
     acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PREC)
     return acc_lo, acc_hi, m_new, l
@@ -146,7 +156,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
                          K_BITS: tl.constexpr, V_BITS: tl.constexpr, CH: tl.constexpr, QG: tl.constexpr,
                          QG_PAD: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
                          W_DOT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, W_SINKS: tl.constexpr,
-                         W_SIZE: tl.constexpr):
+                         W_SIZE: tl.constexpr, FP8: tl.constexpr):
     """One program per (sequence, KV head, split); with WINDOW (one sequence) one more per KV head
     (split ``splits``) attends to the window's rows: sinks ``0 .. s``, then the ring's positions
     ``first .. length``, with ``s`` and ``first`` read from ``wmeta`` (a tensor a captured step
@@ -183,7 +193,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             valid = tl.where(r < W_SINKS, r < w_s, (r < W_ROWS) & (pos >= w_first) & (pos < length))
             acc_lo, acc_hi, m, l = _attend_tile(wq_lo, wq_hi, acc_lo, acc_hi, m, l, wk_ptr, wk_ptr, wv_ptr, wv_ptr,
                                                 r * KV_HEADS + kvh, valid, qk_scale, D, 16, 16, NCH, CH,
-                                                W_DOT, PREC)
+                                                W_DOT, PREC, 0)
     else:
         kv_start = 0
         end = length
@@ -206,7 +216,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             block_id = tl.load(table + pos // BS, mask=valid, other=0).to(tl.int64)
             row = (block_id * BS + pos % BS) * KV_HEADS + kvh
             acc_lo, acc_hi, m, l = _attend_tile(dq_lo, dq_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr,
-                                                row, valid, qk_scale, D, K_BITS, V_BITS, NCH, CH, DOT, PREC)
+                                                row, valid, qk_scale, D, K_BITS, V_BITS, NCH, CH, DOT, PREC, FP8)
     out = (b * HEADS + kvh * QG + qa) * (splits + WINDOW) + split
     dst = acc_ptr + out[:, None] * D + j[None, :]
     tl.store(dst, acc_lo, mask=real[:, None])
@@ -250,7 +260,7 @@ def decode_config(fmt: KVFormat) -> tuple[int, int]:
     SM to 3 (and fp16 on sm_89 from 2 to 1). One tile ahead in 4 programs is 34-128 KB in flight
     per SM, against the ~33 KB an H200 SM needs (``kvchat bench kernels``); per precision, so
     that a GPU run can move one of them alone."""
-    return DECODE_TILE, DECODE_STAGES[fmt.name]
+    return DECODE_TILES.get(fmt.name, DECODE_TILE), DECODE_STAGES[fmt.name]
 _SM_COUNT: dict = {}
 
 
@@ -324,7 +334,7 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         CH=min(quant.GROUP, d // 2), QG=group, QG_PAD=max(QG_MIN, triton.next_power_of_2(group)), TILE=tile,
         STAGES=stages, DOT=dot, W_DOT=wdot, PREC=prec, WINDOW=extra, W_SINKS=sinks,
-        W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1, num_warps=DECODE_WARPS)
+        W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1, FP8=fp8_mode(fmt, q.device), num_warps=DECODE_WARPS)
     rotate_back = fmt.v_bits < 16
     out = torch.empty(batch, heads, d, device=q.device, dtype=torch.float32 if rotate_back else query.dtype)
     _merge_kernel[(batch * heads,)](acc, m, l, out, parts, D=d, CHUNK=MERGE_CHUNK)

@@ -5,6 +5,8 @@
 Each head_dim vector is handled as two halves of D/2, the split-half int4 layout's natural unit:
 byte j of a packed row holds dim j and dim j + D/2, so one load serves both halves.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,43 @@ def unsupported(fmt: KVFormat, block_size: int, head_dim: int) -> str | None:
     return None
 
 
+def fp8_mode(fmt: KVFormat, device: torch.device) -> int:
+    """How the kernels read fp8 codes: 0 not fp8; 2 as ``float8e4nv``, which sm_89 and later convert
+    in hardware; 1 elsewhere (older GPUs, the interpreter) by moving the bits into an fp16 (``load_fp8``)."""
+    if not fmt.float8:
+        return 0
+    return 2 if quant.has_fp8(device) and os.environ.get("TRITON_INTERPRET") != "1" else 1
+
+
+@triton.jit
+def load_fp8(ptr, offsets, mask, MODE: tl.constexpr):
+    """e4m3 codes (uint8) at ``offsets`` as fp16 values, exactly (fp16 holds every e4m3 value).
+    Without hardware conversion: e4m3's 4 exponent and 3 mantissa bits, shifted under fp16's
+    (5 and 10), make the same number over 2^8, the two exponent biases apart (15 - 7), for
+    normals and subnormals alike; the pool never holds e4m3's NaN (writes saturate)."""
+    if MODE == 2:
+        return tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)) + offsets, mask=mask, other=0.0).to(tl.float16)
+    code = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32)
+    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _to_fp8(y):
+    """fp32 -> e4m3 codes (int32 in [0, 255]), saturating at +-448 and rounding to nearest even, as
+    ``quant.to_fp8``. Normal codes are (e + 6) * 8 + round(|y| / 2^(e-3)) for |y| in [2^e, 2^(e+1)):
+    the rounded mantissa runs 8..16, and 16 carries into the next exponent by itself; below 2^-6
+    the code is round(|y| * 2^9), whose 8 is the smallest normal. The exponent is read from the
+    bits, not from a log2 that may land one ulp under a power of two."""
+    bits = y.to(tl.uint32, bitcast=True)
+    a = tl.minimum(tl.abs(y), 448.0)
+    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    down = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e), for the normals' e in -6..8
+    normal = (e + 6) * 8 + _round(a * down).to(tl.int32)
+    code = tl.where(a < 0.015625, _round(a * 512.0).to(tl.int32), normal)
+    return code | ((bits >> 31) << 7).to(tl.int32)
+
+
 def check_pool(tensors: dict, fmt: KVFormat, head_dim: int) -> None:
     problem = unsupported(fmt, tensors["k"].shape[1], head_dim)
     if problem:
@@ -49,7 +88,7 @@ WRITE_K = 32
 def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, data_ptr, scale_ptr, ring_ptr, wmeta_ptr,
                            n, x_stride_t, x_stride_h, KV_HEADS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                            HAS_CENTER: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, RING: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
     """One program per (BLOCK_T tokens, KV head); rows past ``n`` and padding slots (-1) are
     masked out of every store. With RING (one token, row 0), its transformed row, before rounding,
     also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]`` names (-1:
@@ -78,20 +117,32 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
                 to_ring = (keep & (t == 0))[:, None]
                 tl.store(ring_ptr + ring, lo.to(ring_ptr.dtype.element_ty), mask=to_ring)
                 tl.store(ring_ptr + ring + HALF, hi.to(ring_ptr.dtype.element_ty), mask=to_ring)
-        q_lo, s_lo = _quantize_half(lo, BLOCK_T, HALF, BITS, GROUP, CLIP)
-        q_hi, s_hi = _quantize_half(hi, BLOCK_T, HALF, BITS, GROUP, CLIP)
-        G: tl.constexpr = HALF // GROUP
-        g = tl.arange(0, G)
-        scale_row = scale_ptr + row[:, None] * (D // GROUP) + g[None, :]
-        tl.store(scale_row, s_lo, mask=keep[:, None])
-        tl.store(scale_row + G, s_hi, mask=keep[:, None])
-        if BITS == 8:
+        if FP8:
             dst = data_ptr + row[:, None] * D + j[None, :]
-            tl.store(dst, q_lo.to(tl.int8), mask=keep[:, None])
-            tl.store(dst + HALF, q_hi.to(tl.int8), mask=keep[:, None])
+            tl.store(dst, _to_fp8(lo).to(tl.uint8), mask=keep[:, None])
+            tl.store(dst + HALF, _to_fp8(hi).to(tl.uint8), mask=keep[:, None])
         else:
-            packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
-            tl.store(data_ptr + row[:, None] * HALF + j[None, :], packed.to(tl.uint8), mask=keep[:, None])
+            _quantize_store(lo, hi, data_ptr, scale_ptr, row, keep, j, D, HALF, BITS, GROUP, CLIP, BLOCK_T)
+
+
+@triton.jit
+def _quantize_store(lo, hi, data_ptr, scale_ptr, row, keep, j, D: tl.constexpr, HALF: tl.constexpr,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The int modes' codes and group scales of a tile's rotated halves, stored at ``row``."""
+    q_lo, s_lo = _quantize_half(lo, BLOCK_T, HALF, BITS, GROUP, CLIP)
+    q_hi, s_hi = _quantize_half(hi, BLOCK_T, HALF, BITS, GROUP, CLIP)
+    G: tl.constexpr = HALF // GROUP
+    g = tl.arange(0, G)
+    scale_row = scale_ptr + row[:, None] * (D // GROUP) + g[None, :]
+    tl.store(scale_row, s_lo, mask=keep[:, None])
+    tl.store(scale_row + G, s_hi, mask=keep[:, None])
+    if BITS == 8:
+        dst = data_ptr + row[:, None] * D + j[None, :]
+        tl.store(dst, q_lo.to(tl.int8), mask=keep[:, None])
+        tl.store(dst + HALF, q_hi.to(tl.int8), mask=keep[:, None])
+    else:
+        packed = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
+        tl.store(data_ptr + row[:, None] * HALF + j[None, :], packed.to(tl.uint8), mask=keep[:, None])
 
 
 @triton.jit
@@ -190,16 +241,18 @@ def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch
             t, x.stride(0), x.stride(1),
             KV_HEADS=kv_heads, D=d, BITS=bits, HAS_CENTER=center, GROUP=quant.GROUP,
             CLIP=name == "k" and bits == 4, RING=to_ring, BLOCK_T=WRITE_TILE,
-            BLOCK_K=WRITE_K)
+            BLOCK_K=WRITE_K, FP8=fmt.float8)
 
 
 @triton.jit
 def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-               UPPER: tl.constexpr, GROUP: tl.constexpr):
+               UPPER: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
     """One half of the rows ``row`` ``[N]`` as fp32 ``[N, D/2]``, dequantized."""
     col = j + HALF * UPPER
     if BITS == 16:
         return tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
+    if FP8:
+        return load_fp8(data_ptr, row[:, None] * D + col[None, :], row[:, None] >= 0, FP8).to(tl.float32)
     s = tl.load(scale_ptr + row[:, None] * (D // GROUP) + (col // GROUP)[None, :]).to(tl.float32)
     if BITS == 8:
         q = tl.load(data_ptr + row[:, None] * D + col[None, :]).to(tl.float32)
@@ -212,7 +265,7 @@ def _load_half(data_ptr, scale_ptr, row, j, HALF: tl.constexpr, D: tl.constexpr,
 @triton.jit(do_not_specialize=["first", "n"])
 def _dequantize_rows_kernel(data_ptr, scale_ptr, table_ptr, out_ptr, first, n, out_stride_t, out_stride_h,
                             KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-                            GROUP: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr):
+                            GROUP: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, FP8: tl.constexpr):
     """One program per (ROWS positions, KV head): codes and scales read where the block table puts
     them, multiplied in fp32 and rounded once to out's dtype, as ``quant.read`` in fp32 then a cast."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -225,8 +278,8 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, table_ptr, out_ptr, first, n, o
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
     dst = out_ptr + i.to(tl.int64)[:, None] * out_stride_t + h * out_stride_h + j[None, :]
-    lo = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 0, GROUP)
-    hi = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 1, GROUP)
+    lo = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 0, GROUP, FP8)
+    hi = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 1, GROUP, FP8)
     if BF16:
         lo = _to_bf16(lo)
         hi = _to_bf16(hi)
@@ -259,4 +312,4 @@ def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.
     _dequantize_rows_kernel[(triton.cdiv(n, rows), kv_heads)](
         tensors[name], tensors.get(name + "_scale", tensors[name]), block_table, out, first, n,
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, D=d, BS=bs, BITS=bits, GROUP=quant.GROUP, ROWS=rows,
-        BF16=out.dtype == torch.bfloat16)
+        BF16=out.dtype == torch.bfloat16, FP8=fp8_mode(fmt, out.device))

@@ -1,11 +1,14 @@
 """Plain words for the engine's terms, with the expert term kept for a tooltip: the KV cache's
 precision is "memory saving", a weight format is named with what it does."""
 
-SAVING = {"auto": "automatic", "fp16": "off", "int8": "moderate", "k8v4": "strong", "int4": "maximum"}
+SAVING = {"auto": "automatic", "fp16": "off", "int8": "moderate", "fp8": "moderate, GPU", "k8v4": "strong",
+          "int4": "maximum"}
 SAVING_HELP = {"auto": "kvchat picks the least saving that holds the context you asked for, and saves more "
                        "when memory gets short",
                "fp16": "the KV cache at full precision (fp16; fp32 on the CPU)",
                "int8": "KV cache in 8 bits: half the memory, answers as good in kvchat's tests",
+               "fp8": "KV cache in 8-bit floats (fp8): half the memory, a little below int8's quality; "
+                      "GPUs from the RTX 40 series on read it in hardware",
                "k8v4": "keys in 8 bits, values in 4: about a third of the memory",
                "int4": "KV cache in 4 bits: a quarter of the memory, for the longest contexts"}
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
