@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from kvchat.core.config import ladder
+from kvchat.core.config import LADDER, ORDER
 from kvchat.core.memory import GiB, parse_bytes, plan, weights_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -59,19 +59,17 @@ def test_max_context_and_auto_for_an_8b_model_on_24_gib():
     assert plan(cfg, memory=18 * GiB, context=131072).auto is None
 
 
-def test_auto_takes_fp8_between_int8_and_k8v4_only_where_the_gpu_converts_it():
-    """fp8 holds 6% more tokens than int8 (no per-token scales): at a context int8 just misses,
-    a GPU with fp8 (``fp8=True``) gets it, any other device k8v4."""
+def test_auto_never_steps_to_fp8_where_k8v4_holds_the_same_context():
+    """fp8 holds 6% more tokens than int8 (no per-token scales). At a context int8 just misses and
+    fp8 would hold, Auto takes k8v4: as good in the measurements, in a fifth fewer bytes."""
     cfg = config("llama-3.1-8b")
-    fp8_tokens = plan(cfg, memory=24 * GiB, context=65536).max_context["fp8"]
-    context = int(fp8_tokens / 1.25) // 16 * 16
-    while plan(cfg, memory=24 * GiB, context=context, fp8=True).auto != "fp8":
-        context -= 16  # the activations grow a little with the context: step to where fp8 holds it
-    assert plan(cfg, memory=24 * GiB, context=context, fp8=True).auto == "fp8"
-    assert plan(cfg, memory=24 * GiB, context=context).auto == "k8v4"
-    assert context > 0.9 * fp8_tokens / 1.25
-    assert [p.value for p in ladder(True)] == ["fp16", "int8", "fp8", "k8v4", "int4"]
-    assert "fp8" not in [p.value for p in ladder(False)]
+    top = int(plan(cfg, memory=24 * GiB, context=65536).max_context["fp8"] / 1.25) // 16 * 16
+    # the activations, and so the KV budget, move a little with the context: find one in the band
+    band = [p for p in (plan(cfg, memory=24 * GiB, context=c) for c in range(top - 4096, top + 4096, 16))
+            if p.max_context["int8"] < p.requested_context * 1.25 <= p.max_context["fp8"]]
+    assert len(band) > 10
+    assert {p.auto for p in band} == {"k8v4"}
+    assert "fp8" not in [x.value for x in LADDER] and "fp8" in [x.value for x in ORDER]
 
 
 def test_quantized_weights_free_memory_for_the_cache():

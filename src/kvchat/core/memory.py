@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from kvchat.core.config import BLOCK_SIZE, ORDER, ladder
+from kvchat.core.config import BLOCK_SIZE, LADDER, ORDER
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
@@ -110,10 +110,9 @@ class Plan:
 
 def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int = GiB,
          kv_full_bytes: int = 2, block_size: int = BLOCK_SIZE, chunk: int = 512,
-         weights_size: int | None = None, fp8: bool = False) -> Plan:
+         weights_size: int | None = None) -> Plan:
     """For each precision the largest context the memory holds, and Auto's pick: the highest
-    precision of its ladder (with fp8 where the GPU converts it) that holds ``context`` plus the
-    prefix-cache reserve."""
+    precision of its ladder that holds ``context`` plus the prefix-cache reserve."""
 
     w = weights_size if weights_size is not None else weights_bytes(config, weights)
     act = activations_bytes(config, chunk, kv_full_bytes, context)
@@ -125,7 +124,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
         per_token = bytes_per_token(shape, precision, kv_full_bytes)
         p.bytes_per_token[precision.value] = per_token
         p.max_context[precision.value] = int(budget // (per_token * block_size)) * block_size
-        if p.auto is None and budget >= need * per_token and precision in ladder(fp8):
+        if p.auto is None and budget >= need * per_token and precision in LADDER:
             p.auto = precision.value
     return p
 

@@ -9,12 +9,11 @@ from dataclasses import replace
 import torch
 
 from kvchat.core.commands import Reconfigure, Refused
-from kvchat.core.config import ConfigError, Precision, ladder
+from kvchat.core.config import LADDER, ConfigError, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, Reconfigured
 from kvchat.core.memory import PRECISIONS, MemorySnapshot
 from kvchat.engine.kv.manager import Sequence
-from kvchat.kernels import quant
 
 log = logging.getLogger("kvchat.engine")
 PRESSURE_SLACK = 256 << 20  # short by less (or an eighth of the pool): a module loaded late, not a program
@@ -76,8 +75,7 @@ class MemoryGovernor:
             return
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
         old = pool.precision
-        steps = ladder(quant.has_fp8(e.loaded.device))
-        options = [p for p in steps if PRECISIONS.index(p) >= PRECISIONS.index(old)] if e.auto else [old]
+        options = [p for p in LADDER if PRECISIONS.index(p) >= PRECISIONS.index(old)] if e.auto else [old]
         fits = [p for p in options if allowed > 0 and pool.tokens_for(p, allowed) >= needed]
         # Auto keeps the context the user asked for when a lower precision can; else the most room
         full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]
