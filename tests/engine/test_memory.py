@@ -156,3 +156,34 @@ def test_nvml_opens_the_gpu_torch_uses_by_its_uuid_not_index_0(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML("pynvml"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="5f3c-second-card"))
     assert memory_probe.nvml_handle(torch.device("cuda", 0)) == "second card"
+
+
+@pytest.mark.parametrize("memory, on_cuda, label", [
+    (24, True, "fits"),                     # 16 GB of bf16 weights, 5 GiB of fp16 KV for 32k
+    (20, True, "fits at int8 KV"),          # fp16 holds 27k of the 32k asked: int8's 50k do
+    (18, True, "fits at int4 KV"),
+    (16, True, "needs 4-bit weights"),      # bf16 weights leave no room: nf4's do
+    (8, False, "needs 4-bit weights"),      # the CPU's int8 weights do not fit: int4's do
+    (6, True, "too large"),
+])
+def test_the_library_badge_follows_the_planner(memory, on_cuda, label):
+    """Llama-3.1-8B (128k trained), asked for 32k: the badge names the first weights format and
+    the best KV precision of Auto's ladder that hold it, and the context they hold."""
+    from kvchat.core.memory import parameter_counts
+    from kvchat.core.model_library import LocalModel, fit
+
+    cfg = config("llama-3.1-8b")
+    model = LocalModel("x", "hub cache", "llama", "llama", sum(parameter_counts(cfg)), 1,
+                       cfg["max_position_embeddings"], cfg, "bf16")
+    got = fit(model, memory * GiB, on_cuda)
+    if label == "too large":
+        assert got.label == "too large"
+        return
+    assert got.label.startswith(label + " · ")
+    precision = label.split()[2] if label.startswith("fits at") else None
+    weights = {"needs 4-bit weights": "nf4" if on_cuda else "int4"}.get(label, "bf16" if on_cuda else "int8")
+    assert got.weights == weights
+    if precision:
+        better = LADDER[:[p.value for p in LADDER].index(precision)]
+        assert got.max_context[precision] >= 32768 > max(got.max_context[p.value] for p in better)
+        assert got.label.endswith(f" · {got.max_context[precision] // 1024}k")

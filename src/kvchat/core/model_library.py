@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.core.gguf_header import Array, Header, read_header
+from kvchat.core.config import LADDER, Precision
 from kvchat.core.memory import GiB, plan
 from kvchat.core.paths import data_dir
 
@@ -180,7 +181,7 @@ def fit(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want
         except (TypeError, KeyError, ZeroDivisionError):
             return Fit("unknown", "unknown (incomplete config)")
         first = first or Fit("too-large", "too large", weights, p.max_context)
-        holds = [(name, tokens) for name, tokens in p.max_context.items() if tokens >= goal]
+        holds = [(name, tokens) for name, tokens in p.max_context.items() if tokens >= goal and Precision(name) in LADDER]
         if not holds and p.max_context["int4"] >= 2048:
             holds = [("int4", p.max_context["int4"])]
         if not holds:
