@@ -4,16 +4,22 @@ an untagged block's language; a search with no match says so; a shrinking window
 reply in view; in dark mode, hovering "New chat" shows."""
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QApplication, QLabel
+from PySide6.QtWidgets import QApplication, QInputDialog, QLabel, QMessageBox
 
+from kvchat.app.views.connection_box import MANAGE
 from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.app.views.theme import COLOURS
 
-from qt_helpers import answering, qml_items, shown
+from qt_helpers import answering, qml_items, send, shown
+from test_desktop import menu_action, right_click_chat
 
 
 def to_dark(qtbot, win):
-    while not win.theme.dark or win.theme.mode != "dark":  # system, light, dark: the button cycles
+    to_mode(qtbot, win, "dark")
+
+
+def to_mode(qtbot, win, mode: str):
+    while win.theme.mode != mode:  # system, light, dark: the button cycles
         qtbot.mouseClick(win.theme_button, Qt.LeftButton)
 
 
@@ -42,6 +48,36 @@ def test_settings_speak_plain_words_with_help_and_the_themes_colours(qtbot, app_
     assert any("KV cache" in h for h in seen["help"]) and any("headroom" in h for h in seen["help"])
     assert seen["bg"] == COLOURS[True]["bg"]  # drawn in the dark theme, not stock grey
     qtbot.waitUntil(lambda: win.kv_chip.full == "Memory saving: moderate", timeout=10000)  # the value reached the engine
+
+
+def test_every_dialog_is_drawn_in_the_themes_colours_light_and_dark(qtbot, app_parts):
+    """Settings, a chat's rename, the delete confirmation and the connections list, each opened
+    through its own control, take the theme's background (not stock grey) in both themes."""
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    send(qtbot, win, "Name a color.")
+    background = lambda dialog: dialog.grab().toImage().pixelColor(4, 4).name()
+
+    def seen_in(kind, opened, close):
+        with answering(kind, lambda d: (background(d), close(d))[0]) as got:
+            opened()
+        return got
+
+    for mode in ("light", "dark"):
+        to_mode(qtbot, win, mode)
+        want = [COLOURS[mode == "dark"]["bg"]]
+        assert seen_in(SettingsDialog, lambda: qtbot.mouseClick(win.settings_button, Qt.LeftButton),
+                       lambda d: d.reject()) == want, mode
+        assert seen_in(QInputDialog, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
+                                                         "Rename…"), lambda d: d.reject()) == want, mode
+        assert seen_in(QMessageBox, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
+                                                        "Delete…"), lambda d: d.button(QMessageBox.No).click()) == want
+        box = win.connection_box
+        box.activated.emit(box.findText(MANAGE))  # the list's last entry, as a click on it picks it
+        qtbot.waitUntil(lambda: box.dialog is not None and box.dialog.isVisible())
+        assert background(box.dialog) == want[0], mode
+        box.dialog.reject()
+    assert [i.text() for i in win.conversation_list.chat_items()] == ["Name a color."]  # nothing was deleted
 
 
 def test_code_blocks_wrap_at_words_and_guess_an_untagged_language(qtbot, app_parts):

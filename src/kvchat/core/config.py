@@ -26,7 +26,7 @@ ORDER = (Precision.FP16, Precision.INT8, Precision.FP8, Precision.K8V4, Precisio
 # fifth fewer bytes (and reads fewer on a GPU). Asked for by name, it is there.
 LADDER = tuple(p for p in ORDER if p != Precision.FP8)
 KV_MODES = [p.value for p in Precision if p != Precision.AUTO]  # the modes a bench or an eval runs in
-KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then the ladder
+KV_CHOICES = tuple(p.value for p in Precision)  # what a user may ask for: auto, then every precision
 DEFAULT_CONTEXT = 8192  # tokens, when nothing else is asked
 BLOCK_SIZE = 16  # tokens a KV block holds
 DISK_CACHE_BYTES = 4 << 30  # the disk tier's default cap

@@ -22,13 +22,14 @@
   those rows from there instead of their quantized copies. The pool's blocks are the same with or
   without it. Measured on the starter (int4, GPL-3, context 512): +3.2% -> +1.1% (newest 64).
 - fp8 (e4m3) stores the same transformed K and V as codes with no per-token scale: 1 byte a value,
-  half of fp16. A scale per layer and KV head, from calibration, maps the largest value to a
-  quarter of e4m3's range; the pool's owner folds it in (the key's into its channel scale, the
+  half of fp16. A scale per layer and KV head, a power of two from calibration, maps the largest
+  value to about an eighth of e4m3's range; the pool's owner folds it in (the key's into its channel scale, the
   value's divided before the write and multiplied back into the output), so the kernels only cast,
   saturating at +-448.
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, in the int modes,
   ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
 """
+import functools
 import math
 import weakref
 
@@ -44,9 +45,10 @@ _MIN_SCALE = 2.0 ** -14  # the smallest normal fp16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
-def has_fp8(device) -> bool:
-    """The device converts fp8 in hardware (CUDA sm_89 and later): where Auto's ladder takes fp8."""
-    device = torch.device(device)
+@functools.cache
+def has_fp8(device: torch.device) -> bool:
+    """The device converts fp8 in hardware (CUDA sm_89 and later): the kernels read fp8 codes as
+    such there. Asked per kernel launch, so answered once per device."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 

@@ -272,13 +272,13 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-def decode_splits(sms: int, batch: int, kv_heads: int, max_tokens: int) -> int:
+def decode_splits(sms: int, batch: int, kv_heads: int, max_tokens: int, tile: int = DECODE_TILE) -> int:
     """Splits of the context per (sequence, KV head): enough programs to fill every SM
     PROGRAMS_PER_SM times, never more than the tiles ``max_tokens`` makes. For a captured step
     ``max_tokens`` is the bucket's, and past SMs x PROGRAMS_PER_SM tiles the count stops growing:
     the bucket's padding costs no programs."""
     want = -(-sms * PROGRAMS_PER_SM // (batch * kv_heads))
-    return max(1, min(want, -(-max_tokens // DECODE_TILE)))
+    return max(1, min(want, -(-max_tokens // tile)))
 
 
 def dot_dtypes(tensors: dict, fmt: KVFormat, window_dtype=None) -> tuple:
@@ -317,8 +317,9 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     if fmt.k_bits < 16:
         q = q @ rotation.float()
     q = q.contiguous()
+    tile, stages = decode_config(fmt)
     if splits is None:
-        splits = decode_splits(sm_count(query.device), batch, kv_heads, block_tables.shape[1] * bs)
+        splits = decode_splits(sm_count(query.device), batch, kv_heads, block_tables.shape[1] * bs, tile)
     extra = window is not None
     parts = splits + extra
     acc = torch.empty(batch, heads, parts, d, device=q.device, dtype=torch.float32)
@@ -327,7 +328,6 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     wk, wv, sinks, wmeta = window if extra else (tensors["k"], tensors["k"], 0, context_lens)
     group = heads // kv_heads
     dot, wdot, prec = dot_dtypes(tensors, fmt, wk.dtype if extra else None)
-    tile, stages = decode_config(fmt)
     _paged_decode_kernel[(batch, kv_heads, parts)](
         q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["v"], tensors.get("v_scale", tensors["k"]),
         block_tables, context_lens, acc, m, l, wk, wv, wmeta, scale * LOG2E, block_tables.stride(0), splits,

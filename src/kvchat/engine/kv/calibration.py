@@ -11,7 +11,8 @@ moved by a tenth of a point (docs/performance.md).
   (sum q_j^2 / s_j^2)(sum s_j^2 var_j) gives s_j = (E[q_j^2] / var_j)^(1/4), normalized to mean 1.
 - fp8 scales: per KV head, the largest transformed key and value of the text over ``FP8_TARGET``, so
   a text with values several times larger still fits under e4m3's 448 (the codes keep 3 bits of
-  mantissa at any magnitude, so headroom costs nothing until values reach e4m3's subnormals).
+  mantissa at any magnitude, so headroom costs nothing until values reach e4m3's subnormals);
+  rounded up to a power of two, so dividing by it and multiplying back is exact in any dtype.
 """
 import hashlib
 
@@ -21,7 +22,7 @@ from kvchat.core.config import Precision
 from kvchat.engine.kv.manager import Sequence
 from kvchat.kernels import quant
 
-FP8_TARGET = quant.FP8_MAX / 8  # where the calibration text's largest |K| or |V| lands
+FP8_TARGET = quant.FP8_MAX / 8  # the calibration text's largest |K| or |V| lands at half of it to it
 
 CALIBRATION_TEXT = """\
 The harbour town woke slowly. Fishing boats came in on the morning tide, and the market stalls
@@ -89,5 +90,5 @@ def calibrate(lm, scratch_pool):
         centers.append(c)
         scales.append(s)
         largest = [x.abs().amax((0, 2)) for x in (quant.transform_keys(k, rotation, c, s), quant.rotate(v, rotation))]
-        fp8.append((torch.stack(largest) / FP8_TARGET).clamp(min=1e-6))
+        fp8.append(torch.exp2(torch.ceil(torch.log2((torch.stack(largest) / FP8_TARGET).clamp(min=2.0 ** -20)))))
     return centers, scales, fp8
