@@ -175,12 +175,13 @@ def test_paged_decode_matches_reference(name, head_dim, group):
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["int4", "fp8"])  # tiles of 64 and of 32
 @pytest.mark.parametrize("splits", [1, 2, 5, 40])
-def test_the_split_count_and_a_padded_table_leave_the_result_alone(splits):
+def test_the_split_count_and_a_padded_table_leave_the_result_alone(name, splits):
     """A captured step launches a fixed split count over a table padded to its bucket with stale
     ids of other blocks: each program finds its share from the length it reads, so 1 split or
-    more splits than tiles (40 for 4 tiles: most programs see nothing) give the same answer."""
-    fmt = quant.FORMATS["int4"]
+    more splits than tiles (40 for 4 or 7 tiles: most programs see nothing) give the same answer."""
+    fmt = quant.FORMATS[name]
     lengths = [211]
     pool, (table, _), rot, center, cscale, g = scene(fmt, 8, 2, 64, lengths + [90], seed=splits)
     query = torch.randn(1, 8, 64, generator=g)
@@ -199,6 +200,7 @@ def test_the_split_count_follows_the_sms_not_the_bucket():
     assert big[0] == big[1] == big[2] == -(-132 * triton_decode.PROGRAMS_PER_SM // 8)
     assert triton_decode.decode_splits(132, 1, 8, 32 * BS) == 32 * BS // triton_decode.DECODE_TILE
     assert triton_decode.decode_splits(132, 1, 8, 1) == 1
+    assert triton_decode.decode_splits(132, 1, 8, 32 * BS, tile=32) == 32 * BS // 32  # fp8's tiles
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])

@@ -20,8 +20,8 @@ class Precision(str, Enum):
 # Every precision, best quality first; each holds more tokens in the same bytes than the one before.
 ORDER = (Precision.FP16, Precision.INT8, Precision.FP8, Precision.K8V4, Precision.INT4)
 # What Auto steps down through and the planner tries in turn. fp8 is not a rung: on the starter, at
-# context 4096 over prose, code, chat and French, it costs +0.02% to +0.13% perplexity in half of
-# fp16's bytes, where k8v4 costs -0.07% to +0.08% in 0.41 and int8 +-0.01% in 0.53 (docs/performance.md).
+# context 4096 over five kinds of text, it costs -0.07% to +0.15% perplexity in half of fp16's
+# bytes, where k8v4 costs -0.07% to +0.08% in 0.41 and int8 +-0.01% in 0.53 (docs/performance.md).
 # As a rung it would serve only where int8 misses by under 6%, and there k8v4 answers as well in a
 # fifth fewer bytes (and reads fewer on a GPU). Asked for by name, it is there.
 LADDER = tuple(p for p in ORDER if p != Precision.FP8)
