@@ -71,7 +71,7 @@ def test_every_dialog_is_drawn_in_the_themes_colours_light_and_dark(qtbot, app_p
         assert seen_in(QInputDialog, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
                                                          "Rename…"), lambda d: d.reject()) == want, mode
         assert seen_in(QMessageBox, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
-                                                        "Delete…"), lambda d: d.button(QMessageBox.No).click()) == want
+                                                        "Delete…"), lambda d: d.button(QMessageBox.Cancel).click()) == want
         box = win.connection_box
         box.activated.emit(box.findText(MANAGE))  # the list's last entry, as a click on it picks it
         qtbot.waitUntil(lambda: box.dialog is not None and box.dialog.isVisible())
