@@ -80,6 +80,21 @@ def test_every_dialog_is_drawn_in_the_themes_colours_light_and_dark(qtbot, app_p
     assert [i.text() for i in win.conversation_list.chat_items()] == ["Name a color."]  # nothing was deleted
 
 
+def test_settings_show_every_help_line_whole(qtbot, app_parts):
+    """On a short screen the form squeezed its wrapped lines and cut their first and last lines:
+    each is now as tall as its text needs."""
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+
+    def cut(dialog):
+        labels = dialog.findChildren(QLabel, "help") + [dialog.estimate]
+        return [label.text()[:30] for label in labels if label.height() < label.heightForWidth(label.width())]
+
+    with answering(SettingsDialog, lambda d: (cut(d), d.reject())[0]) as got:
+        qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    assert got == [[]]
+
+
 def test_code_blocks_wrap_at_words_and_guess_an_untagged_language(qtbot, app_parts):
     win, store, _, _ = app_parts
     shown(qtbot, win)

@@ -3,8 +3,8 @@ planner's estimate updated as the values change, capped at the context the model
 Context and precision apply without a reload. On a connection, only sampling is ours to set: the
 model, context and KV precision are the server's."""
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
-                               QLineEdit, QPushButton, QSpinBox)
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel,
+                               QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.core.memory import GiB, plan
 
@@ -28,6 +28,9 @@ def trained_context(config) -> int | None:
     return getattr(config, "max_position_embeddings", None) if config is not None else None
 
 
+MIN_WIDTH = 620  # pixels: the help lines wrap in two or three lines
+
+
 class SettingsDialog(QDialog):
     clear_cache = Signal()  # "Clear cached conversations": the engine empties its RAM and disk tiers
     def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
@@ -35,7 +38,10 @@ class SettingsDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.model_config, self.memory = model_config, memory
-        form = QFormLayout(self)
+        # the form scrolls where the screen is too short for it: squeezed into the dialog, its
+        # wrapped help lines lost their first and last lines
+        self.body = QWidget()
+        form = QFormLayout(self.body)
         self.model = QLineEdit(engine_settings.get("model", "starter"))
         self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
         self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
@@ -95,13 +101,26 @@ class SettingsDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
+        scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
+        scroll.setWidget(self.body)
+        outer = QVBoxLayout(self)
+        outer.addWidget(scroll)
+        outer.addWidget(buttons)
+        self.setMinimumWidth(MIN_WIDTH)
         for w in (self.context, self.headroom):
             w.valueChanged.connect(self.update_estimate)
         self.weights.currentTextChanged.connect(self.update_estimate)
         self.update_estimate()
         if server:
             self.on_server(server)
+
+    def showEvent(self, event) -> None:
+        """As tall as the form wants, up to what the screen has room for; past that it scrolls."""
+        screen = self.screen().availableGeometry().height() if self.screen() else 800
+        width = max(self.width(), MIN_WIDTH)
+        want = self.body.heightForWidth(width) if self.body.hasHeightForWidth() else self.body.sizeHint().height()
+        self.resize(width, min(want + 90, int(screen * 0.9)))  # 90: the buttons and the margins
+        super().showEvent(event)
 
     def on_server(self, server: str) -> None:
         for w in (self.model, self.context, self.precision, self.weights, self.headroom, self.ram_cache,
@@ -132,9 +151,12 @@ class SettingsDialog(QDialog):
                    "int4": "nf4", "nf4": "nf4"}[self.weights.currentText()]
         p = plan(self.model_config, self.memory, self.context.value(), weights, int(self.headroom.value() * GiB))
         holds = ", ".join(f"{name} {min(tokens, trained or tokens):,}" for name, tokens in p.max_context.items())
+        holds += " tokens"
+        if trained is not None and all(tokens >= trained for tokens in p.max_context.values()):
+            holds = f"{trained:,} tokens in every precision"  # five equal figures: one line, not three
         if trained is not None and any(tokens > trained for tokens in p.max_context.values()):
             holds += f" (capped at the trained {trained:,})"
-        self.estimate.setText(f"largest context: {holds} tokens. Auto would pick: {p.auto or 'nothing fits'}")
+        self.estimate.setText(f"largest context: {holds}. Auto would pick: {p.auto or 'nothing fits'}")
 
     def engine_settings(self) -> dict:
         return {"model": self.model.text().strip() or "starter", "max_context": self.context.value(),
