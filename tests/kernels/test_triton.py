@@ -332,7 +332,7 @@ from triton.backends.compiler import GPUTarget
 from kvchat.kernels import triton_kv
 
 consts = dict(KV_HEADS=8, D=128, BITS=4, HAS_CENTER=True, GROUP=32, CLIP=True, RING=True,
-              BLOCK_T=triton_kv.WRITE_TILE, BLOCK_K=triton_kv.WRITE_K)
+              BLOCK_T=triton_kv.WRITE_TILE, BLOCK_K=triton_kv.WRITE_K, FP8=False)
 sig = {"x_ptr": "*bf16", "slot_ptr": "*i64", "center_ptr": "*fp32", "cscale_ptr": "*fp32", "rot_ptr": "*fp32",
        "data_ptr": "*u8", "scale_ptr": "*fp16", "ring_ptr": "*bf16", "wmeta_ptr": "*i32", "n": "i32",
        "x_stride_t": "i32", "x_stride_h": "i32", **{k: "constexpr" for k in consts}}
