@@ -68,6 +68,7 @@ kv int4 $LONG
 kv fp16 $LONG
 step bench_kernels 120 $KV bench kernels --json
 kv int8 $LONG
+kv fp8 $LONG  # issue 30's bar: within 5% of int8's at 32k
 kv int4 $MID
 kv fp16 $MID
 # a 24 GB RTX card on the big GPU: Auto's pool, a 16k and a 32k prompt, then the full pool to int8
