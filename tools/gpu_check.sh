@@ -56,7 +56,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 # Most important first: a run cut off by its time limit loses only what comes after, and each step's
 # results are filed as it ends. Tests that need the starter model (not on the GPU machine) carry
 # "starter" in their names; -k matches names only.
-step kernel_tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_decode_step.py \
+step kernel_tests 240 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_decode_step.py \
     tests/engine/test_cuda_path.py -k "not starter and not falls_back" --junitxml="$OUT/kernel_tests.xml"
 LONG=32768 MID=8192
 [ "$DEVICE" = cpu ] && LONG=2048 MID=1024
