@@ -82,9 +82,8 @@ def _steps_apart(a, b, fmt, name, table, length: int) -> float:
     bits = fmt.k_bits if name == "k" else fmt.v_bits
     if bits == 16:
         return 0.0
-    if fmt.float8:  # e4m3 codes in value order: one step is one code
-        step = lambda t: (t.int() & 0x7F) * (1 - 2 * (t.int() >> 7))
-        return float((step(a[name]) - step(b[name])).abs().max().item())
+    if fmt.float8:
+        return float((quant.fp8_order(a[name]) - quant.fp8_order(b[name])).abs().max().item())
     x = quant.read(a, fmt, name, table, length, None, torch.float32)
     y = quant.read(b, fmt, name, table, length, None, torch.float32)
     step = quant.gather(a[name + "_scale"], table, length, None).float().repeat_interleave(quant.GROUP, -1)

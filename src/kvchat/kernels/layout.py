@@ -24,6 +24,11 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.k_bits < 16 or self.v_bits < 16
 
+    @property
+    def transform(self) -> str | None:
+        """Which transform a window's and the sink cache's rows are in: the same in every int mode."""
+        return None if not self.quantized else "fp8" if self.float8 else "int"
+
 
 FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("fp8", 8, 8, True),
                                KVFormat("k8v4", 8, 4), KVFormat("int4", 4, 4))}

@@ -102,6 +102,11 @@ def from_fp8(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return codes.view(FP8_DTYPE).to(dtype)
 
 
+def fp8_order(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (sign and magnitude) as signed integers in value order: one step is one code."""
+    return (codes.int() & 0x7F) * (1 - 2 * (codes.int() >> 7))
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, dtype=torch.float32) -> torch.Tensor:
     q = data if bits == 8 else unpack_int4(data)
     groups = q.to(dtype).unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)

@@ -47,11 +47,6 @@ class KVCache:
         if self.fp8_scales is not None:
             self._key_scales = [s / f[0, :, None] for s, f in zip(self.k_scales, self.fp8_scales)]
 
-    @property
-    def transform(self) -> str | None:
-        """Which transform a window's and the sink cache's rows are in: the same in every int mode."""
-        return None if not self.format.quantized else "fp8" if self.format.float8 else "int"
-
     def key_scale(self, layer: int) -> torch.Tensor | None:
         """The keys' channel scale; in fp8 with the layer's scale folded in (queries divide by it)."""
         return self._key_scales[layer] if self._key_scales is not None else None
@@ -83,7 +78,8 @@ class KVCache:
         new.layers = [None if release else allocate() for _ in self.layers]
         # the int modes transform keys alike, so sinks carry over between them
         new.window_storage = self.window_storage  # the same rows: the live windows and the graphs read them
-        new.sink_cache = self.sink_cache.copy() if new.transform and self.transform == new.transform else OrderedDict()
+        same = new.format.transform and self.format.transform == new.format.transform
+        new.sink_cache = self.sink_cache.copy() if same else OrderedDict()
         keep_slots = min(num_blocks, self.num_blocks) * self.block_size
         for i in range(len(new.layers)):
             layer = new.layers[i] = new.layers[i] or allocate()

@@ -122,9 +122,9 @@ class KVPool:
         Returns ``(seq, new window, what to fill)`` for the sequences whose window changes; the
         caller sets them once the conversion succeeded."""
         out = []
-        fp8 = lambda p: quant.FORMATS[Precision(p).value].float8
+        old, new = self.kv.format.transform, quant.FORMATS[Precision(precision).value].transform
         for seq in live:
-            if not self.kv.format.quantized or precision == Precision.FP16 or fp8(precision) != self.kv.format.float8:
+            if not (old and old == new):
                 window = self.kv.new_window(precision)
                 fill = (window, [b.id for b in seq.blocks], seq.num_computed) if window is not None else None
                 out.append((seq, window, fill))
