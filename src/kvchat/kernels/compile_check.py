@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import triton
 
+from kvchat.kernels.layout import FORMATS
+
 REGISTER_BUDGET = 128  # 65536 registers / (4 programs x 128 threads)
 # the other kernels (write: one token a step; dequantize: a prefill chunk's context; merge) hold no
 # pipeline whose depth needs programs: 3 programs of 4 warps an SM
@@ -29,7 +31,7 @@ OTHER_REGISTER_BUDGET = 168
 TARGETS = (86, 89, 90)
 # (name, heads, kv_heads, head_dim): Llama-3.1-8B, Qwen2.5-7B, and a 64-dim model (Llama-3.2-1B)
 SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64))
-PRECISIONS = ("fp16", "int8", "fp8", "k8v4", "int4")
+PRECISIONS = tuple(FORMATS)  # fp16, int8, fp8, k8v4, int4
 SHARED_PER_SM = {86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # usable per SM, bytes
 THREADS_PER_SM = {86: 1536, 89: 1536, 90: 2048}
 

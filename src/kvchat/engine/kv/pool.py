@@ -18,8 +18,7 @@ from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
 
 log = logging.getLogger("kvchat.kv_pool")
-DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.FP8: Precision.INT4,
-             Precision.K8V4: Precision.INT4}
+DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
 
 
 def kv_dtype(lm) -> torch.dtype:
