@@ -69,3 +69,35 @@ def test_model_without_template_gets_the_documented_fallback(tokenizer):
 def test_bad_conversations_are_refused(tokenizer, messages):
     with pytest.raises(ChatError):
         ChatFormatter(tokenizer).encode(messages)
+
+
+# Gemma 2's shape of template: no system role (it raises), the assistant called "model"
+NO_SYSTEM = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + message['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+class OwnTemplate(NoTemplate):
+    chat_template = NO_SYSTEM
+
+
+def test_a_template_without_a_system_role_gets_the_persona_in_the_first_user_turn(tokenizer):
+    f = ChatFormatter(OwnTemplate(tokenizer))
+    assert f.folds_system and not ChatFormatter(tokenizer).folds_system
+    messages = [{"role": "system", "content": "Talk like a pirate."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Arr."}, {"role": "user", "content": "bye"}]
+    enc = f.encode(messages)
+    assert tokenizer.decode(enc.token_ids) == ("<start_of_turn>user\nTalk like a pirate.\n\nhi<end_of_turn>\n"
+                                               "<start_of_turn>model\nArr.<end_of_turn>\n"
+                                               "<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n")
+    # a start per message given: the persona has no tokens of its own, so none are pinned as persona
+    assert len(enc.message_starts) == 4 and enc.message_starts[:2] == [0, 0]
+    assert tokenizer.decode(enc.token_ids[enc.message_starts[2]:enc.message_starts[3]]) == \
+        "<start_of_turn>model\nArr.<end_of_turn>\n"
+    alone = f.encode(messages[:1], add_generation_prompt=False)
+    assert tokenizer.decode(alone.token_ids) == "<start_of_turn>user\nTalk like a pirate.<end_of_turn>\n"

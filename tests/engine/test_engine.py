@@ -136,18 +136,3 @@ def test_a_broken_model_reports_its_load_error_to_every_request():
     with pytest.raises(EngineError, match="no such model file"):
         e.generate(HELLO)
     e.close()
-
-
-def test_a_sliding_window_layer_that_would_cut_the_context_is_refused_clearly():
-    """kvchat attends over the whole context; a layer whose window is shorter than it would get
-    wrong answers silently, so it is refused by name instead."""
-    import types
-
-    import torch
-
-    from kvchat.engine.model.attention import StepMeta, paged_attention_forward, running
-
-    meta = StepMeta(kv=None, slots=torch.arange(8), block_table=torch.tensor([0]), context_len=8)
-    q = torch.zeros(1, 2, 8, 4)
-    with running(meta), pytest.raises(NotImplementedError, match="sliding-window attention"):
-        paged_attention_forward(types.SimpleNamespace(layer_idx=0), q, q, q, None, sliding_window=4)

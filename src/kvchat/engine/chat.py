@@ -45,6 +45,7 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
         self.uses_fallback = not getattr(tokenizer, "chat_template", None)
+        self.folds_system = not self._takes_system()
         self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
         self._segments: OrderedDict[tuple, tuple[str, list[int]]] = OrderedDict()
         self._sizes: dict[tuple, int] = {}
@@ -78,14 +79,36 @@ class ChatFormatter:
         return self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
+    def _takes_system(self) -> bool:
+        """Whether the template renders a system message; Gemma 2's raises "System role not
+        supported", and Gemma 3's puts it at the head of the first user turn."""
+        try:
+            self.render([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}], True)
+        except Exception:  # the template's raise_exception, whatever its type
+            return False
+        return True
+
+    def _folded(self, messages: list[dict]) -> list[dict]:
+        """For a template with no system role, the system message at the head of the first user
+        turn, as Gemma 3's own template puts it."""
+        if not self.folds_system or messages[0]["role"] != "system":
+            return messages
+        system, rest = messages[0]["content"], messages[1:]
+        if not rest or rest[0]["role"] != "user":
+            return [{"role": "user", "content": system}] + rest
+        return [{"role": "user", "content": f"{system}\n\n{rest[0]['content']}"}] + rest[1:]
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
         validate(messages, need_user=add_generation_prompt)
+        folded = self._folded(messages)
+        # a folded system message starts where the turn that holds it starts: it has no tokens of its own
+        starts = [0] if folded is not messages and len(messages) > 1 else []
+        messages = folded
         pieces = self._by_pairs(messages, add_generation_prompt) or self._by_prefixes(messages, add_generation_prompt)
         ids: list[int] = []
-        starts = []
         for tokens in pieces[:len(messages)]:
             starts.append(len(ids))
             ids += tokens

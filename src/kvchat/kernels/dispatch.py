@@ -77,13 +77,14 @@ def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
-                    k_channel_scale=None, window=None, context_lens=None, fresh=None, wmeta=None) -> torch.Tensor:
+                    k_channel_scale=None, window=None, context_lens=None, fresh=None, wmeta=None,
+                    band: reference.Band = reference.PLAIN) -> torch.Tensor:
     """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
     ``context_len``, and ``wmeta`` (``window_meta``) let a captured CUDA step read the length and
-    the window's bounds from tensors it updates in place; the block table may then be padded past
-    the length. ``fresh``: as in ``reference.paged_attention``; one new token is in the window anyway."""
+    the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in the
+    window anyway. The decode kernel knows no band: a banded step runs on the reference."""
     held = window[0].bounds(window[1], context_len) if window is not None else None
-    if query.shape[0] == 1 and use_triton(query, tensors, fmt):
+    if query.shape[0] == 1 and not band.changes(context_len) and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _step_tensor("lens", (context_len,), query.device)
         rows = None
         if held is not None:
@@ -95,4 +96,4 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
     rows = window[0].rows(window[1], context_len) if held is not None else None
     read_rows = _triton_kv().dequantize_rows if fmt.quantized and use_triton(query, tensors, fmt) else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
-                                     k_channel_scale, rows, fresh, read_rows)
+                                     k_channel_scale, rows, fresh, read_rows, band)

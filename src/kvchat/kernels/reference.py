@@ -5,6 +5,7 @@ A token at position ``p`` of a sequence lives at slot ``block_table[p // block_s
 quantized layout are defined in ``quant.py``.
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,30 +30,50 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
 
 
+class Band(NamedTuple):
+    """What a layer's attention adds to plain causal attention, as transformers passes it: a
+    sliding window (query ``p`` sees positions ``p - window + 1 .. p``: Mistral v0.1, Gemma's local
+    layers, Qwen2 with ``use_sliding_window``) and a soft cap on the scores (``cap * tanh(s / cap)``:
+    Gemma 2). ``None`` for each when absent."""
+    window: int | None = None
+    softcap: float | None = None
+
+    def changes(self, context_len: int) -> bool:
+        """Whether attention over ``context_len`` positions differs from plain causal attention."""
+        return bool(self.softcap) or self.window is not None and self.window < context_len
+
+
+PLAIN = Band()
+
+
 def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_table: torch.Tensor,
                     context_len: int, scale: float, first_block: int | None = None,
                     rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None,
-                    window: tuple | None = None, fresh: tuple | None = None, read_rows=None) -> torch.Tensor:
+                    window: tuple | None = None, fresh: tuple | None = None, read_rows=None,
+                    band: Band = PLAIN) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]``, the last T tokens of a sequence of
     ``context_len`` tokens whose K/V are already in the pool. ``window``, from
     ``quant.RecentWindow.rows``, replaces the quantized rows it holds. ``fresh``, the query tokens'
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
-    vLLM's chunked prefill does. ``read_rows``: as in ``sequence_rows``. Returns ``[T, heads, D]``."""
-    if fresh is None and in_place(query, fmt, context_len):  # a plain pool: read where it lies
+    vLLM's chunked prefill does. ``read_rows``: as in ``sequence_rows``. ``band``: the layer's
+    window and soft cap. Returns ``[T, heads, D]``."""
+    banded = band.changes(context_len)
+    if fresh is None and not banded and in_place(query, fmt, context_len):  # a plain pool: read where it lies
         return prefill_in_place(query, tensors, block_table, context_len, scale)
     dtype = query.dtype
     q = query
     if fmt.k_bits < 16:  # rotated in fp32: in bf16, H @ H is 0.9998 I at D=128
         q = quant.transform_queries(query.float(), rotation.float(), k_channel_scale).to(dtype)
-    if in_place(query, fmt, context_len, fresh):  # the earlier context dequantized, the chunk's own exact
+    if not banded and in_place(query, fmt, context_len, fresh):  # the earlier context dequantized, the chunk's own exact
         past = _dequantized_past(tensors, fmt, block_table, context_len - query.shape[0], first_block, dtype, window)
         out = split_attention(q, past, fresh[0].to(dtype), fresh[1].to(dtype), scale)
     else:
         k, v = (sequence_rows(tensors, fmt, name, block_table, context_len, first_block, dtype, fresh, window,
                               query.shape[-1], read_rows) for name in ("k", "v"))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = causal_attention(q, k, v, scale)[0].transpose(0, 1)
+        out = banded_attention(q, k, v, scale, band) if banded else causal_attention(q, k, v, scale)
+        out = out[0].transpose(0, 1)
     return quant.rotate(out.float(), rotation.float()).to(dtype) if fmt.v_bits < 16 else out
 
 
@@ -232,3 +253,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     folded = q.reshape(1, kv_heads, g * q_len, q.shape[-1])
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(g, 1), scale=scale)
     return out.reshape(q.shape)
+
+
+BAND_ROWS = 64  # query rows whose explicit scores are built at a time
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, band: Band) -> torch.Tensor:
+    """``causal_attention`` with the layer's ``band``: ``q`` ``[1, H, T, D]`` the last T of the S
+    positions of ``k``/``v`` ``[1, Hkv, S, D]``. Only the keys some query's window reaches are used;
+    the scores are explicit (no fused kernel takes a soft cap), in fp32, ``BAND_ROWS`` query rows at
+    a time, so the working set is ``H x BAND_ROWS x S``."""
+    t, s, g = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    start = 0 if band.window is None else max(0, s - t - band.window + 1)
+    k, v = (x[:, :, start:].float().repeat_interleave(g, 1) for x in (k, v))
+    q_pos = torch.arange(s - t, s, device=q.device)[:, None]
+    k_pos = torch.arange(start, s, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if band.window is not None:
+        allowed &= k_pos > q_pos - band.window
+    out = []
+    for r in range(0, t, BAND_ROWS):
+        scores = q[:, :, r:r + BAND_ROWS].float() @ k.transpose(-1, -2) * scale
+        if band.softcap:
+            scores = torch.tanh(scores / band.softcap) * band.softcap
+        scores = scores.masked_fill(~allowed[r:r + BAND_ROWS], float("-inf"))
+        out.append(scores.softmax(-1) @ v)
+    return torch.cat(out, 2).to(q.dtype)

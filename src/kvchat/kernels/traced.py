@@ -16,6 +16,7 @@ serves every step; no Python branch looks at a tensor's value. The twin is
 import torch
 
 from kvchat.kernels.quant import KVFormat
+from kvchat.kernels.reference import PLAIN, Band
 
 
 def supports(fmt: KVFormat) -> bool:
@@ -34,31 +35,42 @@ def write(layer: dict, key: torch.Tensor, value: torch.Tensor, slot: torch.Tenso
 
 
 def attend(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, band: Band = PLAIN) -> torch.Tensor:
     """Attention of each sequence's ``query`` ``[rows, heads, D]`` over the ``length`` ``[rows]``
     positions whose K/V are in its row of ``table`` ``[rows, blocks]`` (one sequence: ``[blocks]``);
-    positions past a row's length (a padded table) are masked."""
+    positions past a row's length (a padded table), and before the layer's window (``band``), are
+    masked. The band is the layer's, fixed when traced."""
     if table.dim() == 1:  # one sequence: the single step's graph, as fast as before batching
-        return _attend_one(layer, query, table, length, scale)
+        return _attend_one(layer, query, table, length, scale, band)
     k, v = (layer[name][table].flatten(1, 2).float() for name in ("k", "v"))  # [rows, positions, kv_heads, D]
     rows, positions, kv_heads, d = k.shape
     q = query.float().view(rows, kv_heads, -1, d)  # each KV head's query group
     k, v = k.transpose(1, 2)[:, :, None], v.transpose(1, 2)[:, :, None]  # [rows, kv_heads, 1, positions, D]
-    scores = (q[:, :, :, None, :] * k).sum(-1) * scale  # [rows, kv_heads, group, positions]
-    past = torch.arange(positions, device=k.device) >= length.view(-1, 1)  # [rows, positions]
+    scores = _capped((q[:, :, :, None, :] * k).sum(-1) * scale, band)  # [rows, kv_heads, group, positions]
+    past = _hidden(torch.arange(positions, device=k.device), length.view(-1, 1), band)  # [rows, positions]
     scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
     out = (scores.softmax(-1)[..., None] * v).sum(-2)  # [rows, kv_heads, group, D]
     return out.reshape(rows, -1, d).to(query.dtype)
 
 
 def _attend_one(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, band: Band) -> torch.Tensor:
     """``attend`` for one sequence, without the rows dimension: through the batched form the
     single step decoded the starter 8% slower (60.5 against 66.1 tok/s, int8 weights)."""
     k, v = (layer[name][table].flatten(0, 1).float() for name in ("k", "v"))  # [positions, kv_heads, D]
     kv_heads, d = k.shape[1], k.shape[2]
     q = query.float().view(kv_heads, -1, d)  # each KV head's query group
-    scores = (q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale  # [kv_heads, group, positions]
-    scores = scores.masked_fill(torch.arange(k.shape[0], device=k.device) >= length, float("-inf"))
+    scores = _capped((q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale, band)  # [kv_heads, group, positions]
+    scores = scores.masked_fill(_hidden(torch.arange(k.shape[0], device=k.device), length, band), float("-inf"))
     out = (scores.softmax(-1)[..., None] * v.transpose(0, 1)[:, None]).sum(-2)  # [kv_heads, group, D]
     return out.reshape(1, -1, d).to(query.dtype)
+
+
+def _capped(scores: torch.Tensor, band: Band) -> torch.Tensor:
+    return torch.tanh(scores / band.softcap) * band.softcap if band.softcap else scores
+
+
+def _hidden(positions: torch.Tensor, length: torch.Tensor, band: Band) -> torch.Tensor:
+    """Positions the newest token (at ``length - 1``) does not see: past it, or before its window."""
+    hidden = positions >= length
+    return hidden | (positions <= length - 1 - band.window) if band.window is not None else hidden

@@ -4,6 +4,7 @@ from collections import OrderedDict
 import torch
 
 from kvchat.kernels import dispatch, quant
+from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.core.config import Precision
 from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
@@ -230,10 +231,11 @@ class KVCache:
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
-               window_meta: torch.Tensor | None = None) -> torch.Tensor:
+               window_meta: torch.Tensor | None = None, band: Band = PLAIN) -> torch.Tensor:
         out = dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
                                         first_block, self.rotation, self.key_scale(layer),
-                                        None if window is None else (window, layer), context_lens, fresh, window_meta)
+                                        None if window is None else (window, layer), context_lens, fresh, window_meta,
+                                        band)
         v_scale = self.value_scale(layer)
         if v_scale is None:
             return out

@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 
 from kvchat.kernels import traced
 from kvchat.kernels.quant import RecentWindow
+from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.engine.kv.cache import KVCache
 
@@ -56,46 +57,51 @@ def running(meta: StepMeta):
 
 @torch.library.custom_op("kvchat::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-                    sliding_window: int) -> torch.Tensor:
+                    sliding_window: int, softcap: float) -> torch.Tensor:
     """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` of the new tokens -> ``[T, H, D]``. Writes the
     new K/V into the pool of the running step (a side effect the op's schema cannot name: the pool is
     not an argument), then attends over the sequence. In a batched step (``BatchMeta``) row ``i`` is
-    one token of sequence ``i``."""
+    one token of sequence ``i``. ``sliding_window`` -1 and ``softcap`` 0 when the layer has none."""
     meta = getattr(_running, "meta", None)
     if meta is None:
         raise RuntimeError("kvchat attention was called outside a step (engine.attention.running)")
+    band = band_of(sliding_window, softcap)
     if isinstance(meta, BatchMeta):
-        return torch.cat([_attend(row, query[i:i + 1], key[i:i + 1], value[i:i + 1], layer, scale, sliding_window)
+        return torch.cat([_attend(row, query[i:i + 1], key[i:i + 1], value[i:i + 1], layer, scale, band)
                           for i, row in enumerate(meta.rows)])
-    return _attend(meta, query, key, value, layer, scale, sliding_window)
+    return _attend(meta, query, key, value, layer, scale, band)
 
 
-def _attend(meta: StepMeta, query, key, value, layer: int, scale: float, sliding_window: int) -> torch.Tensor:
-    if 0 <= sliding_window < meta.context_len:
-        raise NotImplementedError("sliding-window attention layers are not supported by kvchat yet")
+def band_of(sliding_window, softcap) -> Band:
+    """The op's plain arguments (None, -1 and 0 for none) as a ``Band``."""
+    window = None if sliding_window is None or sliding_window < 0 else int(sliding_window)
+    return Band(window, float(softcap) if softcap else None)
+
+
+def _attend(meta: StepMeta, query, key, value, layer: int, scale: float, band: Band) -> torch.Tensor:
     first_pos = meta.context_len - key.shape[0]
     fresh = meta.kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
     out = meta.kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
-                         meta.context_lens, fresh, meta.window_meta)
+                         meta.context_lens, fresh, meta.window_meta, band)
     return out.contiguous()  # the strides the fake promises: compiled code relies on them
 
 
 @paged_attention.register_fake
-def _(query, key, value, layer, scale, sliding_window):
+def _(query, key, value, layer, scale, sliding_window, softcap):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def traced_step(step: dict, layer: int, query, key, value, scale: float) -> torch.Tensor:
+def traced_step(step: dict, layer: int, query, key, value, scale: float, band: Band = PLAIN) -> torch.Tensor:
     """The CPU's compiled decode step over an fp16 pool: ``kernels.traced`` on the tensors in
     ``step`` (``DecodeStep.traced_inputs``), query ``[rows, H, D]`` -> ``[rows, H, D]``, a row per
     sequence of a batch."""
     pool = step["layers"][layer]
     traced.write(pool, key, value, step["slot"])
-    return traced.attend(pool, query, step["table"], step["length"], scale)
+    return traced.attend(pool, query, step["table"], step["length"], scale, band)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, kvchat_step=None, **kwargs):
+                            sliding_window=None, softcap=None, kvchat_step=None, **kwargs):
     """query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]`` after RoPE; returns ``[B, T, H, D]``.
     One sequence (B = 1) or a batched decode step (T = 1, a sequence per row). ``kvchat_step``,
     given by the CPU's compiled decode step, routes it to ``traced_step``."""
@@ -106,10 +112,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # [B, H, T, D] -> [B * T, H, D]: one sequence's tokens, or one token of each sequence
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))
     if kvchat_step is not None:
-        out = traced_step(kvchat_step, module.layer_idx, q, k, v, float(scale))
+        out = traced_step(kvchat_step, module.layer_idx, q, k, v, float(scale), band_of(sliding_window, softcap))
     else:
         out = torch.ops.kvchat.paged_attention(q, k, v, module.layer_idx, float(scale),
-                                               -1 if sliding_window is None else int(sliding_window))
+                                               -1 if sliding_window is None else int(sliding_window),
+                                               float(softcap or 0.0))
     return out.view(batch, tokens, *out.shape[1:]), None
 
 

@@ -20,7 +20,7 @@ from kvchat.kernels.reference import consecutive_start
 from kvchat.core.config import MAX_RUNNING
 from kvchat.engine.model.attention import BatchMeta, StepMeta, running
 from kvchat.engine.model.background_compile import graph_kind, run_on_stand_ins, unread_meta
-from kvchat.engine.model.decode_step import DecodeStep, compiled
+from kvchat.engine.model.decode_step import DecodeStep, compiled, lm_logits
 
 BUCKETS = (2, 4, 8, MAX_RUNNING)
 TABLE_STEP = 4  # a compiled batch's block table widens 4 blocks at a time: few shapes, little padding
@@ -49,7 +49,7 @@ class BatchStep:
         """fp32 logits ``[rows, vocab]``, one row per sequence."""
         hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False,
                               kvchat_step=step).last_hidden_state
-        return self.model.lm_head(hidden[:, -1]).float()
+        return lm_logits(self.model, hidden[:, -1])
 
     def __call__(self, kv, rows: list[tuple]) -> torch.Tensor:
         """fp32 logits ``[len(rows), vocab]``. ``rows``: per sequence ``(window, token, position,

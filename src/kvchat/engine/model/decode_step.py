@@ -21,7 +21,7 @@ import logging
 import torch
 
 from kvchat.kernels import traced
-from kvchat.kernels.reference import consecutive_start
+from kvchat.kernels.reference import Band, consecutive_start
 
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.engine.model.background_compile import BackgroundCompile, graph_kind, run_on_stand_ins
@@ -44,6 +44,14 @@ def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
     if mode not in steps:
         steps[mode] = DecodeStep(model, mode)
     return steps[mode]
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of ``hidden`` rows, soft-capped as the model's own head caps them (Gemma 2's
+    ``final_logit_softcapping``): the engine calls the head itself, not the model's forward."""
+    logits = model.lm_head(hidden).float()
+    cap = config_value(model.config, "final_logit_softcapping")
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 class DecodeStep:
@@ -78,11 +86,12 @@ class DecodeStep:
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_storage = None  # and the window's rows (every sequence's window uses the pool's in turn)
         self.replays = 0
-        # a captured graph never re-runs the op's Python, so the op cannot refuse a context longer
-        # than a sliding window there: such steps go eager, where it does
+        # a captured CUDA graph replays the decode kernel, which knows no band (a window, a soft cap):
+        # past the window, or with a cap, CUDA steps go eager, where the op takes the reference path
         window = config_value(model.config, "sliding_window")
         uses_window = config_value(model.config, "use_sliding_window", True) is not False
-        self.sliding_window = window if window and uses_window else None
+        self.band = Band(window if window and uses_window else None,
+                         config_value(model.config, "attn_logit_softcapping") or None)
 
     @property
     def captured(self) -> bool:
@@ -93,7 +102,7 @@ class DecodeStep:
         (``traced_inputs``) makes attention plain torch ops instead of the op."""
         hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False,
                               kvchat_step=step).last_hidden_state
-        return self.model.lm_head(hidden[0, -1:]).float()
+        return lm_logits(self.model, hidden[0, -1:])
 
     def __call__(self, kv, window, token: int, position: int, slot: int, block_ids: list[int]) -> torch.Tensor:
         """fp32 logits ``[vocab]`` of ``token`` at ``position``, its K/V written to ``slot`` of ``kv``
@@ -160,8 +169,9 @@ class DecodeStep:
         return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
     def replayable(self, window, position: int) -> bool:
-        """Past a sliding window the op must refuse, and a sink position is stored from Python."""
-        if self.sliding_window is not None and position + 1 > self.sliding_window:
+        """Not a CUDA step that the band changes (see ``__init__``), nor a sink position, which is
+        stored from Python."""
+        if self.device.type == "cuda" and self.band.changes(position + 1):
             return False
         return window is None or position >= window.sinks
 
@@ -188,7 +198,7 @@ class DecodeStep:
         """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the
         quantized window variant's kernels took 35 s to compile for sm_89): on a step that writes
         nowhere (slot -1, ring row -1), reads block 0, and borrows the pool's window rows."""
-        if not self.captured or self.device.type != "cuda":
+        if not self.captured or self.device.type != "cuda" or self.band.softcap:
             return
         window = kv.new_window(take=False)
         with torch.inference_mode():

@@ -5,7 +5,7 @@ from kvchat.kernels.reference import consecutive_start
 
 from kvchat.engine.model.attention import ATTN_NAME, StepMeta, running
 from kvchat.engine.model.batch_step import batch_step_for
-from kvchat.engine.model.decode_step import decode_step_for
+from kvchat.engine.model.decode_step import decode_step_for, lm_logits
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 
@@ -48,8 +48,8 @@ class ModelRunner:
         if not want_logits:
             return None
         if want_logits == "all":
-            return self.model.lm_head(hidden[0]).float()
-        return self.model.lm_head(hidden[0, -1:]).float()[0]
+            return lm_logits(self.model, hidden[0])
+        return lm_logits(self.model, hidden[0, -1:])[0]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
