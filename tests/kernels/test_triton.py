@@ -217,7 +217,38 @@ def test_paged_decode_with_a_window_of_other_sizes_matches_reference(window_len)
     _window_case(quant.FORMATS["int4"], 64, 4, window_len, n=70)
 
 
-def _window_case(fmt, head_dim, group, window_len, n):
+BANDS = [reference.Band(40), reference.Band(None, 20.0), reference.Band(100, 30.0)]
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("band", BANDS, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: Gemma's, read in tiles of half the tokens
+def test_paged_decode_with_a_sliding_window_and_a_soft_cap_matches_reference(name, band, head_dim):
+    """A window of 40 hides most of the 211-token sequence and none of the 37-token one; the
+    tiles start at the window's first position. Queries scaled 4x make the scores large enough
+    that a cap of 20 changes them."""
+    fmt = quant.FORMATS[name]
+    lengths = [37, 211]
+    pool, tables, rot, center, cscale, g = scene(fmt, 8, 2, head_dim, lengths, seed=7)
+    query = 4 * torch.randn(len(lengths), 8, head_dim, generator=g)
+    out = decode(query, pool, fmt, padded_tables(tables), lengths, rot, cscale, splits=3, band=band)
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        want = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot,
+                                         cscale if fmt.quantized else None, band=band)
+        plain = reference.paged_attention(query[i:i + 1], pool, fmt, table, n, head_dim ** -0.5, None, rot,
+                                          cscale if fmt.quantized else None)
+        torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
+        assert band.changes(n) == ((want - plain).abs().max().item() > 1e-3)  # the band is not a no-op
+
+
+@pytest.mark.parametrize("band", [reference.Band(20), reference.Band(68, 30.0)], ids=str)
+def test_a_sliding_window_over_the_full_precision_rows_matches_reference(band):
+    """With the window's rows: a sliding window of 20 hides the sinks and the ring's oldest rows;
+    one of 68 hides two of the four sinks."""
+    _window_case(quant.FORMATS["int4"], 64, 4, 66, n=70, band=band)
+
+
+def _window_case(fmt, head_dim, group, window_len, n, band=reference.PLAIN):
     kv_heads = 2
     heads = kv_heads * group
     pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len + group)
@@ -228,9 +259,9 @@ def _window_case(fmt, head_dim, group, window_len, n):
     s, first = recent.bounds(0, n)
     window = (on_device(recent.k[0]), on_device(recent.v[0]), sinks,
               on_device(torch.tensor([s, first, -1], dtype=torch.int32)))
-    out = decode(query, pool, fmt, table[None].to(torch.int32), [n], rot, cscale, splits=2, window=window)
+    out = decode(query, pool, fmt, table[None].to(torch.int32), [n], rot, cscale, splits=2, window=window, band=band)
     want = reference.paged_attention(query, pool, fmt, table, n, head_dim ** -0.5, None, rot, cscale,
-                                     window=recent.rows(0, n))
+                                     window=recent.rows(0, n), band=band)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 

@@ -105,7 +105,7 @@ def model(precision: str, context: int, device: dict, compiled: dict | None = No
     from kvchat.kernels import triton_decode
 
     fmt = quant.FORMATS[precision]
-    tile, stages = triton_decode.decode_config(fmt)
+    tile, stages = triton_decode.decode_config(fmt, head_dim)
     window = fmt.quantized
     per_token = quant.token_bytes(fmt, kv_heads, head_dim)  # K and V, scales included
     pool_tokens = max(0, context - (quant.WINDOW + quant.SINKS if window else 0))

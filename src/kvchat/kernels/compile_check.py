@@ -29,8 +29,10 @@ REGISTER_BUDGET = 128  # 65536 registers / (4 programs x 128 threads)
 # pipeline whose depth needs programs: 3 programs of 4 warps an SM
 OTHER_REGISTER_BUDGET = 168
 TARGETS = (86, 89, 90)
-# (name, heads, kv_heads, head_dim): Llama-3.1-8B, Qwen2.5-7B, and a 64-dim model (Llama-3.2-1B)
-SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64))
+# (name, heads, kv_heads, head_dim): Llama-3.1-8B, Qwen2.5-7B, a 64-dim model (Llama-3.2-1B), and
+# Gemma 2 9B (head_dim 256; its local layers' window and its soft cap: the "+band" variants)
+SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64), ("gemma2-9b", 16, 8, 256))
+BAND = dict(SLIDE=4096, CAP=50.0 * 1.4426950408889634)  # Gemma 2's window and cap, the cap in base 2
 PRECISIONS = tuple(FORMATS)  # fp16, int8, fp8, k8v4, int4
 SHARED_PER_SM = {86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # usable per SM, bytes
 THREADS_PER_SM = {86: 1536, 89: 1536, 90: 2048}
@@ -55,7 +57,8 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
     """The decode kernel as the engine launches it on CUDA (``triton_decode.paged_decode`` from
     ``dispatch``): bf16 model, fp32 rotated query, one sequence; quantized modes with and without
     the window (a prefill chunk's decode-length-1 step and a sink step run without), fp16 without
-    (it has none). And the merge, for both of its outputs."""
+    (it has none); each again with a layer's band (a sliding window and a soft cap). And the merge,
+    for both of its outputs."""
     import triton.language as tl
 
     from kvchat.kernels import quant
@@ -67,8 +70,8 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
         fmt = quant.FORMATS[precision]
         data = {16: dtype, 8: "u8" if fmt.float8 else "i8", 4: "u8"}
         scales = "*u8" if fmt.float8 else "*fp16"  # fp8 has none: the pool's codes stand in
-        tile, stages = triton_decode.decode_config(fmt)
-        for window in ((False, True) if fmt.quantized else (False,)):
+        tile, stages = triton_decode.decode_config(fmt, head_dim)
+        for window, band in [(w, b) for w in ((False, True) if fmt.quantized else (False,)) for b in (False, True)]:
             dot = tl.float16 if fmt.quantized else getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
             wdot = getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype]) if window else dot
             sig = {"q_ptr": "*fp32", "k_ptr": _ptr(data[fmt.k_bits]),
@@ -82,10 +85,12 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
                           CH=min(quant.GROUP, head_dim // 2), QG=group,
                           QG_PAD=max(triton_decode.QG_MIN, triton.next_power_of_2(group)), TILE=tile,
                           STAGES=stages, DOT=dot, W_DOT=wdot, PREC="tf32", WINDOW=window,
-                          W_SINKS=quant.SINKS if window else 0, W_SIZE=quant.WINDOW if window else 1)
+                          W_SINKS=quant.SINKS if window else 0, W_SIZE=quant.WINDOW if window else 1,
+                          **(BAND if band else dict(SLIDE=0, CAP=0.0)))
             sig.update({k: "constexpr" for k in consts})
             sig["FP8"] = "constexpr"
-            out.append(Variant(f"decode {precision}{' +window' if window else ''}", "_paged_decode_kernel", sig,
+            label = f"decode {precision}{' +window' if window else ''}{' +band' if band else ''}"
+            out.append(Variant(label, "_paged_decode_kernel", sig,
                                consts, triton_decode.DECODE_WARPS, [k for k, v in sig.items() if v.startswith("*")],
                                fmt.float8))
     for name, out_dtype in (("merge fp32", "fp32"), (f"merge {dtype}", dtype)):

@@ -82,9 +82,9 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
     """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
     ``context_len``, and ``wmeta`` (``window_meta``) let a captured CUDA step read the length and
     the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in the
-    window anyway. The decode kernel knows no band: a banded step runs on the reference."""
+    window anyway."""
     held = window[0].bounds(window[1], context_len) if window is not None else None
-    if query.shape[0] == 1 and not band.changes(context_len) and use_triton(query, tensors, fmt):
+    if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _step_tensor("lens", (context_len,), query.device)
         rows = None
         if held is not None:
@@ -92,7 +92,7 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
             wmeta = wmeta if wmeta is not None else window_meta(recent, layer, context_len, query.device)
             rows = (recent.k[layer], recent.v[layer], recent.sinks, wmeta)
         return _triton_decode().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
-                                             rotation, k_channel_scale, window=rows)
+                                             rotation, k_channel_scale, window=rows, band=band)
     rows = window[0].rows(window[1], context_len) if held is not None else None
     read_rows = _triton_kv().dequantize_rows if fmt.quantized and use_triton(query, tensors, fmt) else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kvchat.kernels import quant
 from kvchat.kernels.quant import KVFormat
+from kvchat.kernels.reference import PLAIN, Band
 from kvchat.kernels.triton_kv import check_pool, fp8_mode, load_fp8
 
 # The paged decode kernel. Designed to be bound by memory bandwidth in every precision; the numbers
@@ -127,13 +128,16 @@ def _v_tile(v_ptr, vs_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
 @triton.jit
 def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr, row, valid, qk_scale,
                  D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, CAP: tl.constexpr):
     """Online softmax (base 2) of the query group ``[QG_PAD, D/2]`` x 2 over the tile's rows
-    ``row`` ``[T]`` (``valid`` masks the rest): the running ``acc`` halves, max ``m`` and sum ``l``."""
+    ``row`` ``[T]`` (``valid`` masks the rest): the running ``acc`` halves, max ``m`` and sum ``l``.
+    ``CAP``, the soft cap in base-2 units (0: none), bounds the scores to ``CAP * tanh(s / CAP)``."""
     k_lo, k_hi = _k_tile(k_ptr, ks_ptr, row, valid, D, K_BITS, NCH, CH, DOT, FP8)
     s = tl.dot(q_lo, k_lo, input_precision=PREC)
-    s = tl.dot(q_hi, k_hi, s, input_precision=PREC)
-    s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
+    s = tl.dot(q_hi, k_hi, s, input_precision=PREC) * qk_scale
+    if CAP > 0:  # tanh(y) = 1 - 2 / (2^(2y log2 e) + 1), y = s / CAP: exp2 as the softmax's
+        s = CAP * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / CAP)) + 1.0))
+    s = tl.where(valid[None, :], s, -float("inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no valid row yet: nothing to scale
     alpha = tl.exp2(m - m_safe)
@@ -156,11 +160,13 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
                          K_BITS: tl.constexpr, V_BITS: tl.constexpr, CH: tl.constexpr, QG: tl.constexpr,
                          QG_PAD: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
                          W_DOT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, W_SINKS: tl.constexpr,
-                         W_SIZE: tl.constexpr, FP8: tl.constexpr):
+                         W_SIZE: tl.constexpr, FP8: tl.constexpr, SLIDE: tl.constexpr, CAP: tl.constexpr):
     """One program per (sequence, KV head, split); with WINDOW (one sequence) one more per KV head
     (split ``splits``) attends to the window's rows: sinks ``0 .. s``, then the ring's positions
     ``first .. length``, with ``s`` and ``first`` read from ``wmeta`` (a tensor a captured step
-    updates); the pool then serves positions ``s .. first`` only. Partial results go to
+    updates); the pool then serves positions ``s .. first`` only. ``SLIDE``, a layer's sliding
+    window (0: none), hides positions before ``length - SLIDE``: the pool's tiles start at the
+    window's first, so a windowed layer reads only its window. Partial results go to
     ``acc``/``m``/``l`` ``[B, HEADS, splits + WINDOW]``; ``_merge_kernel`` combines them."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -178,6 +184,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
     l = tl.zeros([QG_PAD], dtype=tl.float32)
     acc_lo = tl.zeros([QG_PAD, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([QG_PAD, HALF], dtype=tl.float32)
+    seen = 0  # the first position the new token sees
+    if SLIDE:
+        seen = tl.maximum(length - SLIDE, 0)
     w_s = 0
     w_first = 0
     if WINDOW:
@@ -190,15 +199,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
         for c in range(0, W_ROWS, BS):  # a block's worth of rows at a time: all at once spilled
             r = c + tl.arange(0, BS)
             pos = (length - 1) - ((length - 1 - (r - W_SINKS)) % W_SIZE)  # the newest position a ring row holds
-            valid = tl.where(r < W_SINKS, r < w_s, (r < W_ROWS) & (pos >= w_first) & (pos < length))
+            valid = tl.where(r < W_SINKS, (r < w_s) & (r >= seen),
+                             (r < W_ROWS) & (pos >= w_first) & (pos >= seen) & (pos < length))
             acc_lo, acc_hi, m, l = _attend_tile(wq_lo, wq_hi, acc_lo, acc_hi, m, l, wk_ptr, wk_ptr, wv_ptr, wv_ptr,
                                                 r * KV_HEADS + kvh, valid, qk_scale, D, 16, 16, NCH, CH,
-                                                W_DOT, PREC, 0)
+                                                W_DOT, PREC, 0, CAP)
     else:
-        kv_start = 0
+        kv_start = seen
         end = length
         if WINDOW:
-            kv_start = w_s
+            kv_start = tl.maximum(w_s, seen)
             end = tl.minimum(length, w_first)
         first_tile = kv_start // TILE
         tiles = tl.maximum(tl.cdiv(end, TILE) - first_tile, 0)
@@ -216,7 +226,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             block_id = tl.load(table + pos // BS, mask=valid, other=0).to(tl.int64)
             row = (block_id * BS + pos % BS) * KV_HEADS + kvh
             acc_lo, acc_hi, m, l = _attend_tile(dq_lo, dq_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr,
-                                                row, valid, qk_scale, D, K_BITS, V_BITS, NCH, CH, DOT, PREC, FP8)
+                                                row, valid, qk_scale, D, K_BITS, V_BITS, NCH, CH, DOT, PREC, FP8,
+                                                CAP)
     out = (b * HEADS + kvh * QG + qa) * (splits + WINDOW) + split
     dst = acc_ptr + out[:, None] * D + j[None, :]
     tl.store(dst, acc_lo, mask=real[:, None])
@@ -252,15 +263,18 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, parts, D: tl.constexpr, CHUNK:
 MERGE_CHUNK = 16
 
 
-def decode_config(fmt: KVFormat) -> tuple[int, int]:
+def decode_config(fmt: KVFormat, head_dim: int = 128) -> tuple[int, int]:
     """(tokens per iteration, pipeline stages). Triton 3.9's pipeliner gives the K/V loads, which
     depend on a block id loaded a stage earlier, stages - 3 buffers (at least 1; read off the
     compiled kernels): 3 and 4 stages keep one tile requested ahead, 5 keep two but cost 10-40 more
     registers and twice the shared memory, which on sm_90 takes int4 and k8v4 from 4 programs an
     SM to 3 (and fp16 on sm_89 from 2 to 1). One tile ahead in 4 programs is 34-128 KB in flight
     per SM, against the ~33 KB an H200 SM needs (``kvchat bench kernels``); per precision, so
-    that a GPU run can move one of them alone."""
-    return DECODE_TILES.get(fmt.name, DECODE_TILE), DECODE_STAGES[fmt.name]
+    that a GPU run can move one of them alone. A head_dim past 128 (Gemma's 256) reads tiles of as
+    many bytes as 128's: at 64 tokens of 256 dims the 8B-shaped kernel took 162-183 registers and
+    ran 1-2 programs an SM (sm_89, sm_90)."""
+    tile = DECODE_TILES.get(fmt.name, DECODE_TILE)
+    return max(16, tile * 128 // max(head_dim, 128)), DECODE_STAGES[fmt.name]
 _SM_COUNT: dict = {}
 
 
@@ -300,14 +314,15 @@ def dot_dtypes(tensors: dict, fmt: KVFormat, window_dtype=None) -> tuple:
 def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
                  k_channel_scale: torch.Tensor | None = None, window: tuple | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, band: Band = PLAIN) -> torch.Tensor:
     """One new token per sequence: query ``[B, heads, D]``, block_tables ``[B, max_blocks]``.
     The context is split over ``splits`` programs per KV head (default: ``decode_splits`` for
     this device and the table's width), merged by their log-sum-exp in ``_merge_kernel``.
     ``window`` (B = 1): ``(K, V, sinks, wmeta)``, a layer's full-precision rows
     (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``)
     holding positions ``0 .. s`` and ``first ..``, with ``wmeta`` int32 ``[s, first, ring row]``; the
-    kernel reads the pool only between them."""
+    kernel reads the pool only between them. ``band``: the layer's sliding window and soft cap, as
+    in ``reference.paged_attention``."""
     batch, heads, d = query.shape
     check_pool(tensors, fmt, d)
     _, bs, kv_heads, _ = tensors["k"].shape
@@ -317,7 +332,7 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     if fmt.k_bits < 16:
         q = q @ rotation.float()
     q = q.contiguous()
-    tile, stages = decode_config(fmt)
+    tile, stages = decode_config(fmt, d)
     if splits is None:
         splits = decode_splits(sm_count(query.device), batch, kv_heads, block_tables.shape[1] * bs, tile)
     extra = window is not None
@@ -334,7 +349,8 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         CH=min(quant.GROUP, d // 2), QG=group, QG_PAD=max(QG_MIN, triton.next_power_of_2(group)), TILE=tile,
         STAGES=stages, DOT=dot, W_DOT=wdot, PREC=prec, WINDOW=extra, W_SINKS=sinks,
-        W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1, FP8=fp8_mode(fmt, q.device), num_warps=DECODE_WARPS)
+        W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1, FP8=fp8_mode(fmt, q.device), SLIDE=band.window or 0,
+        CAP=band.softcap * LOG2E if band.softcap else 0.0, num_warps=DECODE_WARPS)
     rotate_back = fmt.v_bits < 16
     out = torch.empty(batch, heads, d, device=q.device, dtype=torch.float32 if rotate_back else query.dtype)
     _merge_kernel[(batch * heads,)](acc, m, l, out, parts, D=d, CHUNK=MERGE_CHUNK)

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from kvchat.kernels import traced
-from kvchat.kernels.reference import Band, consecutive_start
+from kvchat.kernels.reference import consecutive_start
 
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.engine.model.background_compile import BackgroundCompile, graph_kind, run_on_stand_ins
@@ -86,12 +86,6 @@ class DecodeStep:
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_storage = None  # and the window's rows (every sequence's window uses the pool's in turn)
         self.replays = 0
-        # a captured CUDA graph replays the decode kernel, which knows no band (a window, a soft cap):
-        # past the window, or with a cap, CUDA steps go eager, where the op takes the reference path
-        window = config_value(model.config, "sliding_window")
-        uses_window = config_value(model.config, "use_sliding_window", True) is not False
-        self.band = Band(window if window and uses_window else None,
-                         config_value(model.config, "attn_logit_softcapping") or None)
 
     @property
     def captured(self) -> bool:
@@ -169,10 +163,7 @@ class DecodeStep:
         return {"layers": kv.layers, "slot": self.slots, "table": table, "length": self.lens}
 
     def replayable(self, window, position: int) -> bool:
-        """Not a CUDA step that the band changes (see ``__init__``), nor a sink position, which is
-        stored from Python."""
-        if self.device.type == "cuda" and self.band.changes(position + 1):
-            return False
+        """Not a sink position, which is stored from Python."""
         return window is None or position >= window.sinks
 
     def prepare(self, kv) -> bool:
@@ -198,7 +189,7 @@ class DecodeStep:
         """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the
         quantized window variant's kernels took 35 s to compile for sm_89): on a step that writes
         nowhere (slot -1, ring row -1), reads block 0, and borrows the pool's window rows."""
-        if not self.captured or self.device.type != "cuda" or self.band.softcap:
+        if not self.captured or self.device.type != "cuda":
             return
         window = kv.new_window(take=False)
         with torch.inference_mode():
