@@ -9,6 +9,7 @@ import torch
 from kvchat.bench.decode import IdTokenizer
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import Request
+from kvchat.engine.chat import ChatFormatter
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool
@@ -141,3 +142,28 @@ def test_the_planner_counts_each_architectures_parameters(arch):
 
     model = tiny_model(arch)
     assert sum(parameter_counts(model.config)) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_gemma_folder_loads_and_chats_with_a_persona_its_template_has_no_role_for(tmp_path, tokenizer):
+    """As a user's Gemma 2 download: a folder with its config, weights and a tokenizer whose
+    template refuses the system role. The persona goes to the head of the first user turn, and a
+    reply runs past the window."""
+    from kvchat.engine.model.loading import load
+
+    from test_chat import NO_SYSTEM
+
+    tiny_model("gemma2", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    (tmp_path / "chat_template.jinja").write_text(NO_SYSTEM)
+    lm = load(str(tmp_path))
+    assert lm.model.config.model_type == "gemma2"
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there."}]
+    prompt = tokenizer.decode(ChatFormatter(lm.tokenizer).encode(messages).token_ids)
+    assert prompt == "<start_of_turn>user\nYou are terse.\n\nHello there.<end_of_turn>\n<start_of_turn>model\n"
+    engine = Engine(EngineConfig(max_context=512, prefill_chunk=32), loaded=lm)
+    done = engine.submit(Request(messages=messages, sampling=SamplingParams(
+        max_new_tokens=WINDOW + 16, temperature=0, ignore_eos=True))).result()
+    engine.close()
+    assert done.finish_reason == "length" and len(done.token_ids) == WINDOW + 16
