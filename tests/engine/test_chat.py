@@ -101,3 +101,12 @@ def test_a_template_without_a_system_role_gets_the_persona_in_the_first_user_tur
         "<start_of_turn>model\nArr.<end_of_turn>\n"
     alone = f.encode(messages[:1], add_generation_prompt=False)
     assert tokenizer.decode(alone.token_ids) == "<start_of_turn>user\nTalk like a pirate.<end_of_turn>\n"
+
+
+def test_a_persona_before_an_assistant_turn_is_a_user_turn_of_its_own(tokenizer):
+    f = ChatFormatter(OwnTemplate(tokenizer))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": "Yo"}]
+    enc = f.encode(messages)
+    assert len(enc.message_starts) == 3 and enc.message_starts[0] == 0 < enc.message_starts[1]
+    assert tokenizer.decode(enc.token_ids[:enc.message_starts[1]]) == "<start_of_turn>user\nBe brief.<end_of_turn>\n"

@@ -43,6 +43,15 @@ def test_the_window_changes_what_the_model_says(model):
     assert (model(ids).logits[0, -1] - unwindowed(model)(ids).logits[0, -1]).abs().max().item() > 10 * TOL
 
 
+@pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
+@torch.inference_mode()
+def test_gemma_2s_soft_caps_change_what_the_model_says(cap):
+    """The same guard for the soft caps: each changes the tiny Gemma 2's logits."""
+    ids = torch.tensor([prompt(3 * WINDOW)])
+    capped, plain = tiny_model("gemma2"), tiny_model("gemma2", **{cap: None})
+    assert (capped(ids).logits[0, -1] - plain(ids).logits[0, -1]).abs().max().item() > 100 * TOL
+
+
 @pytest.mark.parametrize("chunk", [512, 37])
 @torch.inference_mode()
 def test_prefill_across_the_window_matches_transformers(model, chunk):
@@ -86,37 +95,49 @@ def decode_logits(lm, precision: str, ids: list[int], steps: int, mode: str = "e
     return torch.stack(rows)
 
 
-# max |logit - transformers'| over 64 decode steps past the window, the worst of the models measured,
-# bounded at about 2x. Within a window of 64 the layers read only the full-precision ring of the
-# newest 64 tokens (layout.WINDOW), so the error comes from the global layers alone (Mistral and
-# Phi-3, every layer windowed, are exact): int8 0.0005, fp8 0.0021, k8v4 0.0081, int4 0.0080. A
-# window of 160 reads quantized rows inside it (Mistral, Gemma 2): int8 0.0071, fp8 0.043, k8v4 0.112,
-# int4 0.112.
-QUANTIZED_TOL = {WINDOW: {"int8": 0.001, "fp8": 0.0042, "k8v4": 0.016, "int4": 0.016},
-                 160: {"int8": 0.014, "fp8": 0.086, "k8v4": 0.22, "int4": 0.22}}
+# max |logit - transformers'| over 64 decode steps past the window, measured per model (int8, fp8,
+# k8v4, int4); a test allows twice that, and TOL where a model is exact. Within a window of 64 the
+# layers read only the full-precision ring of the newest 64 tokens (layout.WINDOW), so the error
+# comes from the global layers (Mistral and Phi-3, every layer windowed, are exact). The tiny Gemma 2,
+# with its soft caps and wider weights, has scores large enough for a cap to matter: with its keys
+# centred as the other models' are, int8 was off by 0.198 (calibration keeps capped keys uncentred).
+# A window of 160 reads quantized rows inside it.
+MEASURED = {
+    ("gemma2", WINDOW): (0.0118, 0.0504, 0.1359, 0.2006),
+    ("gemma3", WINDOW): (0.0003, 0.0013, 0.0048, 0.0056),
+    ("mistral-window", WINDOW): (0, 0, 0, 0),
+    ("phi3", WINDOW): (0, 0, 0, 0),
+    ("qwen2-window", WINDOW): (0.0005, 0.0019, 0.0066, 0.0065),
+    ("gemma2", 160): (0.0270, 0.1161, 0.3105, 0.4120),
+    ("mistral-window", 160): (0.0028, 0.0121, 0.0515, 0.0508),
+}
+PRECISIONS = ("int8", "fp8", "k8v4", "int4")
 
 
-def near_transformers(model, precision: str, window: int) -> None:
+def near_transformers(arch: str, precision: str, window: int) -> None:
+    model = tiny_model(arch, sliding_window=window)
     ids = prompt(window + 140, seed=5)
     steps = 64
     expected = model(torch.tensor([ids])).logits[0, -steps:]
     plain = decode_logits(as_loaded(model, IdTokenizer(512)), "fp16", ids, steps)
     got = decode_logits(as_loaded(model, IdTokenizer(512)), precision, ids, steps)
     assert (plain - expected).abs().max().item() <= TOL
-    assert (got - expected).abs().max().item() <= QUANTIZED_TOL[window][precision]
+    bound = max(2 * MEASURED[arch, window][PRECISIONS.index(precision)], TOL)
+    assert (got - expected).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("precision", sorted(QUANTIZED_TOL[WINDOW]))
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+@pytest.mark.parametrize("precision", PRECISIONS)
 @torch.inference_mode()
-def test_quantized_decode_past_the_window_stays_near_transformers(model, precision):
-    near_transformers(model, precision, WINDOW)
+def test_quantized_decode_past_the_window_stays_near_transformers(arch, precision):
+    near_transformers(arch, precision, WINDOW)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral-window"])
-@pytest.mark.parametrize("precision", sorted(QUANTIZED_TOL[160]))
+@pytest.mark.parametrize("precision", PRECISIONS)
 @torch.inference_mode()
 def test_quantized_rows_inside_a_wider_window_stay_near_transformers(arch, precision):
-    near_transformers(tiny_model(arch, sliding_window=160), precision, 160)
+    near_transformers(arch, precision, 160)
 
 
 def test_the_compiled_decode_step_past_the_window_equals_eager():
@@ -167,3 +188,22 @@ def test_a_gemma_folder_loads_and_chats_with_a_persona_its_template_has_no_role_
         max_new_tokens=WINDOW + 16, temperature=0, ignore_eos=True))).result()
     engine.close()
     assert done.finish_reason == "length" and len(done.token_ids) == WINDOW + 16
+
+
+@torch.inference_mode()
+def test_phi_3_minis_head_dim_of_96_runs_at_fp16_and_refuses_the_quantized_precisions_clearly():
+    """The quantized precisions rotate each head by a Hadamard matrix, which has no size 96."""
+    from kvchat.core.config import ConfigError
+
+    model = tiny_model("phi3", head_dim=96, hidden_size=384)
+    ids = prompt(3 * WINDOW)
+    runner, mgr = paged_runner(model)
+    _, logits = prefill(runner, mgr, ids, 37)
+    assert (logits - model(torch.tensor([ids])).logits[0, -1]).abs().max().item() <= TOL
+    lm = as_loaded(model, IdTokenizer(512))
+    with pytest.raises(ConfigError, match="int8 needs a head_dim that is a power of two; this model's is 96"):
+        KVPool.for_tokens(lm, 64, Precision.INT8)
+    pool = KVPool.for_tokens(lm, 64, Precision.FP16)
+    assert pool.downshift([]) is None and pool.precision == Precision.FP16
+    with pytest.raises(ConfigError, match="power of two"):
+        pool.rebuild(Precision.INT4, pool.budget)

@@ -26,9 +26,11 @@ WINDOWED = {
     # the layers from max_window_layers on windowed
     "qwen2-window": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": WINDOW,
                                                      "max_window_layers": 1}),
-    # local and global layers alternating; soft caps on the scores (50) and logits (30); queries scaled
-    # by 256 ** -0.5, not head_dim's; embeddings scaled by sqrt(hidden)
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": WINDOW}),
+    # local and global layers alternating; queries scaled by 256 ** -0.5, not head_dim's; embeddings
+    # scaled by sqrt(hidden). Soft caps on the scores and logits, at sizes these weights reach (5 and
+    # 10; Gemma 2's own 50 and 30 would not change these scores): a wider init gives the scores some
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": WINDOW, "initializer_range": 0.1,
+                                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
     # five local layers to one global, q/k norms, a local RoPE base
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": WINDOW, "num_hidden_layers": 6}),
     # fused qkv and gate/up projections; a window on every layer, as Phi-3-mini-4k (2,047)

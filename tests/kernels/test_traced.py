@@ -46,9 +46,11 @@ def test_slot_minus_one_writes_nothing():
         assert torch.equal(pool[name], t), name
 
 
-def test_a_batch_of_sequences_writes_and_attends_each_as_the_reference_does():
+@pytest.mark.parametrize("band", [reference.PLAIN, reference.Band(24, 2.0)], ids=str)
+def test_a_batch_of_sequences_writes_and_attends_each_as_the_reference_does(band):
     """Rows of a batched step: each its own block table (padded to the widest), length and slot,
-    all in one pool; each row's output is the reference's for that sequence alone."""
+    all in one pool; each row's output is the reference's for that sequence alone. With a band (a
+    window of 24 and a cap of 2), rows longer and shorter than the window."""
     lengths, heads = [5, 37, 16, 60], 6
     g = torch.Generator().manual_seed(7)
     pool = quant.layer_tensors(FP, 4 * BLOCKS, BS, KV_HEADS, D, torch.float32, "cpu")
@@ -65,9 +67,11 @@ def test_a_batch_of_sequences_writes_and_attends_each_as_the_reference_does():
         ks.append(k[-1:]), vs.append(v[-1:]), slots.append(slot[-1:])
         qs.append(torch.randn(1, heads, D, generator=g))
     traced.write(pool, torch.cat(ks), torch.cat(vs), torch.cat(slots))
-    got = traced.attend(pool, torch.cat(qs), torch.stack(tables), torch.tensor(lengths, dtype=torch.int32), D ** -0.5)
+    got = traced.attend(pool, torch.cat(qs), torch.stack(tables), torch.tensor(lengths, dtype=torch.int32), D ** -0.5,
+                        band)
     for name, t in theirs.items():
         assert torch.equal(pool[name], t), name
     for i, length in enumerate(lengths):
-        want = reference.paged_attention(qs[i], theirs, FP, tables[i][:-(-length // BS)], length, D ** -0.5)
+        want = reference.paged_attention(qs[i], theirs, FP, tables[i][:-(-length // BS)], length, D ** -0.5,
+                                         band=band)
         torch.testing.assert_close(got[i:i + 1], want, atol=2e-6, rtol=1e-5)

@@ -241,11 +241,14 @@ def test_paged_decode_with_a_sliding_window_and_a_soft_cap_matches_reference(nam
         assert band.changes(n) == ((want - plain).abs().max().item() > 1e-3)  # the band is not a no-op
 
 
-@pytest.mark.parametrize("band", [reference.Band(20), reference.Band(68, 30.0)], ids=str)
-def test_a_sliding_window_over_the_full_precision_rows_matches_reference(band):
+@pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("band, window_len", [(reference.Band(20), 66), (reference.Band(68, 30.0), 66),
+                                              (reference.Band(40), 16)], ids=str)
+def test_a_sliding_window_over_the_full_precision_rows_matches_reference(name, band, window_len):
     """With the window's rows: a sliding window of 20 hides the sinks and the ring's oldest rows;
-    one of 68 hides two of the four sinks."""
-    _window_case(quant.FORMATS["int4"], 64, 4, 66, n=70, band=band)
+    one of 68 hides two of the four sinks; one of 40 over a ring of 16 starts in the pool's rows,
+    between the sinks and the ring, as a real model's window of thousands does."""
+    _window_case(quant.FORMATS[name], 64, 4, window_len, n=70, band=band)
 
 
 def _window_case(fmt, head_dim, group, window_len, n, band=reference.PLAIN):

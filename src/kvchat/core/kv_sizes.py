@@ -24,6 +24,12 @@ class KVShape:
                    get("head_dim") or get("hidden_size") // heads)
 
 
+def quantizable(shape: KVShape) -> bool:
+    """Whether the quantized precisions can hold this shape: they rotate each head by a Hadamard
+    matrix, which exists at powers of two (Phi-3-mini's head_dim of 96 has none)."""
+    return shape.head_dim > 0 and shape.head_dim & (shape.head_dim - 1) == 0
+
+
 def config_value(config, name: str, default=None):
     config = getattr(config, "text_config", None) or config
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)

@@ -104,8 +104,9 @@ class ChatFormatter:
     def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
         validate(messages, need_user=add_generation_prompt)
         folded = self._folded(messages)
-        # a folded system message starts where the turn that holds it starts: it has no tokens of its own
-        starts = [0] if folded is not messages and len(messages) > 1 else []
+        # a system message merged into the first user turn starts where that turn starts: it has no
+        # tokens of its own
+        starts = [0] if len(folded) < len(messages) else []
         messages = folded
         pieces = self._by_pairs(messages, add_generation_prompt) or self._by_prefixes(messages, add_generation_prompt)
         ids: list[int] = []

@@ -76,6 +76,7 @@ class MemoryGovernor:
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
         old = pool.precision
         options = [p for p in LADDER if PRECISIONS.index(p) >= PRECISIONS.index(old)] if e.auto else [old]
+        options = options if pool.quantizable else [old]  # nothing to step down to (kv_sizes.quantizable)
         fits = [p for p in options if allowed > 0 and pool.tokens_for(p, allowed) >= needed]
         # Auto keeps the context the user asked for when a lower precision can; else the most room
         full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]

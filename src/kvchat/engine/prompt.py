@@ -23,7 +23,7 @@ class PromptBuilder:
         """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
         precision it may step down to."""
         e = self.engine
-        floor = Precision.INT4 if e.auto else e.kvpool.precision
+        floor = Precision.INT4 if e.auto and e.kvpool.quantizable else e.kvpool.precision
         return min(e.config.max_context, e.kvpool.tokens_for(floor))
 
     def prompt_ids(self, request: Request) -> tuple[list[int], int, int]:

@@ -81,8 +81,9 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
                     band: reference.Band = reference.PLAIN) -> torch.Tensor:
     """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
     ``context_len``, and ``wmeta`` (``window_meta``) let a captured CUDA step read the length and
-    the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in the
-    window anyway."""
+    the window's bounds from tensors it updates in place; the block table may then be padded past
+    the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in
+    the window anyway."""
     held = window[0].bounds(window[1], context_len) if window is not None else None
     if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _step_tensor("lens", (context_len,), query.device)

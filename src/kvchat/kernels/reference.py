@@ -255,17 +255,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.reshape(q.shape)
 
 
-BAND_ROWS = 64  # query rows whose explicit scores are built at a time
+BAND_ROWS = 32  # query rows whose explicit scores are built at a time
 
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, band: Band) -> torch.Tensor:
     """``causal_attention`` with the layer's ``band``: ``q`` ``[1, H, T, D]`` the last T of the S
-    positions of ``k``/``v`` ``[1, Hkv, S, D]``. Only the keys some query's window reaches are used;
-    the scores are explicit (no fused kernel takes a soft cap), in fp32, ``BAND_ROWS`` query rows at
-    a time, so the working set is ``H x BAND_ROWS x S``."""
-    t, s, g = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    positions of ``k``/``v`` ``[1, Hkv, S, D]``. Only the keys some query's window reaches are used,
+    as they are (a view, in the model's dtype); each KV head's query group is folded into its rows,
+    as ``causal_attention`` folds them. The scores are explicit (no fused kernel takes a soft cap):
+    the products in the model's dtype, as transformers' eager attention makes them, then capped,
+    masked and normalized in fp32, ``BAND_ROWS`` query rows at a time, so the working set is
+    ``H x BAND_ROWS x S`` scores."""
+    t, s, kv_heads, d = q.shape[2], k.shape[2], k.shape[1], q.shape[-1]
+    g = q.shape[1] // kv_heads
     start = 0 if band.window is None else max(0, s - t - band.window + 1)
-    k, v = (x[:, :, start:].float().repeat_interleave(g, 1) for x in (k, v))
+    k, v = k[:, :, start:], v[:, :, start:]
     q_pos = torch.arange(s - t, s, device=q.device)[:, None]
     k_pos = torch.arange(start, s, device=q.device)[None, :]
     allowed = k_pos <= q_pos
@@ -273,9 +277,11 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         allowed &= k_pos > q_pos - band.window
     out = []
     for r in range(0, t, BAND_ROWS):
-        scores = q[:, :, r:r + BAND_ROWS].float() @ k.transpose(-1, -2) * scale
+        rows = min(BAND_ROWS, t - r)
+        folded = q[:, :, r:r + rows].reshape(1, kv_heads, g * rows, d)
+        scores = (folded @ k.transpose(-1, -2)).float() * scale
         if band.softcap:
             scores = torch.tanh(scores / band.softcap) * band.softcap
-        scores = scores.masked_fill(~allowed[r:r + BAND_ROWS], float("-inf"))
-        out.append(scores.softmax(-1) @ v)
+        scores = scores.masked_fill(~allowed[r:r + rows].repeat(g, 1), float("-inf"))
+        out.append((scores.softmax(-1).to(v.dtype) @ v).reshape(1, kv_heads * g, rows, d))
     return torch.cat(out, 2).to(q.dtype)

@@ -19,6 +19,7 @@ import hashlib
 import torch
 
 from kvchat.core.config import Precision
+from kvchat.core.kv_sizes import config_value
 from kvchat.engine.kv.manager import Sequence
 from kvchat.kernels import quant
 
@@ -80,9 +81,12 @@ def calibrate(lm, scratch_pool):
     order = torch.tensor([b.id for b in seq.blocks], device=lm.device)
     centers, scales, fp8 = [], [], []
     rotation = quant.hadamard(pool.shape.head_dim, lm.device)
+    # keys are stored less their centre, which shifts each query's scores by q.c: softmax does not
+    # see a shift, but a soft cap (Gemma 2) does, so capped layers keep their keys uncentred
+    capped = bool(config_value(lm.model.config, "attn_logit_softcapping"))
     for i, layer in enumerate(pool.kv.layers):
         k, v = (layer[n].index_select(0, order).flatten(0, 1)[:len(ids)].float() for n in ("k", "v"))
-        c = k.mean(0)
+        c = k.mean(0) if not capped else torch.zeros_like(k[0])
         var = ((k - c) ** 2).mean(0)
         q2 = (qs[i] ** 2).unflatten(1, (k.shape[1], -1)).mean((0, 2))  # per KV head, over its query group
         s = (q2 / var.clamp(min=1e-6)) ** 0.25

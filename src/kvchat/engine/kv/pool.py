@@ -9,7 +9,7 @@ from kvchat.kernels import quant
 from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
-from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token
+from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -32,6 +32,8 @@ class KVPool:
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
+        self.quantizable = quantizable(self.shape)
+        self.refuse(precision)
         self._key_stats = None
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
@@ -61,6 +63,12 @@ class KVPool:
     def full_bytes(self) -> int:
         return self.dtype.itemsize
 
+    def refuse(self, precision: Precision) -> None:
+        """ConfigError for a precision this model's K/V cannot take (``kv_sizes.quantizable``)."""
+        if quant.FORMATS[Precision(precision).value].quantized and not self.quantizable:
+            raise ConfigError(f"KV precision {Precision(precision).value} needs a head_dim that is a power of two; "
+                              f"this model's is {self.shape.head_dim}: use fp16")
+
     def blocks_for(self, precision: Precision, budget: int) -> int:
         n = blocks_for_budget(self.shape, precision, self.block_size, budget, self.full_bytes())
         if n < 1:
@@ -85,6 +93,7 @@ class KVPool:
         this pool, so an error before it (calibration, allocation, conversion) leaves the pool, its
         blocks and the live sequences' windows as they were."""
         precision = Precision(precision)
+        self.refuse(precision)
         n = self.blocks_for(precision, budget)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False
@@ -139,7 +148,7 @@ class KVPool:
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""
-        lower = DOWNSHIFT.get(self.precision)
+        lower = DOWNSHIFT.get(self.precision) if self.quantizable else None
         if lower is None or not self.rebuild(lower, self.budget, live):
             return None
         return lower
