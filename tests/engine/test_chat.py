@@ -99,6 +99,10 @@ def test_a_template_without_a_system_role_gets_the_persona_in_the_first_user_tur
     assert len(enc.message_starts) == 4 and enc.message_starts[:2] == [0, 0]
     assert tokenizer.decode(enc.token_ids[enc.message_starts[2]:enc.message_starts[3]]) == \
         "<start_of_turn>model\nArr.<end_of_turn>\n"
+    persona = f.persona_length(messages, enc)  # what forgetting the chat leaves to the persona's other chats
+    assert tokenizer.decode(enc.token_ids[:persona]).startswith("<start_of_turn>user\nTalk like a pirate.")
+    assert "hi" not in tokenizer.decode(enc.token_ids[:persona])
+    assert ChatFormatter(tokenizer).persona_length(messages, ChatFormatter(tokenizer).encode(messages)) > 0
     alone = f.encode(messages[:1], add_generation_prompt=False)
     assert tokenizer.decode(alone.token_ids) == "<start_of_turn>user\nTalk like a pirate.<end_of_turn>\n"
 

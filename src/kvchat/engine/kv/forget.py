@@ -28,7 +28,7 @@ def answer_forget(engine, command: Forget) -> None:
 def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
     """The chained hashes of a conversation's full blocks after its persona's."""
     encoded = formatter.encode(messages, add_generation_prompt=messages[-1]["role"] == "user")
-    persona = encoded.message_starts[1] if messages[0]["role"] == "system" and len(messages) > 1 else 0
+    persona = formatter.persona_length(messages, encoded)
     ids = encoded.token_ids
     return [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][persona // manager.block_size:]
 
