@@ -15,7 +15,7 @@ from kvchat.core.commands import LoadModel, refuse
 from kvchat.core.config import ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
-from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value, quantizable
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value, lowest_precision
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
 from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
@@ -176,9 +176,8 @@ class ModelHost:
         if available <= 0:
             raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
         want = self.kv_bytes(cfg.max_context, precision)
-        auto = cfg.kv_precision == Precision.AUTO
-        can_quantize = quantizable(KVShape.from_config(self.engine.loaded.model.config))
-        lowest = Precision.INT4 if auto and can_quantize else precision  # Auto steps down to it
+        lowest = lowest_precision(KVShape.from_config(self.engine.loaded.model.config), precision,
+                                  cfg.kv_precision == Precision.AUTO)
         need = self.kv_bytes(cfg.max_context, lowest)
         if need > available:
             raise ConfigError(f"a context of {cfg.max_context:,} tokens needs {need / 2**20:,.0f} MiB of KV cache at "

@@ -2,9 +2,9 @@
 context (the oldest messages left out, a message alone past it refused), and the context limit
 itself; the API's plain prompts tokenized on the engine thread."""
 from kvchat.core.commands import Tokenize
-from kvchat.core.config import Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, Request
+from kvchat.core.kv_sizes import lowest_precision
 from kvchat.engine.chat import ChatError, longest_content
 
 
@@ -23,7 +23,7 @@ class PromptBuilder:
         """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
         precision it may step down to."""
         e = self.engine
-        floor = Precision.INT4 if e.auto and e.kvpool.quantizable else e.kvpool.precision
+        floor = lowest_precision(e.kvpool.shape, e.kvpool.precision, e.auto)
         return min(e.config.max_context, e.kvpool.tokens_for(floor))
 
     def prompt_ids(self, request: Request) -> tuple[list[int], int, int]:

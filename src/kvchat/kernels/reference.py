@@ -46,6 +46,11 @@ class Band(NamedTuple):
 PLAIN = Band()
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)``, Gemma 2's bound on scores and logits; ``x`` itself when no cap."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
 def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_table: torch.Tensor,
                     context_len: int, scale: float, first_block: int | None = None,
                     rotation: torch.Tensor | None = None, k_channel_scale: torch.Tensor | None = None,
@@ -279,9 +284,7 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for r in range(0, t, BAND_ROWS):
         rows = min(BAND_ROWS, t - r)
         folded = q[:, :, r:r + rows].reshape(1, kv_heads, g * rows, d)
-        scores = (folded @ k.transpose(-1, -2)).float() * scale
-        if band.softcap:
-            scores = torch.tanh(scores / band.softcap) * band.softcap
+        scores = soft_cap((folded @ k.transpose(-1, -2)).float() * scale, band.softcap)
         scores = scores.masked_fill(~allowed[r:r + rows].repeat(g, 1), float("-inf"))
         out.append((scores.softmax(-1).to(v.dtype) @ v).reshape(1, kv_heads * g, rows, d))
     return torch.cat(out, 2).to(q.dtype)

@@ -16,7 +16,7 @@ serves every step; no Python branch looks at a tensor's value. The twin is
 import torch
 
 from kvchat.kernels.quant import KVFormat
-from kvchat.kernels.reference import PLAIN, Band
+from kvchat.kernels.reference import PLAIN, Band, soft_cap
 
 
 def supports(fmt: KVFormat) -> bool:
@@ -46,7 +46,7 @@ def attend(layer: dict, query: torch.Tensor, table: torch.Tensor, length: torch.
     rows, positions, kv_heads, d = k.shape
     q = query.float().view(rows, kv_heads, -1, d)  # each KV head's query group
     k, v = k.transpose(1, 2)[:, :, None], v.transpose(1, 2)[:, :, None]  # [rows, kv_heads, 1, positions, D]
-    scores = _capped((q[:, :, :, None, :] * k).sum(-1) * scale, band)  # [rows, kv_heads, group, positions]
+    scores = soft_cap((q[:, :, :, None, :] * k).sum(-1) * scale, band.softcap)  # [rows, kv_heads, group, positions]
     past = _hidden(torch.arange(positions, device=k.device), length.view(-1, 1), band)  # [rows, positions]
     scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
     out = (scores.softmax(-1)[..., None] * v).sum(-2)  # [rows, kv_heads, group, D]
@@ -60,14 +60,10 @@ def _attend_one(layer: dict, query: torch.Tensor, table: torch.Tensor, length: t
     k, v = (layer[name][table].flatten(0, 1).float() for name in ("k", "v"))  # [positions, kv_heads, D]
     kv_heads, d = k.shape[1], k.shape[2]
     q = query.float().view(kv_heads, -1, d)  # each KV head's query group
-    scores = _capped((q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale, band)  # [kv_heads, group, positions]
+    scores = soft_cap((q[:, :, None, :] * k.transpose(0, 1)[:, None]).sum(-1) * scale, band.softcap)  # [kv_heads, group, positions]
     scores = scores.masked_fill(_hidden(torch.arange(k.shape[0], device=k.device), length, band), float("-inf"))
     out = (scores.softmax(-1)[..., None] * v.transpose(0, 1)[:, None]).sum(-2)  # [kv_heads, group, D]
     return out.reshape(1, -1, d).to(query.dtype)
-
-
-def _capped(scores: torch.Tensor, band: Band) -> torch.Tensor:
-    return torch.tanh(scores / band.softcap) * band.softcap if band.softcap else scores
 
 
 def _hidden(positions: torch.Tensor, length: torch.Tensor, band: Band) -> torch.Tensor:

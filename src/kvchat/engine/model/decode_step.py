@@ -21,7 +21,7 @@ import logging
 import torch
 
 from kvchat.kernels import traced
-from kvchat.kernels.reference import consecutive_start
+from kvchat.kernels.reference import consecutive_start, soft_cap
 
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.engine.model.background_compile import BackgroundCompile, graph_kind, run_on_stand_ins
@@ -49,9 +49,7 @@ def decode_step_for(model, mode: str = "auto") -> "DecodeStep":
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits of ``hidden`` rows, soft-capped as the model's own head caps them (Gemma 2's
     ``final_logit_softcapping``): the engine calls the head itself, not the model's forward."""
-    logits = model.lm_head(hidden).float()
-    cap = config_value(model.config, "final_logit_softcapping")
-    return torch.tanh(logits / cap) * cap if cap else logits
+    return soft_cap(model.lm_head(hidden).float(), config_value(model.config, "final_logit_softcapping"))
 
 
 class DecodeStep:
