@@ -7,6 +7,9 @@ from kvchat.kernels.layout import FORMATS, token_bytes
 
 SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
 SLICE_BLOCKS = 256  # blocks converted at a time in a rebuild
+# rings a pool keeps for its windowed layers: sequences running past their window at once, with
+# the last ended one kept for its chat's next turn (``engine/kv/rings.py``)
+LOCAL_RINGS = 3
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,7 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    windows: tuple = ()  # per layer, its sliding window or None; () when no layer has one
 
     @classmethod
     def from_config(cls, config) -> "KVShape":
@@ -21,7 +25,87 @@ class KVShape:
         get = lambda name: config_value(config, name)
         heads = get("num_attention_heads")
         return cls(get("num_hidden_layers"), get("num_key_value_heads") or heads,
-                   get("head_dim") or get("hidden_size") // heads)
+                   get("head_dim") or get("hidden_size") // heads, layer_windows(config))
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, w in enumerate(self.windows) if w)
+
+
+def layer_windows(config) -> tuple:
+    """Each layer's sliding window (None: it sees the whole context), as transformers gives the
+    layers theirs: ``layer_types`` where the config has them (Gemma 2 and 3, Qwen2), else one
+    window for every layer (Mistral v0.1, Phi-3). A config.json without ``layer_types`` gets the
+    pattern its class would make."""
+    get = lambda name, default=None: config_value(config, name, default)
+    window, layers, kind = get("sliding_window"), get("num_hidden_layers"), get("model_type")
+    types = get("layer_types")
+    if types is None and kind in ("qwen2", "qwen3"):
+        start = get("max_window_layers", layers) if get("use_sliding_window", False) else layers
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    elif types is None and kind == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif types is None and kind == "gemma3_text":
+        every = get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    if not window:
+        return ()
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types) if types is not None \
+        else (int(window),) * layers
+    return windows if any(windows) else ()
+
+
+def ring_blocks(shape: KVShape, block_size: int) -> int:
+    """Blocks in one sequence's ring for its windowed layers: enough for the window's W - 1 earlier
+    positions and the newest token wherever a block boundary falls, so ``W + block_size`` tokens at
+    most. 0 where no ring applies: no layer has a window, or every layer has one (such a pool
+    would hold no whole-context layer to size its blocks by; those keep their whole context)."""
+    local = shape.local_layers
+    if not local or len(local) == shape.num_layers:
+        return 0
+    return -(-(max(shape.windows[i] for i in local) - 1) // block_size) + 1
+
+
+def layer_block_bytes(shape: KVShape, precision: Precision, block_size: int, full_bytes: int = 2) -> float:
+    """One block of one layer's K and V, scales included."""
+    fmt = FORMATS[Precision(precision).value]
+    return block_size * token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes)
+
+
+def local_blocks_for(shape: KVShape, block_size: int, num_blocks: int) -> int:
+    """Blocks of the windowed layers' rings in a pool of ``num_blocks`` (whole-context) blocks: the
+    rings of ``LOCAL_RINGS`` sequences, or 0 where rings would not take less (a short context)."""
+    ring = ring_blocks(shape, block_size)
+    return ring * LOCAL_RINGS if ring and ring * LOCAL_RINGS < num_blocks else 0
+
+
+def pool_bytes(shape: KVShape, precision: Precision, tokens: int, full_bytes: int = 2,
+               block_size: int = 16, rings: bool = True) -> int:
+    """A pool with room for ``tokens`` whole-context tokens: its windowed layers in rings where
+    those take less (``rings``), so their bytes stop growing at the rings' size."""
+    blocks = -(-int(tokens) // block_size)
+    per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
+    local = local_blocks_for(shape, block_size, blocks) if rings else 0
+    if not local:
+        return int(blocks * shape.num_layers * per_layer)
+    n_local = len(shape.local_layers)
+    return int((blocks * (shape.num_layers - n_local) + local * n_local) * per_layer)
+
+
+def pool_blocks(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int, full_bytes: int = 2,
+                local: int | None = None) -> tuple[int, int]:
+    """``(whole-context blocks, ring blocks)`` that ``budget_bytes`` hold; ``local`` keeps a pool's
+    ring blocks as they are (a rebuild), None lets the budget decide (``local_blocks_for``)."""
+    per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
+    n_local = len(shape.local_layers)
+    if local is None:
+        local = ring_blocks(shape, block_size) * LOCAL_RINGS if ring_blocks(shape, block_size) else 0
+        if local and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, local)[0] <= local:
+            local = 0
+    if not local:
+        return int(budget_bytes // (shape.num_layers * per_layer)), 0
+    rest = budget_bytes - local * n_local * per_layer
+    return max(0, int(rest // ((shape.num_layers - n_local) * per_layer))), local
 
 
 def quantizable(shape: KVShape) -> bool:

@@ -99,7 +99,7 @@ class MemoryGovernor:
         leaves the old pool as it was (KVCache.converted is transactional) and raises EngineError."""
         e = self.engine
         pool = e.kvpool
-        new_bytes = pool.tokens_for(precision, budget) * pool.bytes_per_token(precision)
+        new_bytes = pool.nbytes_for(precision, budget)
         total, used = e.probe.totals()
         free = total - used
         if new_bytes > free:

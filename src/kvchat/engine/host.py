@@ -15,7 +15,7 @@ from kvchat.core.commands import LoadModel, refuse
 from kvchat.core.config import ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
-from kvchat.core.kv_sizes import KVShape, bytes_per_token, config_value, lowest_precision
+from kvchat.core.kv_sizes import KVShape, config_value, lowest_precision, pool_bytes
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
 from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
@@ -188,8 +188,8 @@ class ModelHost:
     def kv_bytes(self, context: int, precision: Precision) -> int:
         """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""
         loaded = self.engine.loaded
-        per_token = bytes_per_token(KVShape.from_config(loaded.model.config), precision, kv_dtype(loaded).itemsize)
-        return int(context * (1 + PREFIX_RESERVE) * per_token) + 1
+        return pool_bytes(KVShape.from_config(loaded.model.config), precision, context * (1 + PREFIX_RESERVE),
+                          kv_dtype(loaded).itemsize, self.engine.config.block_size) + 1
 
     # -- the decode step --
 

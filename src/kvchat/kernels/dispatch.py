@@ -84,7 +84,10 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
     the window's bounds from tensors it updates in place; the block table may then be padded past
     the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in
     the window anyway."""
-    held = window[0].bounds(window[1], context_len) if window is not None else None
+    length = context_len
+    if window is not None and fresh is not None and window[0].end[window[1]] == context_len - query.shape[0]:
+        length = context_len - query.shape[0]  # a chunk that attends before its rows are written
+    held = window[0].bounds(window[1], length) if window is not None else None
     if query.shape[0] == 1 and use_triton(query, tensors, fmt):
         lens = context_lens if context_lens is not None else _step_tensor("lens", (context_len,), query.device)
         rows = None
@@ -94,7 +97,7 @@ def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_
             rows = (recent.k[layer], recent.v[layer], recent.sinks, wmeta)
         return _triton_decode().paged_decode(query, tensors, fmt, block_table[None].to(torch.int32), lens, scale,
                                              rotation, k_channel_scale, window=rows, band=band)
-    rows = window[0].rows(window[1], context_len) if held is not None else None
+    rows = window[0].rows(window[1], length) if held is not None else None
     read_rows = _triton_kv().dequantize_rows if fmt.quantized and use_triton(query, tensors, fmt) else None
     return reference.paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block, rotation,
                                      k_channel_scale, rows, fresh, read_rows, band)

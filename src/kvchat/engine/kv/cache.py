@@ -8,16 +8,21 @@ from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.core.config import Precision
 from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
-from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape
+from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, ring_blocks
 
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device, precision: Precision = Precision.FP16):
+                 device, precision: Precision = Precision.FP16, local_blocks: int = 0):
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.precision, self.dtype = Precision(precision), dtype
         self.format = quant.FORMATS[self.precision.value]
-        self.layers = [quant.layer_tensors(self.format, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
-                                           dtype, device) for _ in range(shape.num_layers)]
+        # with ``local_blocks``, the windowed layers hold that many blocks, the sequences' rings
+        # (``rings.Rings``); ``block_map`` sends each block id to the ring block its rows are in
+        self.local = frozenset(shape.local_layers) if local_blocks else frozenset()
+        self.local_blocks, self.ring_size = local_blocks, ring_blocks(shape, block_size) if local_blocks else 0
+        self.block_map = torch.zeros(num_blocks, dtype=torch.long, device=device) if local_blocks else None
+        self.layers = [quant.layer_tensors(self.format, self.blocks_of(i), block_size, shape.num_kv_heads,
+                                           shape.head_dim, dtype, device) for i in range(shape.num_layers)]
         self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
         self.k_centers: list[torch.Tensor] | None = None  # set by calibration, quantized modes only
         self.k_scales: list[torch.Tensor] | None = None  # likewise: per-channel key scale
@@ -28,6 +33,28 @@ class KVCache:
         # sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs it has
         self.window_storage: quant.WindowStorage | None = None
 
+    def blocks_of(self, layer: int) -> int:
+        return self.local_blocks if layer in self.local else self.num_blocks
+
+    def whole(self) -> list[int]:
+        """The layers that keep the whole context, addressed by block id."""
+        return [i for i in range(self.shape.num_layers) if i not in self.local]
+
+    @property
+    def whole_layers(self) -> list[dict]:
+        return [self.layers[i] for i in self.whole()]
+
+    def place(self, block_ids: list[int], ring_ids: list[int]) -> None:
+        """The windowed layers' rows of these blocks are in these ring blocks."""
+        if block_ids:
+            index = torch.tensor(block_ids, device=self.block_map.device)
+            self.block_map.index_copy_(0, index, torch.tensor(ring_ids, device=index.device))
+
+    def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        mapped = self.block_map.index_select(0, slots.clamp(min=0).div(bs, rounding_mode="floor")) * bs + slots % bs
+        return torch.where(slots >= 0, mapped, slots)  # -1 stays: a capture's write that goes nowhere
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
@@ -37,7 +64,8 @@ class KVCache:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
         quantized = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}|{CALIBRATION_ID}"
         rot = quantized + (f"|fp8-at-{FP8_TARGET}" if self.format.float8 else "") if self.format.quantized else ""
-        return f"{self.precision.value}|{self.dtype}{rot}"
+        ringed = f"|whole-context layers {self.whole()}" if self.local else ""  # a block holds only those
+        return f"{self.precision.value}|{self.dtype}{rot}{ringed}"
 
     def calibrated(self, k_centers=None, k_scales=None, fp8_scales=None) -> None:
         """Set the key statistics (``calibration.calibrate``) this pool's format uses."""
@@ -70,22 +98,27 @@ class KVCache:
         the peak is one layer above the larger pool, but a failure midway leaves this pool unusable."""
         new = KVCache.__new__(KVCache)
         new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
+        new.local, new.local_blocks, new.ring_size, new.block_map = self.local, self.local_blocks, self.ring_size, None
+        if self.block_map is not None:  # ids past a shrink go; new ones map to ring block 0 until placed
+            new.block_map = torch.zeros(num_blocks, dtype=torch.long, device=self.block_map.device)
+            keep = min(num_blocks, self.num_blocks)
+            new.block_map[:keep] = self.block_map[:keep]
         new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
         device = self.device
         new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
         new.calibrated(k_centers, k_scales, fp8_scales)
-        allocate = lambda: quant.layer_tensors(new.format, num_blocks, self.block_size, self.shape.num_kv_heads,
-                                               self.shape.head_dim, self.dtype, device)
-        new.layers = [None if release else allocate() for _ in self.layers]
+        allocate = lambda i: quant.layer_tensors(new.format, new.blocks_of(i), self.block_size,
+                                                 self.shape.num_kv_heads, self.shape.head_dim, self.dtype, device)
+        new.layers = [None if release else allocate(i) for i in range(len(self.layers))]
         # the int modes transform keys alike, so sinks carry over between them
         new.window_storage = self.window_storage  # the same rows: the live windows and the graphs read them
         same = new.format.transform and self.format.transform == new.format.transform
         new.sink_cache = self.sink_cache.copy() if same else OrderedDict()
-        keep_slots = min(num_blocks, self.num_blocks) * self.block_size
         for i in range(len(new.layers)):
-            layer = new.layers[i] = new.layers[i] or allocate()
+            layer = new.layers[i] = new.layers[i] or allocate(i)
             center = new.k_centers[i] if new.k_centers is not None else None
             scale, v_scale = new.key_scale(i), new.value_scale(i)
+            keep_slots = min(new.blocks_of(i), self.blocks_of(i)) * self.block_size
             for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
                 slots = torch.arange(first, min(first + SLICE_BLOCKS * self.block_size, keep_slots), device=device)
                 k, v = self._plain(i, slots)
@@ -97,7 +130,7 @@ class KVCache:
                     pos = torch.arange(first, end, device=device)
                     slots = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
                         + pos % self.block_size
-                    k, v = self._plain(i, slots)
+                    k, v = self._plain(i, self._ring_slots(slots) if i in self.local else slots)
                     v = v / v_scale if v_scale is not None else v
                     window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
                                  quant.rotate(v, new.rotation))
@@ -138,17 +171,19 @@ class KVCache:
         """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
         index = torch.tensor(block_ids, device=self.rotation.device if self.rotation is not None else None)
         names = self.layers[0].keys()
-        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device)) for layer in self.layers]).cpu()
+        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device))  # a ring's rows are its sequence's
+                                for layer in self.whole_layers]).cpu()
                 for n in names}
 
     def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         if set(tensors) != set(self.layers[0]):
             raise ValueError(f"stored tensors {sorted(tensors)} are not this pool's {sorted(self.layers[0])}")
+        whole = self.whole()
         for name, data in tensors.items():
-            want = (len(self.layers), len(block_ids), *self.layers[0][name].shape[1:])
+            want = (len(whole), len(block_ids), *self.layers[0][name].shape[1:])
             if tuple(data.shape) != want or data.dtype != self.layers[0][name].dtype:
                 raise ValueError(f"stored {name} is {tuple(data.shape)} {data.dtype}, the pool wants {want}")
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(self.whole_layers):
             for name, t in layer.items():
                 index = torch.tensor(block_ids, device=t.device)
                 t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
@@ -174,9 +209,11 @@ class KVCache:
             return
         device = next(iter(self.layers[0].values())).device
         old, new = (torch.tensor(ids, device=device) for ids in zip(*moves.items()))
-        for layer in self.layers:
+        for layer in self.whole_layers:
             for t in layer.values():
                 t.index_copy_(0, new, t.index_select(0, old))
+        if self.block_map is not None:  # a ring's rows stay where they are: the new id points at them
+            self.block_map.index_copy_(0, new, self.block_map.index_select(0, old))
 
     def window_for(self, token_ids: list[int], computed: int) -> quant.RecentWindow | None:
         """A new window for a sequence of which ``computed`` tokens are already in the pool (a prefix
@@ -215,6 +252,11 @@ class KVCache:
         s, v_scale = self.key_scale(layer), self.value_scale(layer)
         if v_scale is not None:
             value = value / v_scale.to(value.dtype)
+        if layer in self.local:
+            # a chunk longer than the ring keeps its newest rows: the others' slots are taken again
+            bs = self.block_size
+            skip = max(0, ((first_pos + key.shape[0] - 1) // bs - self.ring_size + 1) * bs - first_pos)
+            key, value, slots, first_pos = key[skip:], value[skip:], self._ring_slots(slots[skip:]), first_pos + skip
         rows = []
 
         def keep_rows(k, v):
@@ -228,10 +270,25 @@ class KVCache:
                           keep_rows if wanted else None, ring)
         return rows[0] if rows and key.shape[0] > 1 else None
 
+    def fresh(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple:
+        """New tokens' K/V as ``write`` transforms them before rounding, without writing them: a
+        windowed layer's chunk attends first, then its rows may overwrite the ring's oldest."""
+        v_scale = self.value_scale(layer)
+        if v_scale is not None:
+            value = value / v_scale.to(value.dtype)
+        if not self.format.quantized:
+            return key, value
+        center = self.k_centers[layer] if self.k_centers is not None else None
+        return (quant.transform_keys(key.float(), self.rotation, center, self.key_scale(layer)),
+                quant.rotate(value.float(), self.rotation))
+
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
                scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
                window_meta: torch.Tensor | None = None, band: Band = PLAIN) -> torch.Tensor:
+        if layer in self.local:  # the ring blocks, in the order of the sequence's blocks
+            index = block_table.long().clamp(0, self.num_blocks - 1)  # a captured table's padding too
+            block_table, first_block = self.block_map.index_select(0, index).to(torch.int32), None
         out = dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
                                         first_block, self.rotation, self.key_scale(layer),
                                         None if window is None else (window, layer), context_lens, fresh, window_meta,

@@ -13,14 +13,16 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     num_computed: int = 0  # tokens whose K/V are in the pool
     window: RecentWindow | None = None  # made by the runner in the quantized modes
+    ring: list[int] = field(default_factory=list)  # the windowed layers' ring blocks (``rings.Rings``)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, extra_key: str):
+    def __init__(self, pool: BlockPool, block_size: int, extra_key: str, rings=None):
         self.pool, self.block_size, self.extra_key = pool, block_size, extra_key
+        self.rings = rings  # the windowed layers' rings, where the pool keeps them so
         self._last: tuple[list[int], RecentWindow] | None = None  # the last freed sequence's computed tokens, window
 
     def chain(self, token_ids: list[int], num_blocks: int):
@@ -107,8 +109,13 @@ class KVCacheManager:
         missing = self.blocks_needed(num_tokens) - len(seq.blocks)
         if missing > self.pool.num_free:
             raise PoolExhausted(f"KV cache is full: {missing} more blocks needed, {self.pool.num_free} free")
+        if self.rings is not None:
+            self.rings.check(seq, self.blocks_needed(num_tokens))
+        first = len(seq.blocks)
         for _ in range(missing):
             seq.blocks.append(self.pool.allocate(prefer=seq.blocks[-1].id + 1 if seq.blocks else None))
+        if self.rings is not None and missing > 0:
+            self.rings.extend(seq, first)
 
     def commit(self, seq: Sequence) -> None:
         """Publish every block that the computed tokens have filled, so later requests find it."""
@@ -136,6 +143,8 @@ class KVCacheManager:
         if keep_tail:
             self._keep_tail(seq)
             self._last = (seq.token_ids[:seq.num_computed], seq.window) if seq.window is not None else None
+        if self.rings is not None:
+            self.rings.release(seq, keep_tail)
         self.pool.release(seq.blocks)
         seq.blocks, seq.window = [], None
 

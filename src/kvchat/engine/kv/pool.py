@@ -9,11 +9,12 @@ from kvchat.kernels import quant
 from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
-from kvchat.core.kv_sizes import KVShape, blocks_for_budget, bytes_per_token, quantizable
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, pool_blocks, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.kv.personas import PersonaCache
+from kvchat.engine.kv.rings import Rings
 from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
 
@@ -28,19 +29,22 @@ def kv_dtype(lm) -> torch.dtype:
 
 class KVPool:
     def __init__(self, lm, block_size: int, precision: Precision, budget: int, decode: str = "eager",
-                 host_cap: int = 0, disk: DiskTier | None = None, notice=None):
+                 host_cap: int = 0, disk: DiskTier | None = None, notice=None, rings: bool = True):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
         self.quantizable = quantizable(self.shape)
         self.refuse(precision)
         self._key_stats = None
+        self.local_blocks = None if rings else 0  # None: the first budget decides (kv_sizes.pool_blocks)
         num_blocks = self.blocks_for(precision, budget)
-        self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision)
+        self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
         if self.kv.format.quantized:
             self.kv.calibrated(*self.key_stats())
         self.pool = BlockPool(num_blocks)
-        self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
+        self.rings = Rings(self.kv.ring_size, self.local_blocks, max(self.shape.windows[i] for i in self.kv.local),
+                           block_size, lambda ids, ring: self.kv.place(ids, ring)) if self.local_blocks else None
+        self.manager = KVCacheManager(self.pool, block_size, self.extra_key(), self.rings)
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager)
         self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
@@ -51,7 +55,7 @@ class KVPool:
     def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
         """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
         per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
-        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token))
+        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), rings=False)
 
     @property
     def precision(self) -> Precision:
@@ -70,13 +74,21 @@ class KVPool:
                               f"this model's is {self.shape.head_dim}: use fp16")
 
     def blocks_for(self, precision: Precision, budget: int) -> int:
-        n = blocks_for_budget(self.shape, precision, self.block_size, budget, self.full_bytes())
+        """Whole-context blocks in ``budget``; the first call also fixes the rings' blocks."""
+        n, local = pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), self.local_blocks)
         if n < 1:
             raise ConfigError("the KV budget is smaller than one block")
+        self.local_blocks = local
         return n
 
     def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
         return self.blocks_for(precision, self.budget if budget is None else budget) * self.block_size
+
+    def nbytes_for(self, precision: Precision, budget: int) -> int:
+        """What the pool would take at ``precision`` in ``budget``: its blocks, its rings."""
+        per_layer = layer_block_bytes(self.shape, precision, self.block_size, self.full_bytes())
+        n = self.blocks_for(precision, budget)
+        return int(per_layer * (n * len(self.kv.whole()) + self.local_blocks * len(self.kv.local)))
 
     def bytes_per_token(self, precision: Precision | None = None) -> float:
         return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
@@ -144,6 +156,10 @@ class KVPool:
         self.manager.match_prefix(seq)
         ram, disk = self.tiers.restore(seq)
         self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
+        if self.rings is not None and seq.num_computed and not self.rings.take_over(seq):
+            self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
+            seq.hashes, seq.num_computed = [], 0
+            return 0, 0
         return ram, disk
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
@@ -154,8 +170,13 @@ class KVPool:
         return lower
 
     def usage(self) -> dict:
-        per_block = self.bytes_per_token() * self.block_size
-        pool = self.pool
+        per_layer = layer_block_bytes(self.shape, self.precision, self.block_size, self.full_bytes())
+        per_block = per_layer * len(self.kv.whole())
+        pool, rings = self.pool, self.rings
         in_use = pool.num_blocks - pool.num_free
-        return {"kv_total": int(pool.num_blocks * per_block), "kv_in_use": int(in_use * per_block),
+        ring_total = ring_used = 0
+        if rings is not None:  # the windowed layers' blocks: a ring in use, or kept for a next turn
+            ring_total = self.local_blocks * per_layer * len(self.kv.local)
+            ring_used = (self.local_blocks - len(rings.free)) * per_layer * len(self.kv.local)
+        return {"kv_total": int(pool.num_blocks * per_block + ring_total), "kv_in_use": int(in_use * per_block + ring_used),
                 "kv_reclaimable": int(pool.num_reclaimable * per_block), "tiers": self.tiers.usage()}

@@ -48,7 +48,7 @@ class KVTiers:
 
     def _stored(self, block_id: int, token_ids, parent: bytes | None) -> StoredBlock:
         kv = self.kvpool.kv
-        tensors, event = copy_out(kv.layers, block_id)
+        tensors, event = copy_out(kv.whole_layers, block_id)  # a ring's rows are its sequence's
         sinks = None
         if parent is None and kv.format.quantized:
             sinks = kv.sink_cache.get(tuple(token_ids[:SINKS]))
@@ -139,7 +139,7 @@ class KVTiers:
 
     def _write(self, seq: Sequence, have: int, found: list[StoredBlock]) -> bool:
         kv = self.kvpool.kv
-        want = {n: ((len(kv.layers), 1, *t.shape[1:]), t.dtype) for n, t in kv.layers[0].items()}
+        want = {n: ((len(kv.whole_layers), 1, *t.shape[1:]), t.dtype) for n, t in kv.layers[0].items()}
         for block in found:
             if {n: (tuple(t.shape), t.dtype) for n, t in block.tensors.items()} != want:
                 log.warning("a stored KV block does not fit this pool (another layout): a miss")
@@ -148,7 +148,7 @@ class KVTiers:
         if kv.device.type == "cuda":  # one host-to-device copy per tensor and layer
             kv.write_blocks(ids, {n: torch.cat([b.tensors[n] for b in found], dim=1) for n in want})
         else:  # straight into the pool's rows: no stacked copy of the whole restore first
-            for i, layer in enumerate(kv.layers):
+            for i, layer in enumerate(kv.whole_layers):
                 for n, t in layer.items():
                     for block_id, block in zip(ids, found):
                         t[block_id].copy_(block.tensors[n][i, 0])

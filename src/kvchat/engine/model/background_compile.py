@@ -105,8 +105,9 @@ class BackgroundCompile:
 
 
 def graph_kind(kv) -> str:
-    """Which compiled graph decodes on ``kv``: fp16 pools trace their attention, quantized ones call the op."""
-    return "traced" if traced.supports(kv.format) else "op"
+    """Which compiled graph decodes on ``kv``: fp16 pools trace their attention, quantized ones and
+    those whose windowed layers are in rings (read through the cache's block map) call the op."""
+    return "traced" if traced.supports(kv.format) and not kv.local else "op"
 
 
 def run_on_stand_ins(forward, kind: str, layers: list[dict], device, batch: int = 1) -> None:

@@ -14,7 +14,6 @@ the batch runs eagerly: capturing graphs per batch bucket is left for a GPU to m
 """
 import torch
 
-from kvchat.kernels import traced
 from kvchat.kernels.reference import consecutive_start
 
 from kvchat.core.config import MAX_RUNNING
@@ -86,7 +85,7 @@ class BatchStep:
     def _compiled_step(self, kv, rows: list[tuple], bucket: int) -> torch.Tensor:
         forward = self._forward_for(bucket)
         self.replays += 1
-        if not traced.supports(kv.format):
+        if graph_kind(kv) == "op":
             ids, positions, metas = self._inputs(kv, rows, bucket)
             with running(BatchMeta(metas)):
                 return forward(ids, positions)

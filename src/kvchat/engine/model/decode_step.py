@@ -20,7 +20,6 @@ import logging
 
 import torch
 
-from kvchat.kernels import traced
 from kvchat.kernels.reference import consecutive_start, soft_cap
 
 from kvchat.engine.model.attention import StepMeta, running
@@ -118,7 +117,7 @@ class DecodeStep:
         if graph_kind(kv) not in self.background.ready:
             return None
         try:
-            if traced.supports(kv.format):
+            if graph_kind(kv) == "traced":
                 logits = self._compiled_forward()(self.ids, self.positions, self.traced_inputs(kv, block_ids))[0]
             else:
                 with running(self._meta(kv, window, block_ids, position)):

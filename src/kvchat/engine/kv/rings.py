@@ -1,0 +1,82 @@
+"""The windowed layers' K/V: one ring of blocks per sequence, reused as the sequence moves on.
+
+A windowed layer's query at position p reads positions ``p - W + 1 .. p`` only. So a sequence's
+rows for those layers need ``ring`` blocks (``kv_sizes.ring_blocks``: W - 1 earlier positions and
+the newest, wherever a block boundary falls), and its i-th block's rows go to ring block
+``i % ring``: a block whose positions all fell out of the window is overwritten by a newer one,
+and the memory of a long chat stops growing at the window. The whole-context layers keep their
+rows in the block pool as before; the cache's ``block_map`` sends each block id to its ring block,
+so the step's one block table serves both (the windowed layers read it through the map).
+
+The prefix cache: a cached prefix of n tokens serves a windowed layer only if positions
+``n - W + 1 .. n`` are still in a ring. Ended sequences give their ring back, except the last one,
+which is kept with its tokens for the next request (its chat's next turn, which shares its
+tokens): that request takes it over. Another request that finds cached blocks but no ring holding
+their window computes its prompt again (vLLM v1's ``SlidingWindowManager`` keeps the window's
+blocks cached instead; here the rings are what makes the memory small, so they are not shared).
+"""
+from kvchat.engine.kv.block_pool import PoolExhausted
+
+
+class Rings:
+    def __init__(self, size: int, num_blocks: int, window: int, block_size: int, place):
+        self.size, self.window, self.block_size = size, window, block_size
+        self.free = list(range(num_blocks))
+        self.kept: tuple[list[int], list[int]] | None = None  # the last ended sequence's computed tokens, ring
+        self._place = place  # place(block ids, ring block ids): the cache's block_map
+
+    def missing(self, seq, num_blocks: int) -> int:
+        """Ring blocks ``seq`` still needs to hold ``num_blocks`` blocks."""
+        return max(0, min(num_blocks, self.size) - len(seq.ring))
+
+    def available(self) -> int:
+        return len(self.free) + (len(self.kept[1]) if self.kept else 0)
+
+    def check(self, seq, num_blocks: int) -> None:
+        if self.missing(seq, num_blocks) > self.available():
+            raise PoolExhausted("the windowed layers' rings are all in use")
+
+    def extend(self, seq, first: int) -> None:
+        """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
+        until it is whole."""
+        while len(seq.ring) < min(len(seq.blocks), self.size):
+            if not self.free:
+                self._drop_kept()
+            seq.ring.append(self.free.pop(0))
+        ids = list(range(first, len(seq.blocks)))
+        self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
+
+    def release(self, seq, keep: bool) -> None:
+        """``seq`` ended; with ``keep``, its ring stays for the next request."""
+        ring, seq.ring = seq.ring, []
+        if keep and ring and seq.num_computed:
+            self._drop_kept()
+            self.kept = (seq.token_ids[:seq.num_computed], ring)
+        else:
+            self.free.extend(ring)
+
+    def take_over(self, seq) -> bool:
+        """Give ``seq``, which found ``seq.num_computed`` tokens cached, the kept ring if it holds
+        their window; False when it does not (the caller drops the cached prefix)."""
+        n, bs = seq.num_computed, self.block_size
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return False
+        tokens, ring = kept
+        m = len(tokens)
+        held_from = max(0, ((m - 1) // bs - self.size + 1) * bs)  # older positions were overwritten
+        first = max(0, n - self.window + 1) // bs
+        window_blocks = seq.blocks[first:-(-n // bs)]
+        if not (n <= m and held_from <= max(0, n - self.window + 1) and tokens[:n] == seq.token_ids[:n]
+                and all(b.ref_cnt == 1 for b in window_blocks)):  # a running sequence reads these rows
+            self.kept = kept
+            return False
+        self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
+        seq.ring = ring
+        self._place([b.id for b in window_blocks], [ring[i % self.size] for i in range(first, first + len(window_blocks))])
+        return True
+
+    def _drop_kept(self) -> None:
+        if self.kept is not None:
+            self.free.extend(self.kept[1])
+            self.kept = None
