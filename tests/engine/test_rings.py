@@ -1,5 +1,7 @@
 """The windowed layers' rings (engine/kv/rings.py): a long chat with a windowed model holds its
 windowed layers' K/V in a ring of window + one block, and says what transformers says."""
+import json
+
 import pytest
 import torch
 
@@ -143,3 +145,128 @@ def test_a_2000_token_chat_holds_one_ring_and_its_next_turn_goes_on_from_it(gemm
         assert done.token_ids == expected(gemma3, history, 20)
     finally:
         engine.close()
+
+
+def compiled_ring_pool(model, precision):
+    """A ring pool whose runner decodes with the compiled step (the op's graph: a ring is read
+    through the cache's block map, which the traced graph does not do), compiled now."""
+    from kvchat.engine.model.runner import ModelRunner
+
+    pool = pool_for(model, precision)
+    pool.runner = ModelRunner(pool.lm.model, pool.kv, pool.manager, "compiled")
+    assert pool.runner.step.prepare(pool.kv) or pool.runner.step.background.known("op")
+    assert pool.runner.step.background.wait(900) and pool.runner.step.fallback is None
+    return pool
+
+
+@torch.inference_mode()
+def test_the_compiled_step_over_rings_decodes_as_eager(gemma3):
+    ids = prompt(100, seed=8)
+    eager, _ = run(pool_for(gemma3, "fp16"), ids, 512, 120)
+    pool = compiled_ring_pool(gemma3, "fp16")
+    compiled, held = run(pool, ids, 512, 120)
+    assert pool.runner.step.replays >= 119 and held == RING
+    assert (compiled - eager).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+@torch.inference_mode()
+def test_a_batch_decodes_each_ringed_sequence_as_it_decodes_alone(gemma3, precision):
+    """Two sequences past their windows, each in its own ring, decoded as one batch: each row's
+    logits as its sequence's alone."""
+    pool = pool_for(gemma3, precision)
+    seqs = [Sequence(prompt(n, seed=n)) for n in (150, 230)]
+    for seq in seqs:
+        pool.manager.reserve(seq, len(seq) - 1)
+        pool.runner.forward(seq, len(seq) - 1, want_logits=False)
+    alone = []
+    for _ in range(20):
+        for seq in seqs:
+            pool.manager.reserve(seq, len(seq))
+        both = pool.runner.decode(seqs)
+        for seq, row in zip(seqs, both):
+            seq.token_ids.append(int(row.argmax()))
+        alone.append(both)
+    assert seqs[0].ring != seqs[1].ring and len(set(seqs[0].ring) | set(seqs[1].ring)) == 2 * RING
+    for i, seq in enumerate(seqs):
+        single = pool_for(gemma3, precision)
+        solo = Sequence(seq.token_ids[:-20])
+        single.manager.reserve(solo, len(solo) - 1)
+        single.runner.forward(solo, len(solo) - 1, want_logits=False)
+        for step in range(20):
+            single.manager.reserve(solo, len(solo))
+            row = single.runner.decode([solo])[0]
+            assert (row - alone[step][i]).abs().max().item() <= 1e-4
+            solo.token_ids.append(seq.token_ids[len(solo)])
+
+
+@torch.inference_mode()
+def test_a_downshift_converts_the_rings_too(gemma3):
+    """fp16 -> int8 in the middle of a sequence past its window: the rings and the whole-context
+    blocks are converted alike, so the next steps say what a whole pool converted at the same
+    token says."""
+    ids = prompt(200, seed=9)
+    out = []
+    for rings in (False, True):
+        pool = pool_for(gemma3, "fp16", rings=rings)
+        seq = Sequence(list(ids))
+        pool.manager.reserve(seq, len(seq))
+        logits = pool.runner.forward(seq, len(seq), want_logits=True)
+        rows = []
+        for step in range(40):
+            if step == 10:
+                assert pool.downshift([seq]) == Precision.INT8
+            seq.token_ids.append(int(logits.argmax()))
+            pool.manager.reserve(seq, len(seq))
+            logits = pool.runner.forward(seq, len(seq), want_logits=True)
+            rows.append(logits)
+        out.append(torch.stack(rows))
+    assert (out[0] - out[1]).abs().max().item() <= 1e-4
+
+
+def test_more_long_requests_than_rings_wait_for_one_and_say_the_same(gemma3, tokenizer):
+    """Five requests past their windows at once, with three rings: those without a ring wait (or
+    a newer one is preempted) until one is free; every reply is transformers' greedy one."""
+    engine = Engine(EngineConfig(max_context=4096, max_running=5), loaded=as_loaded(gemma3, tokenizer))
+    try:
+        prompts = [prompt(150 + 10 * i, seed=30 + i) for i in range(5)]
+        handles = [engine.submit(Request(prompt_ids=p, sampling=SamplingParams(
+            max_new_tokens=40, temperature=0, ignore_eos=True))) for p in prompts]
+        for p, handle in zip(prompts, handles):
+            assert handle.result().token_ids == expected(gemma3, p, 40)
+        assert engine.scheduler.preempted >= 2  # two of the five waited for a ring
+        assert engine.kvpool.rings.available() == RING * LOCAL_RINGS
+    finally:
+        engine.close()
+
+
+def test_bench_window_prints_one_json_document_of_the_rings(capsys):
+    from kvchat.bench import window
+
+    window.report(window.bench_window(turns=2, prompt_tokens=300, reply_tokens=20), as_json=True)
+    r = json.loads(capsys.readouterr().out)
+    assert (r["window"], r["windowed_layers"], r["bar_tokens"]) == (WINDOW, 5, WINDOW + BS)
+    first, second = r["turns"]
+    assert first["ring_tokens"] == second["ring_tokens"] == RING * BS
+    assert second["cached_tokens"] == first["chat_tokens"]
+    # 5 layers x 2 (K, V) x 2 KV heads x 64 x 4 bytes (fp32 on the CPU) = 5 KiB a token
+    assert second["ring_bytes"] == RING * BS * 5120
+    assert second["whole_context_bytes"] == second["chat_tokens"] * 5120
+
+
+GEMMA_2_9B = {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 256, "hidden_size": 3584, "intermediate_size": 14336, "vocab_size": 256000,
+              "sliding_window": 4096, "tie_word_embeddings": True}
+
+
+def test_the_planner_counts_gemma_2s_windowed_layers_at_their_rings():
+    """On a 24 GiB card at 32k, Gemma-2-9B's 21 windowed layers take three rings of 257 blocks, not
+    32k tokens: Auto picks int8, where counting every layer at the context needed int4."""
+    from kvchat.core.memory import format_plan, plan
+
+    p = plan(GEMMA_2_9B, 24 * 2**30, 32768)
+    assert p.auto == "int8"
+    assert p.ring_bytes["fp16"] == 21 * 3 * 257 * BS * 8192 and p.bytes_per_token["fp16"] == 21 * 8192
+    assert "MiB of windowed layers" in format_plan(p)
+    plain = plan({k: v for k, v in GEMMA_2_9B.items() if k != "sliding_window"}, 24 * 2**30, 32768)
+    assert plain.auto == "int4" and plain.bytes_per_token["fp16"] == 42 * 8192 and not any(plain.ring_bytes.values())

@@ -8,12 +8,13 @@ from kvchat.core.config import KV_MODES, MAX_RUNNING, WEIGHTS, ConfigError
 def bench_args(sub) -> None:
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
     bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
-                                         "resume"],
+                                         "resume", "window"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
                             "startup: what a new user waits for, from fresh and from warm dirs; "
-                            "resume: a long chat answered again after eviction and after a restart (KV tiers)")
+                            "resume: a long chat answered again after eviction and after a restart (KV tiers); "
+                            "window: a windowed model's chat past 2,000 tokens, its windowed layers in rings")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compile", action="store_true",
@@ -89,6 +90,10 @@ def cmd_bench(args) -> int:
         from kvchat.bench import prefix as bench_prefix
 
         bench_prefix.report_prefix(bench_prefix.bench_prefix(args.model), args.json)
+    elif args.which == "window":
+        from kvchat.bench import window as bench_window
+
+        bench_window.report(bench_window.bench_window(args.random_weights), args.json)
     elif args.which == "memory":
         bench.report_memory(bench.bench_memory(args.model), args.json)
     elif args.which == "switch":

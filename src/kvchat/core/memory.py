@@ -14,7 +14,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from kvchat.core.config import BLOCK_SIZE, LADDER, ORDER
-from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, bytes_per_token, config_value
+from kvchat.core.kv_sizes import (SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, config_value, layer_block_bytes,
+                                  pool_blocks, pool_bytes)
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
@@ -103,8 +104,9 @@ class Plan:
     headroom: int
     kv_budget: int
     requested_context: int
-    bytes_per_token: dict = field(default_factory=dict)
+    bytes_per_token: dict = field(default_factory=dict)  # what a token more takes (whole-context layers)
     max_context: dict = field(default_factory=dict)
+    ring_bytes: dict = field(default_factory=dict)  # windowed layers' rings, a fixed size (kv_sizes.ring_blocks)
     auto: str | None = None  # None: not even int4 holds the requested context
 
     def as_dict(self) -> dict:
@@ -124,10 +126,14 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     p = Plan(memory, w, act, headroom, budget, context)
     need = context * (1 + PREFIX_RESERVE)
     for precision in PRECISIONS:
-        per_token = bytes_per_token(shape, precision, kv_full_bytes)
-        p.bytes_per_token[precision.value] = per_token
-        p.max_context[precision.value] = int(budget // (per_token * block_size)) * block_size
-        if p.auto is None and budget >= need * per_token and precision in LADDER:
+        blocks, local = pool_blocks(shape, precision, block_size, budget, kv_full_bytes)
+        per_layer = layer_block_bytes(shape, precision, block_size, kv_full_bytes) / block_size
+        whole = shape.num_layers - (len(shape.local_layers) if local else 0)
+        p.bytes_per_token[precision.value] = per_layer * whole
+        p.ring_bytes[precision.value] = int(per_layer * block_size * local * (shape.num_layers - whole))
+        p.max_context[precision.value] = blocks * block_size
+        if p.auto is None and budget >= pool_bytes(shape, precision, need, kv_full_bytes, block_size) \
+                and precision in LADDER:
             p.auto = precision.value
     return p
 
@@ -137,7 +143,8 @@ def format_plan(p: Plan) -> str:
     lines = [f"memory {g(p.memory)}: weights {g(p.weights)}, activations {g(p.activations)}, "
              f"headroom {g(p.headroom)}, KV cache {g(p.kv_budget)}"]
     for name, per_token in p.bytes_per_token.items():
-        lines.append(f"  {name:<5} {per_token / 1024:8.1f} KiB/token   holds {p.max_context[name]:>9,} tokens")
+        rings = f" + {p.ring_bytes[name] / 2**20:,.0f} MiB of windowed layers" if p.ring_bytes.get(name) else ""
+        lines.append(f"  {name:<5} {per_token / 1024:8.1f} KiB/token{rings}   holds {p.max_context[name]:>9,} tokens")
     want = f"{p.requested_context:,} tokens (+{PREFIX_RESERVE:.0%} prefix cache)"
     lines.append(f"Auto for {want}: {p.auto or 'nothing fits; lower the context or free memory'}")
     return "\n".join(lines)
