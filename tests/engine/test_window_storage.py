@@ -8,6 +8,7 @@ from kvchat.core.config import Precision
 from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.block_pool import BlockPool
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.convert import converted
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.model.decode_step import BUCKETS, DecodeStep
 from kvchat.engine.model.runner import ModelRunner
@@ -30,8 +31,8 @@ def test_windows_take_the_pools_rows_in_turn_and_a_capture_only_borrows_them():
     assert first.k is second.k is borrowed.k and first.v is second.v
     assert second.current and not first.current and not borrowed.current
     second.released = True
-    converted = kv.converted(Precision.INT8, 32)
-    assert converted.window_storage is kv.window_storage and converted.new_window().k is first.k
+    new = converted(kv, Precision.INT8, 32)
+    assert new.window_storage is kv.window_storage and new.new_window().k is first.k
     assert pool(tiny_model("llama"), "fp16").new_window() is None
 
 
@@ -47,7 +48,7 @@ def test_a_new_reply_replays_the_graphs_the_last_reply_captured(monkeypatch):
     step._graph(kv, kv.new_window(), 3, 40)  # the next reply
     step._graph(kv, kv.new_window(), 33, 520)
     assert captured == [32, 64]
-    other = kv.converted(Precision.INT8, 64)
+    other = converted(kv, Precision.INT8, 64)
     step._graph(other, other.new_window(), 3, 40)
     assert captured == [32, 64, 32]
     assert BUCKETS == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -89,7 +89,7 @@ def attention_bytes(config, chunk: int, context: int, act_bytes: int = 2) -> int
 
 
 def slice_bytes(shape: KVShape, block_size: int = BLOCK_SIZE) -> int:
-    """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``KVCache.converted``):
+    """Working memory of converting ``SLICE_BLOCKS`` blocks in a rebuild (``convert.converted``):
     their K and V in fp32 a few times over (dequantized, un-rotated, re-rotated, grouped for
     rounding). Measured in test_kv_cache: 0.9x of this."""
 

@@ -96,7 +96,7 @@ class MemoryGovernor:
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
         """Allocate the new pool, convert, swap, free the old; False when live blocks would not fit.
         Refused up front when the new pool cannot be allocated next to the old; a failure part way
-        leaves the old pool as it was (KVCache.converted is transactional) and raises EngineError."""
+        leaves the old pool as it was (convert.converted is transactional) and raises EngineError."""
         e = self.engine
         pool = e.kvpool
         new_bytes = pool.nbytes_for(precision, budget)

@@ -8,7 +8,7 @@ from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.core.config import Precision
 from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
-from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, ring_blocks
+from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, KVShape, ring_blocks
 
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -85,87 +85,9 @@ class KVCache:
         write, and attention's output multiplied by it."""
         return self.fp8_scales[layer][1, :, None] if self.fp8_scales is not None else None
 
-    def converted(self, precision: Precision, num_blocks: int, k_centers=None, k_scales=None, fp8_scales=None,
-                  windows=(), release: bool = False) -> "KVCache":
-        """This pool's contents in another layout and size; block ids are kept (a shrink drops
-        ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
-        only read, so an allocation failure at any point leaves it as it was; the caller swaps
-        and drops the old. Converted ``SLICE_BLOCKS`` at a time, so the working memory above the two
-        pools is bounded (``memory.slice_bytes``), not a whole layer in fp32. ``windows``,
-        ``(RecentWindow, block ids, length)`` of live sequences, get their sinks and newest tokens
-        as this pool holds them (exact when it is the fp16 pool). With ``release``, for when the
-        two pools cannot fit side by side, the new pool grows and this one is freed layer by layer:
-        the peak is one layer above the larger pool, but a failure midway leaves this pool unusable."""
-        new = KVCache.__new__(KVCache)
-        new.shape, new.num_blocks, new.block_size, new.dtype = self.shape, num_blocks, self.block_size, self.dtype
-        new.local, new.local_blocks, new.ring_size, new.block_map = self.local, self.local_blocks, self.ring_size, None
-        if self.block_map is not None:  # ids past a shrink go; new ones map to ring block 0 until placed
-            new.block_map = torch.zeros(num_blocks, dtype=torch.long, device=self.block_map.device)
-            keep = min(num_blocks, self.num_blocks)
-            new.block_map[:keep] = self.block_map[:keep]
-        new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
-        device = self.device
-        new.rotation = quant.hadamard(self.shape.head_dim, device) if new.format.quantized else None
-        new.calibrated(k_centers, k_scales, fp8_scales)
-        allocate = lambda i: quant.layer_tensors(new.format, new.blocks_of(i), self.block_size,
-                                                 self.shape.num_kv_heads, self.shape.head_dim, self.dtype, device)
-        new.layers = [None if release else allocate(i) for i in range(len(self.layers))]
-        # the int modes transform keys alike, so sinks carry over between them
-        new.window_storage = self.window_storage  # the same rows: the live windows and the graphs read them
-        same = new.format.transform and self.format.transform == new.format.transform
-        new.sink_cache = self.sink_cache.copy() if same else OrderedDict()
-        for i in range(len(new.layers)):
-            layer = new.layers[i] = new.layers[i] or allocate(i)
-            center = new.k_centers[i] if new.k_centers is not None else None
-            scale, v_scale = new.key_scale(i), new.value_scale(i)
-            keep_slots = min(new.blocks_of(i), self.blocks_of(i)) * self.block_size
-            for first in range(0, keep_slots, SLICE_BLOCKS * self.block_size):
-                slots = torch.arange(first, min(first + SLICE_BLOCKS * self.block_size, keep_slots), device=device)
-                k, v = self._plain(i, slots)
-                v = v / v_scale if v_scale is not None else v
-                quant.write(layer, new.format, k.to(self.dtype), v.to(self.dtype), slots, new.rotation, center, scale)
-            for window, block_ids, length in windows:
-                sinks = min(window.sinks, length)
-                for first, end in ((0, sinks), (max(sinks, length - window.size), length)):
-                    pos = torch.arange(first, end, device=device)
-                    slots = torch.tensor(block_ids, device=device)[pos // self.block_size] * self.block_size \
-                        + pos % self.block_size
-                    k, v = self._plain(i, self._ring_slots(slots) if i in self.local else slots)
-                    v = v / v_scale if v_scale is not None else v
-                    window.store(i, first, quant.transform_keys(k, new.rotation, center, scale),
-                                 quant.rotate(v, new.rotation))
-            if release:
-                self.layers[i] = None
-        return new
-
     @property
     def device(self) -> torch.device:
         return self.layers[0]["k"].device
-
-    def _plain(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at ``slots`` back in the model's own domain, fp32: ``[len(slots), kv_heads, D]``."""
-        t, fmt = self.layers[layer], self.format
-
-        def rows(name: str, bits: int) -> torch.Tensor:
-            data = t[name].flatten(0, 1).index_select(0, slots)
-            if bits == 16:
-                return data.float()
-            if fmt.float8:
-                return quant.from_fp8(data)
-            return quant.dequantize(data, t[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
-
-        k, v = rows("k", fmt.k_bits), rows("v", fmt.v_bits)
-        if fmt.k_bits < 16:
-            k = quant.rotate(k, self.rotation)  # H is its own inverse
-            if self.k_scales is not None:
-                k = k / self.key_scale(layer)
-            if self.k_centers is not None:
-                k = k + self.k_centers[layer]
-        if fmt.v_bits < 16:
-            v = quant.rotate(v, self.rotation)
-        if self.fp8_scales is not None:
-            v = v * self.value_scale(layer)
-        return k, v
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""

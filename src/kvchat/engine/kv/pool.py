@@ -9,6 +9,7 @@ from kvchat.kernels import quant
 from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.convert import converted
 from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, pool_blocks, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
@@ -111,7 +112,7 @@ class KVPool:
             return False
         stats = self.key_stats() if precision != Precision.FP16 else (None, None, None)
         windows = self._new_windows(precision, live)
-        new_kv = self.kv.converted(precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
+        new_kv = converted(self.kv, precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
         for seq, window, _ in windows:
             seq.window = window
         if n < self.pool.num_blocks:
