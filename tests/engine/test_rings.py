@@ -28,7 +28,8 @@ def gemma3():
 def pool_for(model, precision, tokens=2048, rings=True):
     lm = as_loaded(model, IdTokenizer(512))  # calibration's text as ids the tiny vocabulary has
     shape = KVShape.from_config(model.config)
-    return KVPool(lm, BS, precision, pool_bytes(shape, precision, tokens, 4, BS, rings), rings=rings)
+    return KVPool(lm, BS, precision, pool_bytes(shape, precision, tokens, 4, BS, rings),
+                  local_blocks=None if rings else 0)
 
 
 def run(pool, ids, chunk, steps):
@@ -227,7 +228,8 @@ def test_a_downshift_converts_the_rings_too(gemma3):
 def test_more_long_requests_than_rings_wait_for_one_and_say_the_same(gemma3, tokenizer):
     """Five requests past their windows at once, with three rings: those without a ring wait (or
     a newer one is preempted) until one is free; every reply is transformers' greedy one."""
-    engine = Engine(EngineConfig(max_context=4096, max_running=5), loaded=as_loaded(gemma3, tokenizer))
+    engine = Engine(EngineConfig(max_context=4096, max_running=5, kv_precision="auto"),
+                    loaded=as_loaded(gemma3, tokenizer))
     try:
         prompts = [prompt(150 + 10 * i, seed=30 + i) for i in range(5)]
         handles = [engine.submit(Request(prompt_ids=p, sampling=SamplingParams(
@@ -235,6 +237,7 @@ def test_more_long_requests_than_rings_wait_for_one_and_say_the_same(gemma3, tok
         for p, handle in zip(prompts, handles):
             assert handle.result().token_ids == expected(gemma3, p, 40)
         assert engine.scheduler.preempted >= 2  # two of the five waited for a ring
+        assert engine.precision == Precision.FP16  # Auto: a lower precision frees no ring
         assert engine.kvpool.rings.available() == RING * LOCAL_RINGS
     finally:
         engine.close()
@@ -270,3 +273,57 @@ def test_the_planner_counts_gemma_2s_windowed_layers_at_their_rings():
     assert "MiB of windowed layers" in format_plan(p)
     plain = plan({k: v for k, v in GEMMA_2_9B.items() if k != "sliding_window"}, 24 * 2**30, 32768)
     assert plain.auto == "int4" and plain.bytes_per_token["fp16"] == 42 * 8192 and not any(plain.ring_bytes.values())
+
+
+def test_a_context_change_decides_the_rings_again(gemma3, tokenizer):
+    """From 4,096 tokens (rings: three of 5 blocks take less than 320 whole blocks) to 96 (8
+    blocks: rings would take more) and back: the pool drops and makes its rings between replies,
+    and a chat after each change says what transformers says."""
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(gemma3, tokenizer))
+    try:
+        ids = prompt(70, seed=40)
+        assert chat(engine, ids, 20).token_ids == expected(gemma3, ids, 20)
+        assert engine.kvpool.rings is not None
+        engine.reconfigure(max_context=96).result()
+        assert engine.kvpool.rings is None and not engine.kvpool.kv.local
+        assert chat(engine, ids, 20).token_ids == expected(gemma3, ids, 20)
+        engine.reconfigure(max_context=4096).result()
+        assert engine.kvpool.rings is not None and engine.kvpool.kv.local == frozenset(range(5))
+        long = prompt(300, seed=41)
+        assert chat(engine, long, 20).token_ids == expected(gemma3, long, 20)
+    finally:
+        engine.close()
+
+
+@torch.inference_mode()
+def test_a_step_that_fails_part_way_keeps_no_ring_for_the_next_turn(gemma3):
+    """A chunk that raised after some windowed layers wrote their rows has overwritten rows its
+    window still reads: the ring is not kept for the chat's next turn, which computes again."""
+    pool = pool_for(gemma3, "fp16")
+    seq = Sequence(prompt(300, seed=42))
+    pool.manager.reserve(seq, len(seq))
+    pool.runner.forward(seq, 200, want_logits=False)
+    real = pool.kv.attend
+
+    def third_layer_fails(layer, *args, **kwargs):
+        if layer == 3:
+            raise torch.OutOfMemoryError("no memory")
+        return real(layer, *args, **kwargs)
+
+    pool.kv.attend = third_layer_fails
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.runner.forward(seq, 300, want_logits=False)
+    pool.manager.free(seq, keep_tail=True)
+    assert pool.rings.kept is None and pool.rings.available() == RING * LOCAL_RINGS
+    done = Sequence(prompt(300, seed=43))
+    pool.kv.attend = real
+    pool.manager.reserve(done, len(done))
+    pool.runner.forward(done, len(done), want_logits=False)
+    pool.manager.free(done, keep_tail=True)
+    assert pool.rings.kept is not None  # a whole step's ring is kept
+
+
+def test_a_budget_below_the_rings_holds_no_tokens_and_says_so(gemma3):
+    pool = pool_for(gemma3, "fp16")
+    assert pool.tokens_for(Precision.FP16, 1000) == 0
+    assert pool.tokens_for(Precision.FP16) == pool.pool.num_blocks * BS

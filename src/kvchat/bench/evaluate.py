@@ -141,7 +141,7 @@ def reply_logprobs(pool: KVPool, prompt: list[int], reply: list[int]) -> torch.T
     cached blocks are used as they are: after its conversions, what the reply really read."""
     seq = Sequence(list(prompt))
     manager, runner = pool.manager, pool.runner
-    manager.match_prefix(seq)  # the prompt's blocks only: the reply is decoded again, as it was
+    pool.match(seq)  # the prompt's cached rows only (a windowed model's in a ring): the reply is decoded again
     seq.token_ids += reply
     manager.reserve(seq, len(seq))
     try:

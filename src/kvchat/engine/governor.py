@@ -93,20 +93,21 @@ class MemoryGovernor:
                  f"another program took memory: KV cache now {allowed / 2**20:.0f} MiB"
                  + (f", {old.value} -> {choice.value}" if choice != old else ""))
 
-    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
+    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
+                local_blocks: int | None = None) -> bool:
         """Allocate the new pool, convert, swap, free the old; False when live blocks would not fit.
         Refused up front when the new pool cannot be allocated next to the old; a failure part way
         leaves the old pool as it was (convert.converted is transactional) and raises EngineError."""
         e = self.engine
         pool = e.kvpool
-        new_bytes = pool.nbytes_for(precision, budget)
+        new_bytes = pool.nbytes_for(precision, budget, local_blocks)
         total, used = e.probe.totals()
         free = total - used
         if new_bytes > free:
             raise Refused(f"the new KV cache needs {new_bytes / 2**20:,.0f} MiB next to the current "
                           f"{pool.kv.nbytes / 2**20:,.0f} MiB, and {max(0, free) / 2**20:,.0f} MiB are free")
         try:
-            done = pool.rebuild(precision, budget, live)
+            done = pool.rebuild(precision, budget, live, local_blocks)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
             raise EngineError(f"the KV cache could not be rebuilt ({first_line(error)}); it is unchanged") from error
         if done and e.loaded.device.type == "cuda":
@@ -142,7 +143,7 @@ class MemoryGovernor:
         new_cfg = e.host.capped(new_cfg)
         precision, budget = e.host.layout(new_cfg)
         upward = PRECISIONS.index(precision) < PRECISIONS.index(pool.precision)
-        if not self.rebuild(precision, budget):
+        if not self.rebuild(precision, budget, local_blocks=e.host.ring_blocks(new_cfg)):
             raise Refused("the KV cache is in use and cannot be rebuilt now")
         if upward:
             pool.pool.clear_cache()  # lossy blocks must not pass for full-precision ones

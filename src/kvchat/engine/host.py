@@ -12,10 +12,10 @@ from time import perf_counter
 import torch
 
 from kvchat.core.commands import LoadModel, refuse
-from kvchat.core.config import ConfigError, EngineConfig, Precision
+from kvchat.core.config import LADDER, ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
-from kvchat.core.kv_sizes import KVShape, config_value, lowest_precision, pool_bytes
+from kvchat.core.kv_sizes import KVShape, config_value, local_blocks_for, lowest_precision, pool_blocks, pool_bytes
 from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
 from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
@@ -106,7 +106,7 @@ class ModelHost:
         e.auto = cfg.kv_precision == Precision.AUTO
         precision, budget = self.layout(cfg)
         e.kvpool = KVPool(lm, cfg.block_size, precision, budget, cfg.decode, cfg.ram_cache_bytes,
-                          self.disk_tier(cfg), e.notice)
+                          self.disk_tier(cfg), e.notice, self.ring_blocks(cfg))
         self.warmed = self.fallback_told = False
         if loaded is None:  # a model handed in may have no source a child could load
             total, used = e.probe.totals()
@@ -183,7 +183,21 @@ class ModelHost:
             raise ConfigError(f"a context of {cfg.max_context:,} tokens needs {need / 2**20:,.0f} MiB of KV cache at "
                               f"{lowest.value}; {available / 2**20:,.0f} MiB are free: lower the context"
                               + ("" if lowest == Precision.INT4 else " or the precision"))
-        return precision, min(want, available)
+        budget = min(want, available)
+        shape, local = KVShape.from_config(self.engine.loaded.model.config), self.ring_blocks(cfg)
+        full = kv_dtype(self.engine.loaded).itemsize
+        while precision != lowest and pool_blocks(shape, precision, cfg.block_size, budget, full, local)[0] < 1:
+            precision = LADDER[LADDER.index(precision) + 1]  # Auto: the rings alone fill the budget at fp16
+        return precision, budget
+
+    def ring_blocks(self, cfg: EngineConfig) -> int | None:
+        """The windowed layers' ring blocks for ``cfg``'s context (kv/rings.py), where they take
+        less than whole blocks; a budget given in bytes decides them itself (None)."""
+        if cfg.kv_budget_bytes is not None:
+            return None
+        tokens = cfg.max_context * (1 + PREFIX_RESERVE)
+        return local_blocks_for(KVShape.from_config(self.engine.loaded.model.config), cfg.block_size,
+                                -(-int(tokens) // cfg.block_size))
 
     def kv_bytes(self, context: int, precision: Precision) -> int:
         """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""

@@ -17,6 +17,7 @@ from kvchat.core.events import EngineError, Error, Finished, Stats
 from kvchat.engine.chat import ChatError
 from kvchat.engine.generate import DECODE, DONE, NEW, PREFILL, Job
 from kvchat.engine.kv.block_pool import PoolExhausted
+from kvchat.engine.kv.rings import RingsExhausted
 
 log = logging.getLogger("kvchat.engine")
 
@@ -142,9 +143,10 @@ class Scheduler:
             try:
                 e.kvpool.manager.reserve(job.seq, tokens)
                 return True
-            except PoolExhausted:
+            except PoolExhausted as full:
                 old = e.precision
-                if e.auto and e.kvpool.downshift(self.live()) is not None:
+                rings = isinstance(full, RingsExhausted)  # a lower precision frees no ring
+                if e.auto and not rings and e.kvpool.downshift(self.live()) is not None:
                     e.notice("downshift", f"KV cache full: {old.value} -> {e.precision.value}, "
                                           f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
                     continue

@@ -7,12 +7,12 @@ import torch
 from kvchat.kernels import quant
 
 from kvchat.core.config import Precision
-from kvchat.core.kv_sizes import SLICE_BLOCKS
+from kvchat.core.kv_sizes import SLICE_BLOCKS, ring_blocks
 from kvchat.engine.kv.cache import KVCache
 
 
 def converted(old: KVCache, precision: Precision, num_blocks: int, k_centers=None, k_scales=None, fp8_scales=None,
-              windows=(), release: bool = False) -> KVCache:
+              windows=(), release: bool = False, local_blocks: int | None = None) -> KVCache:
     """``old``'s contents in another layout and size; block ids are kept (a shrink drops
     ids >= num_blocks). A transaction: the whole new pool is allocated first and this one is
     only read, so an allocation failure at any point leaves it as it was; the caller swaps
@@ -21,12 +21,18 @@ def converted(old: KVCache, precision: Precision, num_blocks: int, k_centers=Non
     ``(RecentWindow, block ids, length)`` of live sequences, get their sinks and newest tokens
     as this pool holds them (exact when it is the fp16 pool). With ``release``, for when the
     two pools cannot fit side by side, the new pool grows and this one is freed layer by layer:
-    the peak is one layer above the larger pool, but a failure midway leaves this pool unusable."""
+    the peak is one layer above the larger pool, but a failure midway leaves this pool unusable.
+    ``local_blocks``: the windowed layers' ring blocks, when they change (0: none); their rows are
+    then not carried over (no sequence may hold a ring: the caller checks)."""
     new = KVCache.__new__(KVCache)
     new.shape, new.num_blocks, new.block_size, new.dtype = old.shape, num_blocks, old.block_size, old.dtype
-    new.local, new.local_blocks, new.ring_size, new.block_map = old.local, old.local_blocks, old.ring_size, None
-    if old.block_map is not None:  # ids past a shrink go; new ones map to ring block 0 until placed
-        new.block_map = torch.zeros(num_blocks, dtype=torch.long, device=old.block_map.device)
+    local = old.local_blocks if local_blocks is None else local_blocks
+    new.local = frozenset(old.shape.local_layers) if local else frozenset()
+    new.local_blocks, new.ring_size = local, ring_blocks(old.shape, old.block_size) if local else 0
+    reringed, new.block_map = local != old.local_blocks, None
+    if local:
+        new.block_map = torch.zeros(num_blocks, dtype=torch.long, device=old.device)
+    if old.block_map is not None and not reringed:  # ids past a shrink go; new ones map to ring block 0 until placed
         keep = min(num_blocks, old.num_blocks)
         new.block_map[:keep] = old.block_map[:keep]
     new.precision, new.format = Precision(precision), quant.FORMATS[Precision(precision).value]
@@ -44,7 +50,8 @@ def converted(old: KVCache, precision: Precision, num_blocks: int, k_centers=Non
         layer = new.layers[i] = new.layers[i] or allocate(i)
         center = new.k_centers[i] if new.k_centers is not None else None
         scale, v_scale = new.key_scale(i), new.value_scale(i)
-        keep_slots = min(new.blocks_of(i), old.blocks_of(i)) * old.block_size
+        moved = reringed and (i in old.local or i in new.local)  # no sequence's rows in it
+        keep_slots = 0 if moved else min(new.blocks_of(i), old.blocks_of(i)) * old.block_size
         for first in range(0, keep_slots, SLICE_BLOCKS * old.block_size):
             slots = torch.arange(first, min(first + SLICE_BLOCKS * old.block_size, keep_slots), device=device)
             k, v = plain_rows(old, i, slots)

@@ -39,6 +39,8 @@ def forget_chat(engine, messages: list[dict]) -> int:
     pool = kvpool.pool
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
     blocks = [b for b in pool.cached.values() if b.hash in doomed or b.parent in doomed]
+    if kvpool.rings is not None:  # the last ended turn's windowed rows: perhaps this chat's
+        kvpool.rings.forget()
     return pool.drop(blocks) + kvpool.tiers.forget(doomed)
 
 
@@ -49,4 +51,6 @@ def clear_conversations(engine) -> int:
         disk = engine.host.disk_tier(engine.config)
         return disk.clear() if disk is not None else 0
     pool = kvpool.pool
+    if kvpool.rings is not None:
+        kvpool.rings.forget()
     return pool.drop([b for b in list(pool.free_queue.values()) if b.hash is not None]) + kvpool.tiers.clear()

@@ -14,6 +14,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the pool
     window: RecentWindow | None = None  # made by the runner in the quantized modes
     ring: list[int] = field(default_factory=list)  # the windowed layers' ring blocks (``rings.Rings``)
+    ring_clean: bool = True  # False while a step runs, or a match is checked: its rows may not be whole
 
     def __len__(self) -> int:
         return len(self.token_ids)

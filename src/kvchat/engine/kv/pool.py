@@ -10,7 +10,7 @@ from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.convert import converted
-from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, pool_blocks, quantizable
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, local_blocks_for, pool_blocks, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -30,22 +30,24 @@ def kv_dtype(lm) -> torch.dtype:
 
 class KVPool:
     def __init__(self, lm, block_size: int, precision: Precision, budget: int, decode: str = "eager",
-                 host_cap: int = 0, disk: DiskTier | None = None, notice=None, rings: bool = True):
+                 host_cap: int = 0, disk: DiskTier | None = None, notice=None, local_blocks: int | None = None):
         self.lm, self.block_size, self.budget = lm, block_size, budget
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
         self.quantizable = quantizable(self.shape)
         self.refuse(precision)
         self._key_stats = None
-        self.local_blocks = None if rings else 0  # None: the first budget decides (kv_sizes.pool_blocks)
+        # the windowed layers' ring blocks (kv/rings.py): given (``rings_for`` a context; 0: none),
+        # or None for the first budget to decide (kv_sizes.pool_blocks)
+        self.local_blocks = local_blocks
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
         if self.kv.format.quantized:
             self.kv.calibrated(*self.key_stats())
         self.pool = BlockPool(num_blocks)
-        self.rings = Rings(self.kv.ring_size, self.local_blocks, max(self.shape.windows[i] for i in self.kv.local),
-                           block_size, lambda ids, ring: self.kv.place(ids, ring)) if self.local_blocks else None
-        self.manager = KVCacheManager(self.pool, block_size, self.extra_key(), self.rings)
+        self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
+        self.rings = None
+        self._new_rings()
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager)
         self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
@@ -56,7 +58,18 @@ class KVPool:
     def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
         """A scratch pool with room for exactly one sequence of ``num_tokens`` (evaluation)."""
         per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
-        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token), rings=False)
+        return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token),
+                   local_blocks=0)
+
+    def rings_for(self, tokens: int) -> int:
+        """Ring blocks for a pool that holds ``tokens``: where rings take less than whole blocks."""
+        return local_blocks_for(self.shape, self.block_size, -(-int(tokens) // self.block_size))
+
+    def _new_rings(self) -> None:
+        local = self.kv.local
+        self.rings = Rings(self.kv.ring_size, self.local_blocks, max(self.shape.windows[i] for i in local),
+                           self.block_size, lambda ids, ring: self.kv.place(ids, ring)) if local else None
+        self.manager.rings = self.rings
 
     @property
     def precision(self) -> Precision:
@@ -74,22 +87,31 @@ class KVPool:
             raise ConfigError(f"KV precision {Precision(precision).value} needs a head_dim that is a power of two; "
                               f"this model's is {self.shape.head_dim}: use fp16")
 
-    def blocks_for(self, precision: Precision, budget: int) -> int:
-        """Whole-context blocks in ``budget``; the first call also fixes the rings' blocks."""
-        n, local = pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), self.local_blocks)
+    def blocks_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
+        """Whole-context blocks in ``budget`` beside the rings (``local_blocks``, else the pool's);
+        the first call also fixes the rings' blocks when they were left to the budget."""
+        local = self.local_blocks if local_blocks is None else local_blocks
+        n, local = pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), local)
         if n < 1:
             raise ConfigError("the KV budget is smaller than one block")
-        self.local_blocks = local
+        if self.local_blocks is None:
+            self.local_blocks = local
         return n
 
     def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
-        return self.blocks_for(precision, self.budget if budget is None else budget) * self.block_size
+        """What ``budget`` holds at ``precision`` beside the pool's rings; 0 when not one block."""
+        local = self.local_blocks or 0
+        n, _ = pool_blocks(self.shape, precision, self.block_size, self.budget if budget is None else budget,
+                           self.full_bytes(), local)
+        return max(0, n) * self.block_size
 
-    def nbytes_for(self, precision: Precision, budget: int) -> int:
+    def nbytes_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
         """What the pool would take at ``precision`` in ``budget``: its blocks, its rings."""
         per_layer = layer_block_bytes(self.shape, precision, self.block_size, self.full_bytes())
-        n = self.blocks_for(precision, budget)
-        return int(per_layer * (n * len(self.kv.whole()) + self.local_blocks * len(self.kv.local)))
+        local = self.local_blocks if local_blocks is None else local_blocks
+        n = self.blocks_for(precision, budget, local)
+        windowed = len(self.shape.local_layers) if local else 0
+        return int(per_layer * (n * (self.shape.num_layers - windowed) + local * windowed))
 
     def bytes_per_token(self, precision: Precision | None = None) -> float:
         return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
@@ -99,7 +121,8 @@ class KVPool:
             self._key_stats = calibrate(self.lm, KVPool.for_tokens)
         return self._key_stats
 
-    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = ()) -> bool:
+    def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
+                local_blocks: int | None = None) -> bool:
         """Convert the pool to ``precision`` within ``budget`` bytes, keeping cached prefixes and
         the live sequences' blocks. False when the live blocks would not fit. Allocate new,
         convert, swap, free old: until the swap nothing but a compaction's block copies touches
@@ -107,12 +130,18 @@ class KVPool:
         blocks and the live sequences' windows as they were."""
         precision = Precision(precision)
         self.refuse(precision)
-        n = self.blocks_for(precision, budget)
+        local = self.local_blocks if local_blocks is None else local_blocks
+        reringed = local != self.local_blocks
+        if reringed and (any(seq.ring for seq in live) or self.rings is not None
+                         and len(self.rings.free) + len(self.rings.kept[1] if self.rings.kept else ()) < self.local_blocks):
+            return False  # a running sequence's rows are in the rings: change them between replies
+        n = self.blocks_for(precision, budget, local)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False
         stats = self.key_stats() if precision != Precision.FP16 else (None, None, None)
         windows = self._new_windows(precision, live)
-        new_kv = converted(self.kv, precision, n, *stats, windows=[fill for _, _, fill in windows if fill])
+        new_kv = converted(self.kv, precision, n, *stats, windows=[fill for _, _, fill in windows if fill],
+                           local_blocks=local)
         for seq, window, _ in windows:
             seq.window = window
         if n < self.pool.num_blocks:
@@ -123,6 +152,10 @@ class KVPool:
         self.manager.relayout(self.extra_key(), list(live))
         self.runner.kv = self.kv
         self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag
+        if reringed:  # the cached blocks' windowed rows are in rings no longer kept, or in none
+            self.local_blocks = local
+            self._new_rings()
+            self.pool.clear_cache()
         return True
 
     def _clear_tail(self, n: int) -> bool:
@@ -154,13 +187,15 @@ class KVPool:
     def match(self, seq: Sequence) -> tuple[int, int]:
         """A new request's cached prefix: the pool's blocks, then RAM's and disk's (loaded back),
         a partly filled block. Returns the tokens restored from RAM and disk."""
+        seq.ring_clean = self.rings is None  # a ring holds the matched tokens' rows once taken over
         self.manager.match_prefix(seq)
         ram, disk = self.tiers.restore(seq)
         self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         if self.rings is not None and seq.num_computed and not self.rings.take_over(seq):
             self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
             seq.hashes, seq.num_computed = [], 0
-            return 0, 0
+            ram = disk = 0
+        seq.ring_clean = True
         return ram, disk
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
@@ -176,8 +211,12 @@ class KVPool:
         pool, rings = self.pool, self.rings
         in_use = pool.num_blocks - pool.num_free
         ring_total = ring_used = 0
-        if rings is not None:  # the windowed layers' blocks: a ring in use, or kept for a next turn
-            ring_total = self.local_blocks * per_layer * len(self.kv.local)
-            ring_used = (self.local_blocks - len(rings.free)) * per_layer * len(self.kv.local)
+        ring_kept = 0
+        if rings is not None:  # the windowed layers' blocks: rings of running requests, one kept for a next turn
+            per_ring_block = per_layer * len(self.kv.local)
+            kept = len(rings.kept[1]) if rings.kept else 0
+            ring_total = self.local_blocks * per_ring_block
+            ring_used = (self.local_blocks - len(rings.free) - kept) * per_ring_block
+            ring_kept = kept * per_ring_block
         return {"kv_total": int(pool.num_blocks * per_block + ring_total), "kv_in_use": int(in_use * per_block + ring_used),
-                "kv_reclaimable": int(pool.num_reclaimable * per_block), "tiers": self.tiers.usage()}
+                "kv_reclaimable": int(pool.num_reclaimable * per_block + ring_kept), "tiers": self.tiers.usage()}

@@ -18,6 +18,10 @@ blocks cached instead; here the rings are what makes the memory small, so they a
 from kvchat.engine.kv.block_pool import PoolExhausted
 
 
+class RingsExhausted(PoolExhausted):
+    """Every ring block is held: a request waits for a ring (a lower precision would not help)."""
+
+
 class Rings:
     def __init__(self, size: int, num_blocks: int, window: int, block_size: int, place):
         self.size, self.window, self.block_size = size, window, block_size
@@ -34,7 +38,7 @@ class Rings:
 
     def check(self, seq, num_blocks: int) -> None:
         if self.missing(seq, num_blocks) > self.available():
-            raise PoolExhausted("the windowed layers' rings are all in use")
+            raise RingsExhausted("the windowed layers' rings are all in use")
 
     def extend(self, seq, first: int) -> None:
         """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
@@ -47,9 +51,10 @@ class Rings:
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
 
     def release(self, seq, keep: bool) -> None:
-        """``seq`` ended; with ``keep``, its ring stays for the next request."""
+        """``seq`` ended; with ``keep``, its ring stays for the next request, unless a step that
+        failed part way may have overwritten rows its window still reads (``seq.ring_clean``)."""
         ring, seq.ring = seq.ring, []
-        if keep and ring and seq.num_computed:
+        if keep and ring and seq.num_computed and seq.ring_clean:
             self._drop_kept()
             self.kept = (seq.token_ids[:seq.num_computed], ring)
         else:
@@ -73,8 +78,12 @@ class Rings:
             return False
         self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
         seq.ring = ring
-        self._place([b.id for b in window_blocks], [ring[i % self.size] for i in range(first, first + len(window_blocks))])
+        self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
         return True
+
+    def forget(self) -> None:
+        """Drop the kept ring (a deleted chat's rows)."""
+        self._drop_kept()
 
     def _drop_kept(self) -> None:
         if self.kept is not None:

@@ -28,6 +28,7 @@ class ModelRunner:
         start = seq.num_computed
         dev = self.device
         block_ids = self._ready(seq, start, end)
+        seq.ring_clean = False  # until the step has written every layer (``_computed``)
         if end == start + 1 and want_logits is True:
             logits = self.step(self.kv, seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids)
             self._computed(seq, start, end)
@@ -64,6 +65,7 @@ class ModelRunner:
             if len(seq) != start + 1:
                 raise ValueError(f"a decode step computes one token, not {len(seq) - start}")
             block_ids = self._ready(seq, start, start + 1)
+            seq.ring_clean = False
             rows.append((seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids))
         logits = self.batch(self.kv, rows)
         for seq in seqs:
@@ -78,6 +80,6 @@ class ModelRunner:
         return [b.id for b in seq.blocks[:self.manager.blocks_needed(end)]]
 
     def _computed(self, seq: Sequence, start: int, end: int) -> None:
-        seq.num_computed = end
+        seq.num_computed, seq.ring_clean = end, True
         if seq.window is not None and start < seq.window.sinks:
             self.kv.remember_sinks(seq.token_ids, seq.window)
