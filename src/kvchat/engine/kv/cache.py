@@ -209,6 +209,12 @@ class KVCache:
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
                window_meta: torch.Tensor | None = None, band: Band = PLAIN) -> torch.Tensor:
         if layer in self.local:  # the ring blocks, in the order of the sequence's blocks
+            if band.window is not None and window is None and not query.is_cuda:
+                # the reference path reads every row it is given: give it none before the window
+                # (positions shift alike, and the band is relative; a quantized window's rows are
+                # placed by position, so those keep theirs; CUDA's kernel starts at the window)
+                drop = max(0, (context_len - query.shape[0] - band.window + 1) // self.block_size)
+                block_table, context_len = block_table[drop:], context_len - drop * self.block_size
             index = block_table.long().clamp(0, self.num_blocks - 1)  # a captured table's padding too
             block_table, first_block = self.block_map.index_select(0, index).to(torch.int32), None
         out = dispatch.paged_attention(query, self.layers[layer], self.format, block_table, context_len, scale,
