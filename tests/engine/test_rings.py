@@ -123,9 +123,9 @@ def expected(model, ids, new):
 def test_a_2000_token_chat_holds_one_ring_and_its_next_turn_goes_on_from_it(gemma3, tokenizer):
     """Four turns to 2,000 tokens through the engine (the default 512-token chunks): each turn's
     reply is transformers' greedy one; a turn goes on from the last one's ring (its cached tokens
-    counted), and the windowed layers never hold more than window + one block of it. A request
-    from another chat in between leaves no ring holding the chat's window: its turn is computed
-    again, and is still right."""
+    counted), and the windowed layers never hold more than window + one block of it. Another
+    chat's request in between leaves the chat's ring kept; three more take it (three rings): the
+    chat's turn is then computed again, and is still right."""
     engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(gemma3, tokenizer))
     try:
         history = prompt(400, seed=7)
@@ -137,10 +137,15 @@ def test_a_2000_token_chat_holds_one_ring_and_its_next_turn_goes_on_from_it(gemm
             assert done.token_ids == expected(gemma3, history, 60)
             cached.append(done.stats.cached_tokens)
             history = history + done.token_ids + prompt(420, seed=10 + turn)
-            assert len(pool.rings.kept[1]) == RING  # the ended turn's ring, kept: 80 tokens
+            assert [len(ring) for _, ring in pool.rings.kept] == [RING]  # the ended turn's ring, kept: 80 tokens
         assert len(history) > 2000
         assert cached[0] == 0 and all(n > 300 for n in cached[1:])
-        chat(engine, prompt(120, seed=20), 5)  # another chat
+        chat(engine, prompt(120, seed=20), 5)  # another chat: its ring is kept beside this one's
+        done = chat(engine, history, 20)
+        assert done.stats.cached_tokens > 1500 and done.token_ids == expected(gemma3, history, 20)
+        history = history + done.token_ids + prompt(30, seed=25)
+        for seed in (21, 22, 23):  # three more chats: the third takes this chat's ring, the oldest kept
+            chat(engine, prompt(120, seed=seed), 5)
         done = chat(engine, history, 20)
         assert done.stats.cached_tokens == 0
         assert done.token_ids == expected(gemma3, history, 20)
@@ -314,13 +319,13 @@ def test_a_step_that_fails_part_way_keeps_no_ring_for_the_next_turn(gemma3):
     with pytest.raises(torch.OutOfMemoryError):
         pool.runner.forward(seq, 300, want_logits=False)
     pool.manager.free(seq, keep_tail=True)
-    assert pool.rings.kept is None and pool.rings.available() == RING * LOCAL_RINGS
+    assert not pool.rings.kept and pool.rings.available() == RING * LOCAL_RINGS
     done = Sequence(prompt(300, seed=43))
     pool.kv.attend = real
     pool.manager.reserve(done, len(done))
     pool.runner.forward(done, len(done), want_logits=False)
     pool.manager.free(done, keep_tail=True)
-    assert pool.rings.kept is not None  # a whole step's ring is kept
+    assert pool.rings.kept  # a whole step's ring is kept
 
 
 def test_a_budget_below_the_rings_holds_no_tokens_and_says_so(gemma3):

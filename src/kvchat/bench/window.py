@@ -32,7 +32,7 @@ def bench_window(config_path: str | None = None, turns: int = 4, prompt_tokens: 
             done = engine.submit(Request(prompt_ids=list(history), sampling=SamplingParams(
                 max_new_tokens=reply_tokens, temperature=0, ignore_eos=True))).result()
             pool = engine.kvpool
-            held = len(pool.rings.kept[1]) * BLOCK_SIZE if pool.rings.kept else 0  # the chat's ring, kept
+            held = len(pool.rings.kept[-1][1]) * BLOCK_SIZE if pool.rings.kept else 0  # the chat's ring, kept
             tokens = len(history) + len(done.token_ids) - 1  # the last token's K/V is never written
             rows.append({"turn": turn, "chat_tokens": tokens, "cached_tokens": done.stats.cached_tokens,
                          "ring_tokens": held, "ring_bytes": int(held * local * per_token),

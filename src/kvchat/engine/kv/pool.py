@@ -133,7 +133,7 @@ class KVPool:
         local = self.local_blocks if local_blocks is None else local_blocks
         reringed = local != self.local_blocks
         if reringed and (any(seq.ring for seq in live) or self.rings is not None
-                         and len(self.rings.free) + len(self.rings.kept[1] if self.rings.kept else ()) < self.local_blocks):
+                         and self.rings.available() < self.local_blocks):
             return False  # a running sequence's rows are in the rings: change them between replies
         n = self.blocks_for(precision, budget, local)
         if n < self.pool.num_blocks and not self._clear_tail(n):
@@ -212,9 +212,9 @@ class KVPool:
         in_use = pool.num_blocks - pool.num_free
         ring_total = ring_used = 0
         ring_kept = 0
-        if rings is not None:  # the windowed layers' blocks: rings of running requests, one kept for a next turn
+        if rings is not None:  # the windowed layers' blocks: rings of running requests, and kept ones for next turns
             per_ring_block = per_layer * len(self.kv.local)
-            kept = len(rings.kept[1]) if rings.kept else 0
+            kept = rings.kept_blocks()
             ring_total = self.local_blocks * per_ring_block
             ring_used = (self.local_blocks - len(rings.free) - kept) * per_ring_block
             ring_kept = kept * per_ring_block

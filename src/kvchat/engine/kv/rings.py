@@ -9,9 +9,9 @@ rows in the block pool as before; the cache's ``block_map`` sends each block id 
 so the step's one block table serves both (the windowed layers read it through the map).
 
 The prefix cache: a cached prefix of n tokens serves a windowed layer only if positions
-``n - W + 1 .. n`` are still in a ring. Ended sequences give their ring back, except the last one,
-which is kept with its tokens for the next request (its chat's next turn, which shares its
-tokens): that request takes it over. Another request that finds cached blocks but no ring holding
+``n - W + 1 .. n`` are still in a ring. An ended sequence's ring is kept with its tokens, until
+a running request needs its blocks (the oldest kept goes first), for the next request that shares
+those tokens (its chat's next turn), which takes it over. Another request that finds cached blocks but no ring holding
 their window computes its prompt again (vLLM v1's ``SlidingWindowManager`` keeps the window's
 blocks cached instead; here the rings are what makes the memory small, so they are not shared).
 """
@@ -26,7 +26,7 @@ class Rings:
     def __init__(self, size: int, num_blocks: int, window: int, block_size: int, place):
         self.size, self.window, self.block_size = size, window, block_size
         self.free = list(range(num_blocks))
-        self.kept: tuple[list[int], list[int]] | None = None  # the last ended sequence's computed tokens, ring
+        self.kept: list[tuple[list[int], list[int]]] = []  # ended sequences' computed tokens and rings, oldest first
         self._place = place  # place(block ids, ring block ids): the cache's block_map
 
     def missing(self, seq, num_blocks: int) -> int:
@@ -34,7 +34,10 @@ class Rings:
         return max(0, min(num_blocks, self.size) - len(seq.ring))
 
     def available(self) -> int:
-        return len(self.free) + (len(self.kept[1]) if self.kept else 0)
+        return len(self.free) + self.kept_blocks()
+
+    def kept_blocks(self) -> int:
+        return sum(len(ring) for _, ring in self.kept)
 
     def check(self, seq, num_blocks: int) -> None:
         if self.missing(seq, num_blocks) > self.available():
@@ -44,8 +47,8 @@ class Rings:
         """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
         until it is whole."""
         while len(seq.ring) < min(len(seq.blocks), self.size):
-            if not self.free:
-                self._drop_kept()
+            if not self.free:  # the oldest kept ring goes first
+                self.free.extend(self.kept.pop(0)[1])
             seq.ring.append(self.free.pop(0))
         ids = list(range(first, len(seq.blocks)))
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
@@ -55,37 +58,33 @@ class Rings:
         failed part way may have overwritten rows its window still reads (``seq.ring_clean``)."""
         ring, seq.ring = seq.ring, []
         if keep and ring and seq.num_computed and seq.ring_clean:
-            self._drop_kept()
-            self.kept = (seq.token_ids[:seq.num_computed], ring)
+            self.kept.append((seq.token_ids[:seq.num_computed], ring))
         else:
             self.free.extend(ring)
 
     def take_over(self, seq) -> bool:
-        """Give ``seq``, which found ``seq.num_computed`` tokens cached, the kept ring if it holds
-        their window; False when it does not (the caller drops the cached prefix)."""
+        """Give ``seq``, which found ``seq.num_computed`` tokens cached, a kept ring that holds
+        their window (the newest that does); False when none does (the caller drops the cached
+        prefix)."""
         n, bs = seq.num_computed, self.block_size
-        kept, self.kept = self.kept, None
-        if kept is None:
-            return False
-        tokens, ring = kept
-        m = len(tokens)
-        held_from = max(0, ((m - 1) // bs - self.size + 1) * bs)  # older positions were overwritten
         first = max(0, n - self.window + 1) // bs
         window_blocks = seq.blocks[first:-(-n // bs)]
-        if not (n <= m and held_from <= max(0, n - self.window + 1) and tokens[:n] == seq.token_ids[:n]
-                and all(b.ref_cnt == 1 for b in window_blocks)):  # a running sequence reads these rows
-            self.kept = kept
+        if any(b.ref_cnt != 1 for b in window_blocks):  # a running sequence reads these rows
             return False
-        self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
-        seq.ring = ring
-        self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
-        return True
+        for i in range(len(self.kept) - 1, -1, -1):
+            tokens, ring = self.kept[i]
+            m = len(tokens)
+            held_from = max(0, ((m - 1) // bs - self.size + 1) * bs)  # older positions were overwritten
+            if n <= m and held_from <= max(0, n - self.window + 1) and tokens[:n] == seq.token_ids[:n]:
+                del self.kept[i]
+                self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
+                seq.ring = ring
+                self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
+                return True
+        return False
 
     def forget(self) -> None:
-        """Drop the kept ring (a deleted chat's rows)."""
-        self._drop_kept()
-
-    def _drop_kept(self) -> None:
-        if self.kept is not None:
-            self.free.extend(self.kept[1])
-            self.kept = None
+        """Drop the kept rings (a deleted chat's rows may be among them)."""
+        for _, ring in self.kept:
+            self.free.extend(ring)
+        self.kept = []
