@@ -137,7 +137,7 @@ def test_a_2000_token_chat_holds_one_ring_and_its_next_turn_goes_on_from_it(gemm
             assert done.token_ids == expected(gemma3, history, 60)
             cached.append(done.stats.cached_tokens)
             history = history + done.token_ids + prompt(420, seed=10 + turn)
-            assert [len(ring) for _, ring in pool.rings.kept] == [RING]  # the ended turn's ring, kept: 80 tokens
+            assert [len(ring) for _, ring, _ in pool.rings.kept] == [RING]  # the ended turn's ring, kept: 80 tokens
         assert len(history) > 2000
         assert cached[0] == 0 and all(n > 300 for n in cached[1:])
         chat(engine, prompt(120, seed=20), 5)  # another chat: its ring is kept beside this one's
@@ -332,3 +332,33 @@ def test_a_budget_below_the_rings_holds_no_tokens_and_says_so(gemma3):
     pool = pool_for(gemma3, "fp16")
     assert pool.tokens_for(Precision.FP16, 1000) == 0
     assert pool.tokens_for(Precision.FP16) == pool.pool.num_blocks * BS
+
+
+@torch.inference_mode()
+def test_a_ring_taken_over_from_a_longer_chat_keeps_the_longer_ones_newest_rows_in_mind(gemma3):
+    """X computes 320 tokens (its newest block, 19, overwrote block 14's ring slot); Y goes on from
+    X's ring at 303 tokens and ends at 304, in block 18; Z shares 295 of Y's tokens. Z's window
+    reaches back to block 14, whose rows X overwrote: Z computes again, and says what
+    transformers says."""
+    pool = pool_for(gemma3, "fp16")
+
+    def turn(ids):
+        seq = Sequence(list(ids))
+        pool.match(seq)
+        pool.manager.reserve(seq, len(seq))
+        logits = pool.runner.forward(seq, len(seq), want_logits=True)
+        pool.manager.commit(seq)
+        pool.manager.free(seq, keep_tail=True)
+        return seq, logits
+
+    x = prompt(320, seed=50)
+    turn(x)
+    y, _ = turn(x[:303] + [(x[303] + 1) % 500 + 3])
+    assert y.num_computed == 304 and y.hashes  # went on from X's ring
+    z_ids = y.token_ids[:295] + [(y.token_ids[295] + 1) % 500 + 3]
+    z = Sequence(list(z_ids))
+    pool.match(z)
+    assert z.num_computed == 0
+    pool.manager.reserve(z, len(z))
+    logits = pool.runner.forward(z, len(z), want_logits=True)
+    assert (logits - gemma3(torch.tensor([z_ids])).logits[0, -1]).abs().max().item() <= 1e-3

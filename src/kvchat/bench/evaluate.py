@@ -143,8 +143,8 @@ def reply_logprobs(pool: KVPool, prompt: list[int], reply: list[int]) -> torch.T
     manager, runner = pool.manager, pool.runner
     pool.match(seq)  # the prompt's cached rows only (a windowed model's in a ring): the reply is decoded again
     seq.token_ids += reply
-    manager.reserve(seq, len(seq))
     try:
+        manager.reserve(seq, len(seq))
         while seq.num_computed < len(prompt) - 1:
             runner.forward(seq, min(seq.num_computed + 512, len(prompt) - 1), want_logits=False)
         rows = [runner.forward(seq, p + 1, want_logits=True) for p in range(len(prompt) - 1, len(seq) - 1)]

@@ -77,7 +77,7 @@ class MemoryGovernor:
         old = pool.precision
         options = [p for p in LADDER if PRECISIONS.index(p) >= PRECISIONS.index(old)] if e.auto else [old]
         options = options if pool.quantizable else [old]  # nothing to step down to (kv_sizes.quantizable)
-        fits = [p for p in options if allowed > 0 and pool.tokens_for(p, allowed) >= needed]
+        fits = [p for p in options if pool.tokens_for(p, allowed) >= max(needed, pool.block_size)]
         # Auto keeps the context the user asked for when a lower precision can; else the most room
         full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]
         choice = full[0] if full else (fits[-1] if fits else None)
@@ -100,7 +100,10 @@ class MemoryGovernor:
         leaves the old pool as it was (convert.converted is transactional) and raises EngineError."""
         e = self.engine
         pool = e.kvpool
-        new_bytes = pool.nbytes_for(precision, budget, local_blocks)
+        try:
+            new_bytes = pool.nbytes_for(precision, budget, local_blocks)
+        except ConfigError as error:  # not one block beside the rings
+            raise Refused(str(error)) from None
         total, used = e.probe.totals()
         free = total - used
         if new_bytes > free:
@@ -147,6 +150,8 @@ class MemoryGovernor:
             raise Refused("the KV cache is in use and cannot be rebuilt now")
         if upward:
             pool.pool.clear_cache()  # lossy blocks must not pass for full-precision ones
+            if pool.rings is not None:
+                pool.rings.forget()  # nor lossy rings
         e.config, e.auto = new_cfg, new_cfg.kv_precision == Precision.AUTO
         self.next_snapshot = 0.0
         return {**e.settings(), "kv_budget": budget}  # the whole config: the app shows it as it is

@@ -151,7 +151,7 @@ class Scheduler:
                                           f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
                     continue
                 others = [j for j in self.running if j is not job and j.phase != DONE and j.seq is not None
-                          and j.seq.blocks]
+                          and j.seq.blocks and (j.seq.ring or not rings)]  # only a ring frees a ring
                 if not others:
                     raise
                 victim = job if job.phase == PREFILL else max(others, key=lambda j: j.order)

@@ -15,6 +15,7 @@ class Sequence:
     window: RecentWindow | None = None  # made by the runner in the quantized modes
     ring: list[int] = field(default_factory=list)  # the windowed layers' ring blocks (``rings.Rings``)
     ring_clean: bool = True  # False while a step runs, or a match is checked: its rows may not be whole
+    ring_top: int = -1  # the newest block whose rows its ring ever held (an earlier holder's, maybe)
 
     def __len__(self) -> int:
         return len(self.token_ids)

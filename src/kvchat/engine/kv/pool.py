@@ -10,7 +10,7 @@ from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.convert import converted
-from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, local_blocks_for, pool_blocks, quantizable
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, pool_blocks, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -37,8 +37,8 @@ class KVPool:
         self.quantizable = quantizable(self.shape)
         self.refuse(precision)
         self._key_stats = None
-        # the windowed layers' ring blocks (kv/rings.py): given (``rings_for`` a context; 0: none),
-        # or None for the first budget to decide (kv_sizes.pool_blocks)
+        # the windowed layers' ring blocks (kv/rings.py): given (the host's ``ring_blocks`` for
+        # its context; 0: none), or None for the first budget to decide (kv_sizes.pool_blocks)
         self.local_blocks = local_blocks
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
@@ -60,10 +60,6 @@ class KVPool:
         per_token = bytes_per_token(KVShape.from_config(lm.model.config), precision, kv_dtype(lm).itemsize)
         return cls(lm, block_size, precision, int(-(-num_tokens // block_size) * block_size * per_token),
                    local_blocks=0)
-
-    def rings_for(self, tokens: int) -> int:
-        """Ring blocks for a pool that holds ``tokens``: where rings take less than whole blocks."""
-        return local_blocks_for(self.shape, self.block_size, -(-int(tokens) // self.block_size))
 
     def _new_rings(self) -> None:
         local = self.kv.local
@@ -132,9 +128,8 @@ class KVPool:
         self.refuse(precision)
         local = self.local_blocks if local_blocks is None else local_blocks
         reringed = local != self.local_blocks
-        if reringed and (any(seq.ring for seq in live) or self.rings is not None
-                         and self.rings.available() < self.local_blocks):
-            return False  # a running sequence's rows are in the rings: change them between replies
+        if reringed and (live or self.rings is not None and self.rings.available() < self.local_blocks):
+            return False  # running sequences' windowed rows would be lost: change them between replies
         n = self.blocks_for(precision, budget, local)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False

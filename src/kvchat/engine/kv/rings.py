@@ -26,7 +26,8 @@ class Rings:
     def __init__(self, size: int, num_blocks: int, window: int, block_size: int, place):
         self.size, self.window, self.block_size = size, window, block_size
         self.free = list(range(num_blocks))
-        self.kept: list[tuple[list[int], list[int]]] = []  # ended sequences' computed tokens and rings, oldest first
+        # ended sequences' computed tokens, rings and ring tops (``Sequence.ring_top``), oldest first
+        self.kept: list[tuple[list[int], list[int], int]] = []
         self._place = place  # place(block ids, ring block ids): the cache's block_map
 
     def missing(self, seq, num_blocks: int) -> int:
@@ -37,7 +38,7 @@ class Rings:
         return len(self.free) + self.kept_blocks()
 
     def kept_blocks(self) -> int:
-        return sum(len(ring) for _, ring in self.kept)
+        return sum(len(ring) for _, ring, _ in self.kept)
 
     def check(self, seq, num_blocks: int) -> None:
         if self.missing(seq, num_blocks) > self.available():
@@ -57,8 +58,9 @@ class Rings:
         """``seq`` ended; with ``keep``, its ring stays for the next request, unless a step that
         failed part way may have overwritten rows its window still reads (``seq.ring_clean``)."""
         ring, seq.ring = seq.ring, []
+        top, seq.ring_top = max(seq.ring_top, (seq.num_computed - 1) // self.block_size), -1
         if keep and ring and seq.num_computed and seq.ring_clean:
-            self.kept.append((seq.token_ids[:seq.num_computed], ring))
+            self.kept.append((seq.token_ids[:seq.num_computed], ring, top))
         else:
             self.free.extend(ring)
 
@@ -72,19 +74,21 @@ class Rings:
         if any(b.ref_cnt != 1 for b in window_blocks):  # a running sequence reads these rows
             return False
         for i in range(len(self.kept) - 1, -1, -1):
-            tokens, ring = self.kept[i]
+            tokens, ring, top = self.kept[i]
             m = len(tokens)
-            held_from = max(0, ((m - 1) // bs - self.size + 1) * bs)  # older positions were overwritten
+            # blocks before the window of the newest block written are overwritten: a ring taken
+            # over from a longer sequence holds that one's newer blocks past its own tokens
+            held_from = max(0, (top - self.size + 1) * bs)
             if n <= m and held_from <= max(0, n - self.window + 1) and tokens[:n] == seq.token_ids[:n]:
                 del self.kept[i]
                 self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
-                seq.ring = ring
+                seq.ring, seq.ring_top = ring, top
                 self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
                 return True
         return False
 
     def forget(self) -> None:
         """Drop the kept rings (a deleted chat's rows may be among them)."""
-        for _, ring in self.kept:
+        for _, ring, _ in self.kept:
             self.free.extend(ring)
         self.kept = []
