@@ -72,40 +72,48 @@ def layer_block_bytes(shape: KVShape, precision: Precision, block_size: int, ful
     return block_size * token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes)
 
 
-def local_blocks_for(shape: KVShape, block_size: int, num_blocks: int) -> int:
-    """Blocks of the windowed layers' rings in a pool of ``num_blocks`` (whole-context) blocks: the
+def windowed_layers(shape: KVShape, local_blocks: int) -> int:
+    """Layers whose rows are in rings: the windowed ones, where the pool has ring blocks."""
+    return len(shape.local_layers) if local_blocks else 0
+
+
+def local_blocks_for(shape: KVShape, block_size: int, tokens: int) -> int:
+    """Blocks of the windowed layers' rings in a pool of ``tokens`` whole-context tokens: the
     rings of ``LOCAL_RINGS`` sequences, or 0 where rings would not take less (a short context)."""
-    ring = ring_blocks(shape, block_size)
-    return ring * LOCAL_RINGS if ring and ring * LOCAL_RINGS < num_blocks else 0
+    rings = ring_blocks(shape, block_size) * LOCAL_RINGS
+    return rings if rings < -(-int(tokens) // block_size) else 0
+
+
+def pool_nbytes(shape: KVShape, precision: Precision, blocks: int, local_blocks: int, full_bytes: int = 2,
+                block_size: int = 16, ringed: bool | None = None) -> int:
+    """``blocks`` whole-context blocks and ``local_blocks`` ring blocks of the windowed layers;
+    ``ringed``: whether the windowed layers are in rings (by default, where there are ring blocks)."""
+    windowed = windowed_layers(shape, local_blocks if ringed is None else ringed)
+    layers = blocks * (shape.num_layers - windowed) + local_blocks * windowed
+    return int(layers * layer_block_bytes(shape, precision, block_size, full_bytes))
 
 
 def pool_bytes(shape: KVShape, precision: Precision, tokens: int, full_bytes: int = 2,
                block_size: int = 16, rings: bool = True) -> int:
     """A pool with room for ``tokens`` whole-context tokens: its windowed layers in rings where
     those take less (``rings``), so their bytes stop growing at the rings' size."""
-    blocks = -(-int(tokens) // block_size)
-    per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
-    local = local_blocks_for(shape, block_size, blocks) if rings else 0
-    if not local:
-        return int(blocks * shape.num_layers * per_layer)
-    n_local = len(shape.local_layers)
-    return int((blocks * (shape.num_layers - n_local) + local * n_local) * per_layer)
+    local = local_blocks_for(shape, block_size, tokens) if rings else 0
+    return pool_nbytes(shape, precision, -(-int(tokens) // block_size), local, full_bytes, block_size)
 
 
 def pool_blocks(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int, full_bytes: int = 2,
                 local: int | None = None) -> tuple[int, int]:
     """``(whole-context blocks, ring blocks)`` that ``budget_bytes`` hold; ``local`` keeps a pool's
-    ring blocks as they are (a rebuild), None lets the budget decide (``local_blocks_for``)."""
-    per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
-    n_local = len(shape.local_layers)
+    ring blocks as they are (a rebuild), None lets the budget decide: rings where they leave more
+    whole-context blocks than they take."""
     if local is None:
-        local = ring_blocks(shape, block_size) * LOCAL_RINGS if ring_blocks(shape, block_size) else 0
-        if local and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, local)[0] <= local:
-            local = 0
-    if not local:
-        return int(budget_bytes // (shape.num_layers * per_layer)), 0
-    rest = budget_bytes - local * n_local * per_layer
-    return max(0, int(rest // ((shape.num_layers - n_local) * per_layer))), local
+        rings = ring_blocks(shape, block_size) * LOCAL_RINGS
+        local = rings if rings and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, rings)[0] > rings \
+            else 0
+    per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
+    windowed = windowed_layers(shape, local)
+    rest = budget_bytes - local * windowed * per_layer
+    return max(0, int(rest // ((shape.num_layers - windowed) * per_layer))), local
 
 
 def quantizable(shape: KVShape) -> bool:

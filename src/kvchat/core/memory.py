@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvchat.core.config import BLOCK_SIZE, LADDER, ORDER
 from kvchat.core.kv_sizes import (SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, config_value, layer_block_bytes,
-                                  pool_blocks, pool_bytes)
+                                  pool_blocks, pool_bytes, pool_nbytes, windowed_layers)
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
@@ -127,10 +127,10 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     need = context * (1 + PREFIX_RESERVE)
     for precision in PRECISIONS:
         blocks, local = pool_blocks(shape, precision, block_size, budget, kv_full_bytes)
-        per_layer = layer_block_bytes(shape, precision, block_size, kv_full_bytes) / block_size
-        whole = shape.num_layers - (len(shape.local_layers) if local else 0)
-        p.bytes_per_token[precision.value] = per_layer * whole
-        p.ring_bytes[precision.value] = int(per_layer * block_size * local * (shape.num_layers - whole))
+        whole = shape.num_layers - windowed_layers(shape, local)
+        p.bytes_per_token[precision.value] = layer_block_bytes(shape, precision, block_size, kv_full_bytes) \
+            / block_size * whole
+        p.ring_bytes[precision.value] = pool_nbytes(shape, precision, 0, local, kv_full_bytes, block_size)
         p.max_context[precision.value] = blocks * block_size
         if p.auto is None and budget >= pool_bytes(shape, precision, need, kv_full_bytes, block_size) \
                 and precision in LADDER:

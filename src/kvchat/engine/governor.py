@@ -149,9 +149,7 @@ class MemoryGovernor:
         if not self.rebuild(precision, budget, local_blocks=e.host.ring_blocks(new_cfg)):
             raise Refused("the KV cache is in use and cannot be rebuilt now")
         if upward:
-            pool.pool.clear_cache()  # lossy blocks must not pass for full-precision ones
-            if pool.rings is not None:
-                pool.rings.forget()  # nor lossy rings
+            pool.clear_cache()  # lossy blocks and rings must not pass for full-precision ones
         e.config, e.auto = new_cfg, new_cfg.kv_precision == Precision.AUTO
         self.next_snapshot = 0.0
         return {**e.settings(), "kv_budget": budget}  # the whole config: the app shows it as it is

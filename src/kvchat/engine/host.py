@@ -195,9 +195,8 @@ class ModelHost:
         less than whole blocks; a budget given in bytes decides them itself (None)."""
         if cfg.kv_budget_bytes is not None:
             return None
-        tokens = cfg.max_context * (1 + PREFIX_RESERVE)
         return local_blocks_for(KVShape.from_config(self.engine.loaded.model.config), cfg.block_size,
-                                -(-int(tokens) // cfg.block_size))
+                                cfg.max_context * (1 + PREFIX_RESERVE))
 
     def kv_bytes(self, context: int, precision: Precision) -> int:
         """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""

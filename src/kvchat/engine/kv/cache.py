@@ -16,11 +16,7 @@ class KVCache:
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.precision, self.dtype = Precision(precision), dtype
         self.format = quant.FORMATS[self.precision.value]
-        # with ``local_blocks``, the windowed layers hold that many blocks, the sequences' rings
-        # (``rings.Rings``); ``block_map`` sends each block id to the ring block its rows are in
-        self.local = frozenset(shape.local_layers) if local_blocks else frozenset()
-        self.local_blocks, self.ring_size = local_blocks, ring_blocks(shape, block_size) if local_blocks else 0
-        self.block_map = torch.zeros(num_blocks, dtype=torch.long, device=device) if local_blocks else None
+        self.ringed(local_blocks, device)
         self.layers = [quant.layer_tensors(self.format, self.blocks_of(i), block_size, shape.num_kv_heads,
                                            shape.head_dim, dtype, device) for i in range(shape.num_layers)]
         self.rotation = quant.hadamard(shape.head_dim, device) if self.format.quantized else None
@@ -32,6 +28,13 @@ class KVCache:
         # the full-precision rows each new sequence's window takes over once the last one's
         # sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs it has
         self.window_storage: quant.WindowStorage | None = None
+
+    def ringed(self, local_blocks: int, device) -> None:
+        """With ``local_blocks``, the windowed layers hold that many blocks, the sequences' rings
+        (``rings.Rings``), and ``block_map`` sends each block id to the ring block its rows are in."""
+        self.local = frozenset(self.shape.local_layers) if local_blocks else frozenset()
+        self.local_blocks, self.ring_size = local_blocks, ring_blocks(self.shape, self.block_size) if local_blocks else 0
+        self.block_map = torch.zeros(self.num_blocks, dtype=torch.long, device=device) if local_blocks else None
 
     def blocks_of(self, layer: int) -> int:
         return self.local_blocks if layer in self.local else self.num_blocks

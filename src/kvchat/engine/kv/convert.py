@@ -7,7 +7,7 @@ import torch
 from kvchat.kernels import quant
 
 from kvchat.core.config import Precision
-from kvchat.core.kv_sizes import SLICE_BLOCKS, ring_blocks
+from kvchat.core.kv_sizes import SLICE_BLOCKS
 from kvchat.engine.kv.cache import KVCache
 
 
@@ -27,11 +27,8 @@ def converted(old: KVCache, precision: Precision, num_blocks: int, k_centers=Non
     new = KVCache.__new__(KVCache)
     new.shape, new.num_blocks, new.block_size, new.dtype = old.shape, num_blocks, old.block_size, old.dtype
     local = old.local_blocks if local_blocks is None else local_blocks
-    new.local = frozenset(old.shape.local_layers) if local else frozenset()
-    new.local_blocks, new.ring_size = local, ring_blocks(old.shape, old.block_size) if local else 0
-    reringed, new.block_map = local != old.local_blocks, None
-    if local:
-        new.block_map = torch.zeros(num_blocks, dtype=torch.long, device=old.device)
+    new.ringed(local, old.device)
+    reringed = local != old.local_blocks
     if old.block_map is not None and not reringed:  # ids past a shrink go; new ones map to ring block 0 until placed
         keep = min(num_blocks, old.num_blocks)
         new.block_map[:keep] = old.block_map[:keep]

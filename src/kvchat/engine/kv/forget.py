@@ -39,7 +39,7 @@ def forget_chat(engine, messages: list[dict]) -> int:
     pool = kvpool.pool
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
     blocks = [b for b in pool.cached.values() if b.hash in doomed or b.parent in doomed]
-    if kvpool.rings is not None:  # the last ended turn's windowed rows: perhaps this chat's
+    if kvpool.rings is not None:  # the kept rings: this chat's windowed rows may be among them
         kvpool.rings.forget()
     return pool.drop(blocks) + kvpool.tiers.forget(doomed)
 

@@ -108,11 +108,12 @@ class KVCacheManager:
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Grow the block table to hold ``num_tokens``; raises PoolExhausted with nothing leaked
         (blocks already taken stay on the sequence and go back on free)."""
-        missing = self.blocks_needed(num_tokens) - len(seq.blocks)
+        needed = self.blocks_needed(num_tokens)
+        missing = needed - len(seq.blocks)
         if missing > self.pool.num_free:
             raise PoolExhausted(f"KV cache is full: {missing} more blocks needed, {self.pool.num_free} free")
         if self.rings is not None:
-            self.rings.check(seq, self.blocks_needed(num_tokens))
+            self.rings.check(seq, needed)
         first = len(seq.blocks)
         for _ in range(missing):
             seq.blocks.append(self.pool.allocate(prefer=seq.blocks[-1].id + 1 if seq.blocks else None))

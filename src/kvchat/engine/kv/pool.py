@@ -10,7 +10,7 @@ from kvchat.engine.kv.calibration import calibrate
 from kvchat.core.config import BLOCK_SIZE, ConfigError, Precision
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.convert import converted
-from kvchat.core.kv_sizes import KVShape, bytes_per_token, layer_block_bytes, pool_blocks, quantizable
+from kvchat.core.kv_sizes import KVShape, bytes_per_token, pool_blocks, pool_nbytes, quantizable
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
@@ -38,7 +38,9 @@ class KVPool:
         self.refuse(precision)
         self._key_stats = None
         # the windowed layers' ring blocks (kv/rings.py): given (the host's ``ring_blocks`` for
-        # its context; 0: none), or None for the first budget to decide (kv_sizes.pool_blocks)
+        # its context; 0: none), or None for the budget to decide (kv_sizes.pool_blocks)
+        if local_blocks is None:
+            local_blocks = pool_blocks(self.shape, precision, block_size, budget, self.full_bytes())[1]
         self.local_blocks = local_blocks
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
@@ -62,9 +64,8 @@ class KVPool:
                    local_blocks=0)
 
     def _new_rings(self) -> None:
-        local = self.kv.local
-        self.rings = Rings(self.kv.ring_size, self.local_blocks, max(self.shape.windows[i] for i in local),
-                           self.block_size, lambda ids, ring: self.kv.place(ids, ring)) if local else None
+        self.rings = Rings(self.shape, self.block_size, self.local_blocks,
+                           lambda ids, ring: self.kv.place(ids, ring)) if self.local_blocks else None
         self.manager.rings = self.rings
 
     @property
@@ -84,30 +85,30 @@ class KVPool:
                               f"this model's is {self.shape.head_dim}: use fp16")
 
     def blocks_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
-        """Whole-context blocks in ``budget`` beside the rings (``local_blocks``, else the pool's);
-        the first call also fixes the rings' blocks when they were left to the budget."""
-        local = self.local_blocks if local_blocks is None else local_blocks
-        n, local = pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), local)
+        """Whole-context blocks in ``budget`` beside the rings (``local_blocks``, else the pool's)."""
+        n = self._blocks(precision, budget, local_blocks)
         if n < 1:
             raise ConfigError("the KV budget is smaller than one block")
-        if self.local_blocks is None:
-            self.local_blocks = local
         return n
+
+    def _blocks(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
+        local = self.local_blocks if local_blocks is None else local_blocks
+        return pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), local)[0]
 
     def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
         """What ``budget`` holds at ``precision`` beside the pool's rings; 0 when not one block."""
-        local = self.local_blocks or 0
-        n, _ = pool_blocks(self.shape, precision, self.block_size, self.budget if budget is None else budget,
-                           self.full_bytes(), local)
-        return max(0, n) * self.block_size
+        return self._blocks(precision, self.budget if budget is None else budget) * self.block_size
 
     def nbytes_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
         """What the pool would take at ``precision`` in ``budget``: its blocks, its rings."""
-        per_layer = layer_block_bytes(self.shape, precision, self.block_size, self.full_bytes())
         local = self.local_blocks if local_blocks is None else local_blocks
-        n = self.blocks_for(precision, budget, local)
-        windowed = len(self.shape.local_layers) if local else 0
-        return int(per_layer * (n * (self.shape.num_layers - windowed) + local * windowed))
+        return pool_nbytes(self.shape, precision, self.blocks_for(precision, budget, local), local, self.full_bytes(),
+                           self.block_size)
+
+    def _nbytes(self, blocks: int, ring_blocks: int) -> int:
+        """Bytes of ``blocks`` of this pool and ``ring_blocks`` of its rings."""
+        return pool_nbytes(self.shape, self.precision, blocks, ring_blocks, self.full_bytes(), self.block_size,
+                           bool(self.local_blocks))
 
     def bytes_per_token(self, precision: Precision | None = None) -> float:
         return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
@@ -150,8 +151,14 @@ class KVPool:
         if reringed:  # the cached blocks' windowed rows are in rings no longer kept, or in none
             self.local_blocks = local
             self._new_rings()
-            self.pool.clear_cache()
+            self.clear_cache()
         return True
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix no sequence holds: the blocks' and the kept rings'."""
+        self.pool.clear_cache()
+        if self.rings is not None:
+            self.rings.forget()
 
     def _clear_tail(self, n: int) -> bool:
         """Move live blocks off the ids a shrink to ``n`` blocks drops (data copied within this
@@ -201,17 +208,10 @@ class KVPool:
         return lower
 
     def usage(self) -> dict:
-        per_layer = layer_block_bytes(self.shape, self.precision, self.block_size, self.full_bytes())
-        per_block = per_layer * len(self.kv.whole())
         pool, rings = self.pool, self.rings
-        in_use = pool.num_blocks - pool.num_free
-        ring_total = ring_used = 0
-        ring_kept = 0
-        if rings is not None:  # the windowed layers' blocks: rings of running requests, and kept ones for next turns
-            per_ring_block = per_layer * len(self.kv.local)
-            kept = rings.kept_blocks()
-            ring_total = self.local_blocks * per_ring_block
-            ring_used = (self.local_blocks - len(rings.free) - kept) * per_ring_block
-            ring_kept = kept * per_ring_block
-        return {"kv_total": int(pool.num_blocks * per_block + ring_total), "kv_in_use": int(in_use * per_block + ring_used),
-                "kv_reclaimable": int(pool.num_reclaimable * per_block + ring_kept), "tiers": self.tiers.usage()}
+        # the windowed layers' blocks: rings of running requests, and kept ones for next turns
+        kept = rings.kept_blocks() if rings is not None else 0
+        held = self.local_blocks - len(rings.free) - kept if rings is not None else 0
+        return {"kv_total": self._nbytes(pool.num_blocks, self.local_blocks),
+                "kv_in_use": self._nbytes(pool.num_blocks - pool.num_free, held),
+                "kv_reclaimable": self._nbytes(pool.num_reclaimable, kept), "tiers": self.tiers.usage()}

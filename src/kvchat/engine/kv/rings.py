@@ -11,10 +11,11 @@ so the step's one block table serves both (the windowed layers read it through t
 The prefix cache: a cached prefix of n tokens serves a windowed layer only if positions
 ``n - W + 1 .. n`` are still in a ring. An ended sequence's ring is kept with its tokens, until
 a running request needs its blocks (the oldest kept goes first), for the next request that shares
-those tokens (its chat's next turn), which takes it over. Another request that finds cached blocks but no ring holding
-their window computes its prompt again (vLLM v1's ``SlidingWindowManager`` keeps the window's
+those tokens (its chat's next turn), which takes it over. Another request that finds cached
+blocks but no ring holding their window computes its prompt again (vLLM v1's ``SlidingWindowManager`` keeps the window's
 blocks cached instead; here the rings are what makes the memory small, so they are not shared).
 """
+from kvchat.core.kv_sizes import KVShape, ring_blocks
 from kvchat.engine.kv.block_pool import PoolExhausted
 
 
@@ -23,8 +24,9 @@ class RingsExhausted(PoolExhausted):
 
 
 class Rings:
-    def __init__(self, size: int, num_blocks: int, window: int, block_size: int, place):
-        self.size, self.window, self.block_size = size, window, block_size
+    def __init__(self, shape: KVShape, block_size: int, num_blocks: int, place):
+        self.size, self.block_size = ring_blocks(shape, block_size), block_size
+        self.window = max(w for w in shape.windows if w)
         self.free = list(range(num_blocks))
         # ended sequences' computed tokens, rings and ring tops (``Sequence.ring_top``), oldest first
         self.kept: list[tuple[list[int], list[int], int]] = []

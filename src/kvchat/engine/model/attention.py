@@ -80,14 +80,13 @@ def band_of(sliding_window, softcap) -> Band:
 
 def _attend(meta: StepMeta, query, key, value, layer: int, scale: float, band: Band) -> torch.Tensor:
     kv, first_pos = meta.kv, meta.context_len - key.shape[0]
+    write = lambda: kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
     ahead = key.shape[0] > 1 and layer in getattr(kv, "local", ())  # a chunk in a ring: read, then write
-    fresh = kv.fresh(layer, key, value) if ahead else None
-    if not ahead:
-        fresh = kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
+    fresh = kv.fresh(layer, key, value) if ahead else write()
     out = kv.attend(layer, query, meta.block_table, meta.context_len, scale, meta.first_block, meta.window,
                     meta.context_lens, fresh, meta.window_meta, band)
     if ahead:
-        kv.write(layer, key, value, meta.slots, meta.window, first_pos, meta.window_meta)
+        write()
     return out.contiguous()  # the strides the fake promises: compiled code relies on them
 
 
