@@ -22,7 +22,7 @@ def bench_window(config_path: str | None = None, turns: int = 4, prompt_tokens: 
     shape = KVShape.from_config(lm.model.config)
     local = len(shape.local_layers)
     if not ring_blocks(shape, BLOCK_SIZE):
-        raise ValueError(f"{path}: no layer has a window (or every layer has one): nothing to put in rings")
+        raise ValueError(f"{path}: no layer has a window: nothing to put in rings")
     per_token = layer_block_bytes(shape, "fp16", BLOCK_SIZE, lm.dtype.itemsize) / BLOCK_SIZE  # one layer
     vocab = lm.model.config.vocab_size
     engine = Engine(EngineConfig(kv_precision="fp16", max_context=4096), loaded=lm, disk_tier=None)

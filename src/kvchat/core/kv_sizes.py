@@ -58,10 +58,9 @@ def layer_windows(config) -> tuple:
 def ring_blocks(shape: KVShape, block_size: int) -> int:
     """Blocks in one sequence's ring for its windowed layers: enough for the window's W - 1 earlier
     positions and the newest token wherever a block boundary falls, so ``W + block_size`` tokens at
-    most. 0 where no ring applies: no layer has a window, or every layer has one (such a pool
-    would hold no whole-context layer to size its blocks by; those keep their whole context)."""
+    most. 0 where no layer has a window."""
     local = shape.local_layers
-    if not local or len(local) == shape.num_layers:
+    if not local:
         return 0
     return -(-(max(shape.windows[i] for i in local) - 1) // block_size) + 1
 
@@ -102,17 +101,21 @@ def pool_bytes(shape: KVShape, precision: Precision, tokens: int, full_bytes: in
 
 
 def pool_blocks(shape: KVShape, precision: Precision, block_size: int, budget_bytes: int, full_bytes: int = 2,
-                local: int | None = None) -> tuple[int, int]:
+                local: int | None = None, span: int = 0) -> tuple[int, int]:
     """``(whole-context blocks, ring blocks)`` that ``budget_bytes`` hold; ``local`` keeps a pool's
     ring blocks as they are (a rebuild), None lets the budget decide: rings where they leave more
-    whole-context blocks than they take."""
+    whole-context blocks than they take. Where every layer is in rings (Mistral v0.1, Phi-3), a
+    block id holds no bytes and the budget does not bound the ids: the pool gets ``span`` tokens'
+    worth (the context it serves), where the budget holds the rings, and none without a span."""
     if local is None:
         rings = ring_blocks(shape, block_size) * LOCAL_RINGS
-        local = rings if rings and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, rings)[0] > rings \
-            else 0
+        local = rings if rings and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, rings,
+                                               span)[0] > rings else 0
     per_layer = layer_block_bytes(shape, precision, block_size, full_bytes)
     windowed = windowed_layers(shape, local)
     rest = budget_bytes - local * windowed * per_layer
+    if windowed == shape.num_layers:
+        return (-(-int(span) // block_size) if rest >= 0 else 0), local
     return max(0, int(rest // ((shape.num_layers - windowed) * per_layer))), local
 
 

@@ -126,7 +126,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     p = Plan(memory, w, act, headroom, budget, context)
     need = context * (1 + PREFIX_RESERVE)
     for precision in PRECISIONS:
-        blocks, local = pool_blocks(shape, precision, block_size, budget, kv_full_bytes)
+        blocks, local = pool_blocks(shape, precision, block_size, budget, kv_full_bytes, span=need)
         whole = shape.num_layers - windowed_layers(shape, local)
         p.bytes_per_token[precision.value] = layer_block_bytes(shape, precision, block_size, kv_full_bytes) \
             / block_size * whole

@@ -94,14 +94,14 @@ class MemoryGovernor:
                  + (f", {old.value} -> {choice.value}" if choice != old else ""))
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
-                local_blocks: int | None = None) -> bool:
+                local_blocks: int | None = None, span: int | None = None) -> bool:
         """Allocate the new pool, convert, swap, free the old; False when live blocks would not fit.
         Refused up front when the new pool cannot be allocated next to the old; a failure part way
         leaves the old pool as it was (convert.converted is transactional) and raises EngineError."""
         e = self.engine
         pool = e.kvpool
         try:
-            new_bytes = pool.nbytes_for(precision, budget, local_blocks)
+            new_bytes = pool.nbytes_for(precision, budget, local_blocks, span)
         except ConfigError as error:  # not one block beside the rings
             raise Refused(str(error)) from None
         total, used = e.probe.totals()
@@ -110,7 +110,7 @@ class MemoryGovernor:
             raise Refused(f"the new KV cache needs {new_bytes / 2**20:,.0f} MiB next to the current "
                           f"{pool.kv.nbytes / 2**20:,.0f} MiB, and {max(0, free) / 2**20:,.0f} MiB are free")
         try:
-            done = pool.rebuild(precision, budget, live, local_blocks)
+            done = pool.rebuild(precision, budget, live, local_blocks, span)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
             raise EngineError(f"the KV cache could not be rebuilt ({first_line(error)}); it is unchanged") from error
         if done and e.loaded.device.type == "cuda":
@@ -146,7 +146,7 @@ class MemoryGovernor:
         new_cfg = e.host.capped(new_cfg)
         precision, budget = e.host.layout(new_cfg)
         upward = PRECISIONS.index(precision) < PRECISIONS.index(pool.precision)
-        if not self.rebuild(precision, budget, local_blocks=e.host.ring_blocks(new_cfg)):
+        if not self.rebuild(precision, budget, local_blocks=e.host.ring_blocks(new_cfg), span=e.host.span(new_cfg)):
             raise Refused("the KV cache is in use and cannot be rebuilt now")
         if upward:
             pool.clear_cache()  # lossy blocks and rings must not pass for full-precision ones

@@ -106,7 +106,7 @@ class ModelHost:
         e.auto = cfg.kv_precision == Precision.AUTO
         precision, budget = self.layout(cfg)
         e.kvpool = KVPool(lm, cfg.block_size, precision, budget, cfg.decode, cfg.ram_cache_bytes,
-                          self.disk_tier(cfg), e.notice, self.ring_blocks(cfg))
+                          self.disk_tier(cfg), e.notice, self.ring_blocks(cfg), self.span(cfg))
         self.warmed = self.fallback_told = False
         if loaded is None:  # a model handed in may have no source a child could load
             total, used = e.probe.totals()
@@ -186,7 +186,8 @@ class ModelHost:
         budget = min(want, available)
         shape, local = KVShape.from_config(self.engine.loaded.model.config), self.ring_blocks(cfg)
         full = kv_dtype(self.engine.loaded).itemsize
-        while precision != lowest and pool_blocks(shape, precision, cfg.block_size, budget, full, local)[0] < 1:
+        while precision != lowest and pool_blocks(shape, precision, cfg.block_size, budget, full, local,
+                                                  self.span(cfg))[0] < 1:
             precision = LADDER[LADDER.index(precision) + 1]  # Auto: the rings alone fill the budget at fp16
         return precision, budget
 
@@ -195,8 +196,12 @@ class ModelHost:
         less than whole blocks; a budget given in bytes decides them itself (None)."""
         if cfg.kv_budget_bytes is not None:
             return None
-        return local_blocks_for(KVShape.from_config(self.engine.loaded.model.config), cfg.block_size,
-                                cfg.max_context * (1 + PREFIX_RESERVE))
+        return local_blocks_for(KVShape.from_config(self.engine.loaded.model.config), cfg.block_size, self.span(cfg))
+
+    @staticmethod
+    def span(cfg: EngineConfig) -> int:
+        """The tokens a pool for ``cfg`` serves: the context and the prefix-cache reserve."""
+        return int(cfg.max_context * (1 + PREFIX_RESERVE))
 
     def kv_bytes(self, context: int, precision: Precision) -> int:
         """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""

@@ -30,8 +30,10 @@ def kv_dtype(lm) -> torch.dtype:
 
 class KVPool:
     def __init__(self, lm, block_size: int, precision: Precision, budget: int, decode: str = "eager",
-                 host_cap: int = 0, disk: DiskTier | None = None, notice=None, local_blocks: int | None = None):
+                 host_cap: int = 0, disk: DiskTier | None = None, notice=None, local_blocks: int | None = None,
+                 span: int = 0):
         self.lm, self.block_size, self.budget = lm, block_size, budget
+        self.span = span  # the context it serves, in tokens: a pool wholly in rings has that many ids
         self.shape = KVShape.from_config(lm.model.config)
         self.dtype = kv_dtype(lm)
         self.quantizable = quantizable(self.shape)
@@ -40,7 +42,7 @@ class KVPool:
         # the windowed layers' ring blocks (kv/rings.py): given (the host's ``ring_blocks`` for
         # its context; 0: none), or None for the budget to decide (kv_sizes.pool_blocks)
         if local_blocks is None:
-            local_blocks = pool_blocks(self.shape, precision, block_size, budget, self.full_bytes())[1]
+            local_blocks = pool_blocks(self.shape, precision, block_size, budget, self.full_bytes(), span=span)[1]
         self.local_blocks = local_blocks
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
@@ -84,26 +86,30 @@ class KVPool:
             raise ConfigError(f"KV precision {Precision(precision).value} needs a head_dim that is a power of two; "
                               f"this model's is {self.shape.head_dim}: use fp16")
 
-    def blocks_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
+    def blocks_for(self, precision: Precision, budget: int, local_blocks: int | None = None,
+                   span: int | None = None) -> int:
         """Whole-context blocks in ``budget`` beside the rings (``local_blocks``, else the pool's)."""
-        n = self._blocks(precision, budget, local_blocks)
+        n = self._blocks(precision, budget, local_blocks, span)
         if n < 1:
             raise ConfigError("the KV budget is smaller than one block")
         return n
 
-    def _blocks(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
+    def _blocks(self, precision: Precision, budget: int, local_blocks: int | None = None,
+                span: int | None = None) -> int:
         local = self.local_blocks if local_blocks is None else local_blocks
-        return pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), local)[0]
+        return pool_blocks(self.shape, precision, self.block_size, budget, self.full_bytes(), local,
+                           self.span if span is None else span)[0]
 
     def tokens_for(self, precision: Precision, budget: int | None = None) -> int:
         """What ``budget`` holds at ``precision`` beside the pool's rings; 0 when not one block."""
         return self._blocks(precision, self.budget if budget is None else budget) * self.block_size
 
-    def nbytes_for(self, precision: Precision, budget: int, local_blocks: int | None = None) -> int:
+    def nbytes_for(self, precision: Precision, budget: int, local_blocks: int | None = None,
+                   span: int | None = None) -> int:
         """What the pool would take at ``precision`` in ``budget``: its blocks, its rings."""
         local = self.local_blocks if local_blocks is None else local_blocks
-        return pool_nbytes(self.shape, precision, self.blocks_for(precision, budget, local), local, self.full_bytes(),
-                           self.block_size)
+        return pool_nbytes(self.shape, precision, self.blocks_for(precision, budget, local, span), local,
+                           self.full_bytes(), self.block_size)
 
     def _nbytes(self, blocks: int, ring_blocks: int) -> int:
         """Bytes of ``blocks`` of this pool and ``ring_blocks`` of its rings."""
@@ -119,7 +125,7 @@ class KVPool:
         return self._key_stats
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
-                local_blocks: int | None = None) -> bool:
+                local_blocks: int | None = None, span: int | None = None) -> bool:
         """Convert the pool to ``precision`` within ``budget`` bytes, keeping cached prefixes and
         the live sequences' blocks. False when the live blocks would not fit. Allocate new,
         convert, swap, free old: until the swap nothing but a compaction's block copies touches
@@ -131,7 +137,7 @@ class KVPool:
         reringed = local != self.local_blocks
         if reringed and (live or self.rings is not None and self.rings.available() < self.local_blocks):
             return False  # running sequences' windowed rows would be lost: change them between replies
-        n = self.blocks_for(precision, budget, local)
+        n = self.blocks_for(precision, budget, local, span)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False
         stats = self.key_stats() if precision != Precision.FP16 else (None, None, None)
@@ -144,7 +150,7 @@ class KVPool:
             self.pool.shrink(n)  # cannot fail: _clear_tail moved every live block below n
         self.kv = new_kv
         self.pool.grow(n)
-        self.budget = budget
+        self.budget, self.span = budget, self.span if span is None else span
         self.manager.relayout(self.extra_key(), list(live))
         self.runner.kv = self.kv
         self.personas.pinned.clear()  # keyed by old hashes; the blocks keep their pinned flag

@@ -32,12 +32,17 @@ class KVTiers:
     def block_size(self) -> int:
         return self.kvpool.block_size
 
+    @property
+    def idle(self) -> bool:
+        """The tiers keep the whole-context layers' rows: a pool wholly in rings has none to keep."""
+        return not self.kvpool.kv.whole()
+
     # -- down: pool -> RAM -> disk --
 
     def evicted(self, block: Block) -> None:
         """The pool's hook: ``block`` is about to be reused. Its bytes go to RAM (a full block
         only: a partly filled tail is never matched by hash)."""
-        if len(block.token_ids) != self.block_size or self.host.cap_bytes == 0 and self.disk is None:
+        if len(block.token_ids) != self.block_size or self.host.cap_bytes == 0 and self.disk is None or self.idle:
             return
         try:
             if block.hash in self.host:
@@ -79,7 +84,7 @@ class KVTiers:
         """A finished turn: its full blocks that the disk does not hold yet are written there, the
         first ``persona_blocks`` (a persona's, shared by its chats) pinned: trimmed last, kept by
         "Clear cached conversations"."""
-        if self.disk is None or self.disk.full:
+        if self.disk is None or self.disk.full or self.idle:
             return
         parents, bs, wrote = [None] + seq.hashes[:-1], self.block_size, False
         for i, h in enumerate(seq.hashes):
@@ -104,7 +109,7 @@ class KVTiers:
     def restore(self, seq: Sequence) -> tuple[int, int]:
         """After the pool's own match: the chain's next blocks from RAM, then disk, loaded into
         pool blocks and published. Returns the tokens restored from RAM and from disk."""
-        if not self.host.entries and self.disk is None:
+        if not self.host.entries and self.disk is None or self.idle:
             return 0, 0
         manager, bs = self.kvpool.manager, self.block_size
         have = len(seq.blocks)

@@ -1,0 +1,122 @@
+"""A model whose every layer has a window (Mistral 7B v0.1, Phi-3-mini): all its K/V in rings, its
+block ids holding no bytes, so its memory stops growing at three rings whatever the context."""
+import pytest
+import torch
+
+from kvchat.bench.decode import IdTokenizer
+from kvchat.core.config import EngineConfig, Precision
+from kvchat.core.kv_sizes import LOCAL_RINGS, KVShape, pool_blocks, pool_bytes, ring_blocks
+from kvchat.engine.engine import Engine
+from kvchat.engine.kv.manager import Sequence
+from kvchat.engine.kv.pool import KVPool
+
+from test_parity import prompt
+from test_rings import BS, RING, chat, expected, run
+from tiny_models import as_loaded, tiny_model
+
+MISTRAL_7B_V01 = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
+                  "vocab_size": 32000, "sliding_window": 4096, "max_position_embeddings": 32768}
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return tiny_model("mistral-window", max_position_embeddings=4096)
+
+
+def test_mistral_v01s_kv_at_32k_is_three_rings_of_its_window():
+    """32 layers, 8 KV heads of 128, a 4,096 window on each: at fp16 a token of one layer is
+    2 x 8 x 128 x 2 = 4 KiB, and three rings of 257 blocks hold it all. Its block ids hold no
+    bytes: the context the pool serves (its span) decides how many; without a span it keeps the
+    whole context, as before."""
+    shape = KVShape.from_config(MISTRAL_7B_V01)
+    assert ring_blocks(shape, BS) == 257
+    rings = 32 * LOCAL_RINGS * 257 * BS * 4096
+    assert pool_bytes(shape, Precision.FP16, 32768, 2, BS) == rings
+    assert pool_blocks(shape, Precision.FP16, BS, rings, 2, span=32768) == (2048, LOCAL_RINGS * 257)
+    assert pool_blocks(shape, Precision.FP16, BS, rings - 1, 2, LOCAL_RINGS * 257, span=32768)[0] == 0
+    assert pool_blocks(shape, Precision.FP16, BS, rings, 2) == (rings // (32 * BS * 4096), 0)
+    # Phi-3-mini-4k: 2,047 on each of 32 layers at 4k: three rings of 129 blocks take more than 256 whole ones
+    phi3 = KVShape(32, 32, 96, (2047,) * 32)
+    assert pool_bytes(phi3, Precision.FP16, 4096, 2, BS) == pool_bytes(phi3, Precision.FP16, 4096, 2, BS, rings=False)
+
+
+def test_the_planner_gives_mistral_v01_fp16_at_32k_on_20_gib():
+    """1.5 GiB of rings where the whole context would take 5 GiB with its prefix reserve: fp16 fits
+    in 20 GiB beside the 14.5 GB of bf16 weights, where counting every token needed int8."""
+    from kvchat.core.memory import format_plan, plan
+
+    p = plan(MISTRAL_7B_V01, 20 * 2**30, 32768)
+    assert p.auto == "fp16" and p.ring_bytes["fp16"] == 32 * LOCAL_RINGS * 257 * BS * 4096
+    assert p.bytes_per_token["fp16"] == 0 and "MiB of windowed layers" in format_plan(p)
+    plain = plan({k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}, 20 * 2**30, 32768)
+    assert plain.auto == "int8"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+@torch.inference_mode()
+def test_a_pool_wholly_in_rings_says_what_the_whole_pool_says(mistral, precision):
+    """A 600-token prompt in 512-token chunks, then 100 greedy steps: the logits of a pool that keeps
+    every row (fp16 exactly; int8 within its rounding, where the ring's chunk reads its window in
+    full precision), in three rings of 5 blocks and no whole-context bytes."""
+    lm = as_loaded(mistral, IdTokenizer(512))
+    shape = KVShape.from_config(mistral.config)
+    whole = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS, rings=False), local_blocks=0)
+    pool = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS), span=2048)
+    assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.pool.num_blocks == 2048 // BS
+    assert pool.kv.nbytes * 8 < whole.kv.nbytes
+    ids = prompt(600, seed=5)
+    expect, _ = run(whole, ids, 512, 100)
+    got, held = run(pool, ids, 512, 100)
+    assert held == RING
+    assert (got - expect).abs().max().item() <= (1e-5 if precision == "fp16" else 4e-3)
+
+
+@torch.inference_mode()
+def test_block_ids_reused_past_the_span_keep_nothing_in_the_tiers(mistral, caplog):
+    """Ids are reused once the span's are taken: the evicted ones' rows are not in any whole-context
+    layer, so the RAM tier keeps nothing of them, and says nothing."""
+    lm = as_loaded(mistral, IdTokenizer(512))
+    shape = KVShape.from_config(mistral.config)
+    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), host_cap=2**24, span=320)
+    assert pool.pool.on_evict is not None and pool.tiers.idle
+    evicted, hook = [], pool.pool.on_evict
+    pool.pool.on_evict = lambda block: (evicted.append(block.id), hook(block))
+    for seed in range(4):  # 4 x 150 tokens in 20 ids: from the third on, a request evicts cached blocks
+        seq = Sequence(prompt(150, seed=seed))
+        pool.match(seq)
+        pool.manager.reserve(seq, len(seq))
+        pool.runner.forward(seq, len(seq), want_logits=False)
+        pool.manager.commit(seq)  # its full blocks cached, as the engine's step leaves them
+        pool.manager.free(seq, keep_tail=True)
+    assert len(evicted) >= 10 and pool.tiers.usage()["ram_used"] == 0 and not pool.tiers.host.entries
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+def test_a_chat_with_every_layer_windowed_goes_on_from_its_ring(mistral, tokenizer):
+    """Three turns to 1,300 tokens through the engine: transformers' greedy replies, each turn
+    from the last one's ring (its tokens counted cached), the pool's bytes its three rings. A
+    context too short for rings to pay keeps every row, and rings come back with a long one."""
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(mistral, tokenizer))
+    try:
+        engine.wait_ready()
+        pool = engine.kvpool
+        per_block = 2 * BS * 2 * 64 * 4  # K and V, 2 KV heads of 64, fp32
+        assert pool.kv.whole() == [] and pool.kv.nbytes == 2 * LOCAL_RINGS * RING * per_block
+        history, cached = prompt(400, seed=7), []
+        for turn in range(3):
+            done = chat(engine, history, 40)
+            assert done.token_ids == expected(mistral, history, 40)
+            cached.append(done.stats.cached_tokens)
+            history = history + done.token_ids + prompt(400, seed=10 + turn)
+        assert cached[0] == 0 and all(n > 400 for n in cached[1:])
+        assert engine.kvpool.usage()["tiers"]["disk_used"] == 0  # nothing of a whole-context layer to keep
+        engine.reconfigure(max_context=96).result()
+        assert engine.kvpool.rings is None and engine.kvpool.kv.whole() == [0, 1]
+        short = prompt(60, seed=30)
+        assert chat(engine, short, 20).token_ids == expected(mistral, short, 20)
+        engine.reconfigure(max_context=4096).result()
+        assert engine.kvpool.kv.whole() == [] and engine.kvpool.pool.num_blocks >= 4096 // BS
+        assert chat(engine, history, 20).token_ids == expected(mistral, history, 20)
+    finally:
+        engine.close()
