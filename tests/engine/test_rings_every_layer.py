@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvchat.bench.decode import IdTokenizer
-from kvchat.core.config import EngineConfig, Precision
+from kvchat.core.config import EngineConfig, Precision, SamplingParams
+from kvchat.core.events import Request
 from kvchat.core.kv_sizes import LOCAL_RINGS, KVShape, pool_blocks, pool_bytes, ring_blocks
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.manager import Sequence
@@ -118,5 +119,34 @@ def test_a_chat_with_every_layer_windowed_goes_on_from_its_ring(mistral, tokeniz
         engine.reconfigure(max_context=4096).result()
         assert engine.kvpool.kv.whole() == [] and engine.kvpool.pool.num_blocks >= 4096 // BS
         assert chat(engine, history, 20).token_ids == expected(mistral, history, 20)
+    finally:
+        engine.close()
+
+
+def test_the_persona_badge_says_warm_only_where_a_ring_holds_the_personas_window(tokenizer):
+    """A windowed model reuses a cached prefix only where a kept ring holds its window. With a
+    window of 256 (a ring of 17 blocks), a persona chat with a one-token reply leaves a ring that
+    still holds the persona's 64 cached tokens: "warm", and the next chat on it skips them. After a
+    300-token reply the ring has moved on: the persona's blocks are still cached, but the badge
+    says "cold", as the next chat computes it all."""
+    persona = ("You are Marlowe, a patient reference librarian in a small harbour town. Answer in full "
+               "sentences, name your sources, and say so when you do not know. ") * 2
+    model = tiny_model("mistral-window", max_position_embeddings=4096, vocab_size=len(tokenizer),  # real text
+                       sliding_window=256)
+
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(model, tokenizer))
+
+    def ask(question, new):
+        return engine.submit(Request(messages=[{"role": "system", "content": persona},
+                                               {"role": "user", "content": question}],
+                                     sampling=SamplingParams(max_new_tokens=new, temperature=0,
+                                                             ignore_eos=True))).result()
+    try:
+        assert engine.persona_state(persona, 30) == "cold"
+        ask("Hi", 1)
+        assert engine.persona_state(persona, 30) == "warm"
+        assert ask("Hello", 300).stats.cached_tokens >= 64  # the persona, and the template up to the question
+        assert engine.persona_state(persona, 30) == "cold"
+        assert ask("Hey", 1).stats.cached_tokens == 0
     finally:
         engine.close()

@@ -4,6 +4,8 @@ prefix cache and its RAM and disk tiers, not from what a window remembers.
 "warm": every full block of the persona's prefix is in the pool now (the next reply skips it);
 "disk": not in the pool, but RAM or disk holds its KV for this model and precision (restored, not computed);
 "cold": it would be computed; "short": the persona is shorter than one block, nothing to cache.
+A model with windowed layers in rings reuses a prefix only where a kept ring holds its window
+(``Rings.holding``): its persona is "warm" then, else "cold", whatever the blocks and tiers hold.
 """
 
 
@@ -16,6 +18,9 @@ def persona_state(formatter, manager, tiers, system_prompt: str) -> str:
     if n == 0:
         return "short"
     chain = list(manager.chain(encoded.token_ids, n))
+    rings = manager.rings
+    if rings is not None and rings.holding(encoded.token_ids, n * manager.block_size) is None:
+        return "cold"
     if all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain):
         return "warm"
     if tiers.holds(chain[-1][1]):

@@ -75,19 +75,25 @@ class Rings:
         window_blocks = seq.blocks[first:-(-n // bs)]
         if any(b.ref_cnt != 1 for b in window_blocks):  # a running sequence reads these rows
             return False
+        i = self.holding(seq.token_ids, n)
+        if i is None:
+            return False
+        _, ring, top = self.kept.pop(i)
+        self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
+        seq.ring, seq.ring_top = ring, top
+        self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
+        return True
+
+    def holding(self, token_ids: list[int], n: int) -> int | None:
+        """The newest kept ring that holds the window of ``token_ids[:n]`` (its index), or None."""
         for i in range(len(self.kept) - 1, -1, -1):
-            tokens, ring, top = self.kept[i]
-            m = len(tokens)
+            tokens, _, top = self.kept[i]
             # blocks before the window of the newest block written are overwritten: a ring taken
             # over from a longer sequence holds that one's newer blocks past its own tokens
-            held_from = max(0, (top - self.size + 1) * bs)
-            if n <= m and held_from <= max(0, n - self.window + 1) and tokens[:n] == seq.token_ids[:n]:
-                del self.kept[i]
-                self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
-                seq.ring, seq.ring_top = ring, top
-                self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
-                return True
-        return False
+            held_from = max(0, (top - self.size + 1) * self.block_size)
+            if n <= len(tokens) and held_from <= max(0, n - self.window + 1) and tokens[:n] == token_ids[:n]:
+                return i
+        return None
 
     def forget(self) -> None:
         """Drop the kept rings (a deleted chat's rows may be among them)."""
