@@ -150,3 +150,23 @@ def test_the_persona_badge_says_warm_only_where_a_ring_holds_the_personas_window
         assert ask("Hey", 1).stats.cached_tokens == 0
     finally:
         engine.close()
+
+
+@torch.inference_mode()
+def test_a_prompt_longer_than_the_ring_leaves_its_sinks_in_the_sink_cache(mistral):
+    """A 600-token chunk writes only its newest rows to a ring; its first tokens' full-precision
+    sink rows go to the sink cache all the same, as a whole pool's do (the next chat that opens
+    the same way reads them instead of their rounded rows)."""
+    lm = as_loaded(mistral, IdTokenizer(512))
+    shape = KVShape.from_config(mistral.config)
+    ids = prompt(600, seed=5)
+    sinks = []
+    for rings in (False, True):
+        pool = KVPool(lm, BS, "int8", pool_bytes(shape, "int8", 2048, 4, BS, rings), local_blocks=None if rings else 0,
+                      span=2048)
+        assert (pool.rings is not None) == rings
+        run(pool, ids, 1024, 1)
+        sinks.append(pool.kv.sink_cache.get(tuple(ids[:4])))
+    assert sinks[1] is not None
+    # the same rows transformed alone rather than with the chunk's other 596: fp32 rounding (2.4e-7 here)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*sinks))

@@ -181,6 +181,10 @@ class KVCache:
             # a chunk longer than the ring keeps its newest rows: the others' slots are taken again
             bs = self.block_size
             skip = max(0, ((first_pos + key.shape[0] - 1) // bs - self.ring_size + 1) * bs - first_pos)
+            if skip and window is not None and first_pos < window.sinks:  # the sink cache wants every layer's
+                m = min(window.sinks - first_pos, skip)
+                window.store(layer, first_pos, quant.transform_keys(key[:m].float(), self.rotation, center, s),
+                             quant.rotate(value[:m].float(), self.rotation))
             key, value, slots, first_pos = key[skip:], value[skip:], self._ring_slots(slots[skip:]), first_pos + skip
         rows = []
 
