@@ -22,6 +22,12 @@ _OWN_HOME = None if os.environ.get("KVCHAT_TEST_HOME") else tempfile.mkdtemp(pre
 os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or _OWN_HOME
 
 
+TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".test-cache")
+# Triton's compiled kernels (the GPU targets' compile check): its cache is keyed by each kernel's
+# source, options and Triton's version, so it needs no key of ours
+TRITON_CACHE = TEST_CACHE / "triton"
+
+
 def _keep_built_files(home: Path) -> Path:
     """Keyed by torch's and transformers' versions and by the code that converts and compiles, so
     a change to it is exercised, not served from an older run (kvchat's own version stays 0.1.0,
@@ -32,7 +38,7 @@ def _keep_built_files(home: Path) -> Path:
     src = Path(__file__).resolve().parents[1] / "src" / "kvchat" / "engine"
     code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(src.rglob("*.py")))).hexdigest()[:12]
     key = "-".join([version("torch"), version("transformers"), code])
-    kept = Path(os.environ.get("KVCHAT_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".test-cache") / key
+    kept = TEST_CACHE / key
     for name in ("converted", "inductor"):
         (kept / name).mkdir(parents=True, exist_ok=True)
         (home / "cache").mkdir(parents=True, exist_ok=True)
