@@ -25,7 +25,7 @@ os.environ["KVCHAT_HOME"] = os.environ.get("KVCHAT_TEST_HOME") or _OWN_HOME
 TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".test-cache")
 # Triton's compiled kernels (the GPU targets' compile check): its cache is keyed by each kernel's
 # source, options and Triton's version, so it needs no key of ours
-TRITON_CACHE = TEST_CACHE / "triton"
+os.environ.setdefault("KVCHAT_TEST_TRITON_CACHE", str(TEST_CACHE / "triton"))
 
 
 def _keep_built_files(home: Path) -> Path:

@@ -45,9 +45,8 @@ D256_REGISTER_BUDGET = 136
 
 
 def compiled() -> list[dict]:
-    from conftest import TRITON_CACHE  # a second run reads the cubins back: 46 s -> a few
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(TRITON_CACHE),
+    # the test session's Triton cache (conftest.py): a second run reads the cubins back, 44 s -> 9
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": os.environ["KVCHAT_TEST_TRITON_CACHE"],
            "TRITON_DEFAULT_FP_FUSION": "1"}
     children = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(i), str(PROCESSES)], env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(PROCESSES)]

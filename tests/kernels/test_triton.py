@@ -377,7 +377,7 @@ for cap in (86, 90):
 """
 
 
-def test_the_write_kernel_compiles_for_cuda_to_fp32_fmas_not_tf32(tmp_path):
+def test_the_write_kernel_compiles_for_cuda_to_fp32_fmas_not_tf32():
     """The interpreter's dot is a numpy matmul whatever ``input_precision`` says, so only the
     compiled kernel shows it: without "ieee" an fp32 tl.dot becomes TF32 tensor-core MMAs on a GPU
     (10-bit mantissa), and the rotated values would miss the reference's by far more than a
@@ -386,7 +386,7 @@ def test_the_write_kernel_compiles_for_cuda_to_fp32_fmas_not_tf32(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": os.environ["KVCHAT_TEST_TRITON_CACHE"]}
     done = subprocess.run([sys.executable, "-c", _COMPILE_WRITE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
