@@ -137,7 +137,8 @@ def test_a_2000_token_chat_holds_one_ring_and_its_next_turn_goes_on_from_it(gemm
             assert done.token_ids == expected(gemma3, history, 60)
             cached.append(done.stats.cached_tokens)
             history = history + done.token_ids + prompt(420, seed=10 + turn)
-            assert [len(ring) for _, ring, _ in pool.rings.kept] == [RING]  # the ended turn's ring, kept: 80 tokens
+            # the copy of the ring its prompt left (for a regenerate), and the ended turn's ring: 80 tokens each
+            assert [len(ring) for _, ring, _ in pool.rings.kept] == [RING, RING]
         assert len(history) > 2000
         assert cached[0] == 0 and all(n > 300 for n in cached[1:])
         chat(engine, prompt(120, seed=20), 5)  # another chat: its ring is kept beside this one's

@@ -126,10 +126,10 @@ def test_a_chat_with_every_layer_windowed_goes_on_from_its_ring(mistral, tokeniz
 
 def test_the_persona_badge_says_warm_only_where_a_ring_holds_the_personas_window(tokenizer):
     """A windowed model reuses a cached prefix only where a kept ring holds its window. With a
-    window of 256 (a ring of 17 blocks), a persona chat with a one-token reply leaves a ring that
-    still holds the persona's 64 cached tokens: "warm", and the next chat on it skips them. After a
-    300-token reply the ring has moved on: the persona's blocks are still cached, but the badge
-    says "cold", as the next chat computes it all."""
+    window of 256 (a ring of 17 blocks), a persona chat with a short question leaves rings (the
+    prompt's copy, the reply's) that still hold the persona's 64 cached tokens: "warm", and the
+    next chat on it skips them. After a 300-token question both rings have moved past it: the
+    persona's blocks are still cached, but the badge says "cold", as the next chat computes it."""
     persona = ("You are Marlowe, a patient reference librarian in a small harbour town. Answer in full "
                "sentences, name your sources, and say so when you do not know. ") * 2
     model = tiny_model("mistral-window", max_position_embeddings=4096, vocab_size=len(tokenizer),  # real text
@@ -146,7 +146,7 @@ def test_the_persona_badge_says_warm_only_where_a_ring_holds_the_personas_window
         assert engine.persona_state(persona, 30) == "cold"
         ask("Hi", 1)
         assert engine.persona_state(persona, 30) == "warm"
-        assert ask("Hello", 300).stats.cached_tokens >= 64  # the persona, and the template up to the question
+        assert ask("Summarise this: " + "tide " * 300, 1).stats.cached_tokens >= 64  # the persona, the template
         assert engine.persona_state(persona, 30) == "cold"
         assert ask("Hey", 1).stats.cached_tokens == 0
     finally:
@@ -171,3 +171,25 @@ def test_a_prompt_longer_than_the_ring_leaves_its_sinks_in_the_sink_cache(mistra
     assert sinks[1] is not None
     # the same rows transformed alone rather than with the chunk's other 596: fp32 rounding (2.4e-7 here)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*sinks))
+
+
+def test_a_regenerate_goes_on_from_the_copy_of_its_prompts_ring(mistral):
+    """A 60-token reply overwrites the ring its 300-token prompt left, so a regenerate of that
+    prompt had to compute it all again. The ring is copied when the prompt is done: the regenerate
+    takes the copy over (299 tokens cached) and says what transformers says; the copy is made
+    only into free ring blocks, and is the first kept ring to go."""
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(mistral, IdTokenizer(512)))
+    try:
+        ids = prompt(300, seed=3)
+        assert chat(engine, ids, 60).stats.cached_tokens == 0
+        rings = engine.kvpool.rings
+        assert [len(tokens) for tokens, _, _ in rings.kept] == [300, 359]  # the copy, then the ended reply's
+        again = chat(engine, ids, 30)
+        assert again.stats.cached_tokens == 299 and again.token_ids == expected(mistral, ids, 30)
+        assert [len(tokens) for tokens, _, _ in rings.kept] == [300, 359, 329]  # its own copy: the ring was free
+        for seed in (1, 2):  # two other chats, no free ring: the first takes the copy, the second the oldest reply's
+            chat(engine, prompt(100, seed=seed), 5)
+        assert [len(tokens) for tokens, _, _ in rings.kept] == [329, 104, 104]  # and they made no copy
+        assert rings.copied is None
+    finally:
+        engine.close()

@@ -72,6 +72,7 @@ class Job:
         if end == self.target:
             self.phase = DECODE
             if first:
+                e.kvpool.prompt_done(seq)
                 self.handle.put(PrefillProgress(self.prompt_len, self.prompt_len))
                 self.take(logits)
         return end - start

@@ -53,6 +53,14 @@ class KVCache:
             index = torch.tensor(block_ids, device=self.block_map.device)
             self.block_map.index_copy_(0, index, torch.tensor(ring_ids, device=index.device))
 
+    def copy_ring(self, source: list[int], target: list[int]) -> None:
+        """The windowed layers' rows of ring blocks ``source`` into ring blocks ``target``."""
+        device = self.block_map.device
+        src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
+        for i in self.local:
+            for t in self.layers[i].values():
+                t.index_copy_(0, dst, t.index_select(0, src))
+
     def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
         mapped = self.block_map.index_select(0, slots.clamp(min=0).div(bs, rounding_mode="floor")) * bs + slots % bs

@@ -206,6 +206,12 @@ class KVPool:
         seq.ring_clean = True
         return ram, disk
 
+    def prompt_done(self, seq: Sequence) -> None:
+        """``seq``'s prompt is computed, its reply not begun: a windowed model keeps a copy of the
+        ring as it is (``Rings.snapshot``), so a regenerate goes on from it."""
+        if self.rings is not None:
+            self.rings.snapshot(seq, self.kv.copy_ring)
+
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""
         lower = DOWNSHIFT.get(self.precision) if self.quantizable else None

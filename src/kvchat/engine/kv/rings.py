@@ -30,6 +30,7 @@ class Rings:
         self.free = list(range(num_blocks))
         # ended sequences' computed tokens, rings and ring tops (``Sequence.ring_top``), oldest first
         self.kept: list[tuple[list[int], list[int], int]] = []
+        self.copied: list[int] | None = None  # the ring of the newest ``snapshot``
         self._place = place  # place(block ids, ring block ids): the cache's block_map
 
     def missing(self, seq, num_blocks: int) -> int:
@@ -66,6 +67,24 @@ class Rings:
         else:
             self.free.extend(ring)
 
+    def snapshot(self, seq, copy) -> None:
+        """Keep a copy of ``seq``'s ring as its prompt left it, for a regenerate of that prompt
+        (the reply overwrites the ring itself). Only into free blocks, never a kept ring's: a
+        chat's next turn is worth more. Kept as the oldest, so the first to go; one at a time.
+        ``copy(from ring blocks, to ring blocks)`` copies the windowed layers' rows."""
+        n = seq.num_computed
+        for i, (_, ring, _) in enumerate(self.kept):
+            if ring is self.copied:  # the last copy, unless it went already
+                self.free.extend(self.kept.pop(i)[1])
+                break
+        self.copied = None
+        if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free):
+            return
+        ring, self.free = self.free[:len(seq.ring)], self.free[len(seq.ring):]
+        copy(seq.ring, ring)
+        self.kept.insert(0, (seq.token_ids[:n], ring, max(seq.ring_top, (n - 1) // self.block_size)))
+        self.copied = ring
+
     def take_over(self, seq) -> bool:
         """Give ``seq``, which found ``seq.num_computed`` tokens cached, a kept ring that holds
         their window (the newest that does); False when none does (the caller drops the cached
@@ -79,6 +98,7 @@ class Rings:
         if i is None:
             return False
         _, ring, top = self.kept.pop(i)
+        self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
         self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
         seq.ring, seq.ring_top = ring, top
         self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
@@ -99,4 +119,4 @@ class Rings:
         """Drop the kept rings (a deleted chat's rows may be among them)."""
         for _, ring, _ in self.kept:
             self.free.extend(ring)
-        self.kept = []
+        self.kept, self.copied = [], None
