@@ -193,3 +193,23 @@ def test_a_regenerate_goes_on_from_the_copy_of_its_prompts_ring(mistral):
         assert rings.copied is None
     finally:
         engine.close()
+
+
+@torch.inference_mode()
+def test_a_reserve_with_no_free_ring_spares_the_kept_ring_of_its_own_tokens(mistral):
+    """A restore from the lower tiers reserves blocks (and so a ring) before ``take_over`` looks for
+    the kept ring that holds the sequence's window: with none free, the oldest kept ring went, even
+    when it was that one. Now the oldest of the others goes."""
+    lm = as_loaded(mistral, IdTokenizer(512))
+    shape = KVShape.from_config(mistral.config)
+    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), span=2048)
+    chats = [prompt(100, seed=seed) for seed in range(3)]
+    for ids in chats:  # three ended chats: every ring kept, the first chat's the oldest
+        seq = Sequence(list(ids))
+        pool.manager.reserve(seq, len(seq))
+        pool.runner.forward(seq, len(seq), want_logits=False)
+        pool.manager.free(seq, keep_tail=True)
+    assert not pool.rings.free and [t for t, _, _ in pool.rings.kept] == chats
+    again = Sequence(chats[0] + prompt(30, seed=9))
+    pool.manager.reserve(again, len(again))
+    assert [t for t, _, _ in pool.rings.kept] == [chats[0], chats[2]]

@@ -51,11 +51,17 @@ class Rings:
         """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
         until it is whole."""
         while len(seq.ring) < min(len(seq.blocks), self.size):
-            if not self.free:  # the oldest kept ring goes first
-                self.free.extend(self.kept.pop(0)[1])
+            if not self.free:
+                self.free.extend(self.kept.pop(self._victim(seq))[1])
             seq.ring.append(self.free.pop(0))
         ids = list(range(first, len(seq.blocks)))
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
+
+    def _victim(self, seq) -> int:
+        """The kept ring to give up for ``seq``: the oldest, unless it holds ``seq``'s own tokens
+        (a restore from the lower tiers reserves before ``take_over`` looks for that ring)."""
+        mine = lambda tokens: tokens == seq.token_ids[:len(tokens)]
+        return next((i for i, (tokens, _, _) in enumerate(self.kept) if not mine(tokens)), 0)
 
     def release(self, seq, keep: bool) -> None:
         """``seq`` ended; with ``keep``, its ring stays for the next request, unless a step that
