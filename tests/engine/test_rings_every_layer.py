@@ -34,7 +34,8 @@ def test_mistral_v01s_kv_at_32k_is_three_rings_of_its_window():
     assert ring_blocks(shape, BS) == 257
     rings = 32 * LOCAL_RINGS * 257 * BS * 4096
     assert pool_bytes(shape, Precision.FP16, 32768, 2, BS) == rings
-    assert pool_blocks(shape, Precision.FP16, BS, rings, 2, span=32768) == (2048, LOCAL_RINGS * 257)
+    # ids for each ring's sequence to run the whole span
+    assert pool_blocks(shape, Precision.FP16, BS, rings, 2, span=32768) == (LOCAL_RINGS * 2048, LOCAL_RINGS * 257)
     assert pool_blocks(shape, Precision.FP16, BS, rings - 1, 2, LOCAL_RINGS * 257, span=32768)[0] == 0
     assert pool_blocks(shape, Precision.FP16, BS, rings, 2) == (rings // (32 * BS * 4096), 0)
     # Phi-3-mini-4k: 2,047 on each of 32 layers at 4k: three rings of 129 blocks take more than 256 whole ones
@@ -64,7 +65,7 @@ def test_a_pool_wholly_in_rings_says_what_the_whole_pool_says(mistral, precision
     shape = KVShape.from_config(mistral.config)
     whole = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS, rings=False), local_blocks=0)
     pool = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS), span=2048)
-    assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.pool.num_blocks == 2048 // BS
+    assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.pool.num_blocks == LOCAL_RINGS * 2048 // BS
     assert pool.kv.nbytes * 8 < whole.kv.nbytes
     ids = prompt(600, seed=5)
     expect, _ = run(whole, ids, 512, 100)
@@ -79,11 +80,11 @@ def test_block_ids_reused_past_the_span_keep_nothing_in_the_tiers(mistral, caplo
     layer, so the RAM tier keeps nothing of them, and says nothing."""
     lm = as_loaded(mistral, IdTokenizer(512))
     shape = KVShape.from_config(mistral.config)
-    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), host_cap=2**24, span=320)
+    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), host_cap=2**24, span=160)
     assert pool.pool.on_evict is not None and pool.tiers.idle
     evicted, hook = [], pool.pool.on_evict
     pool.pool.on_evict = lambda block: (evicted.append(block.id), hook(block))
-    for seed in range(4):  # 4 x 150 tokens in 20 ids: from the third on, a request evicts cached blocks
+    for seed in range(5):  # 5 x 150 tokens in 30 ids: from the fourth on, a request evicts cached blocks
         seq = Sequence(prompt(150, seed=seed))
         pool.match(seq)
         pool.manager.reserve(seq, len(seq))
@@ -196,20 +197,52 @@ def test_a_regenerate_goes_on_from_the_copy_of_its_prompts_ring(mistral):
 
 
 @torch.inference_mode()
-def test_a_reserve_with_no_free_ring_spares_the_kept_ring_of_its_own_tokens(mistral):
-    """A restore from the lower tiers reserves blocks (and so a ring) before ``take_over`` looks for
-    the kept ring that holds the sequence's window: with none free, the oldest kept ring went, even
-    when it was that one. Now the oldest of the others goes."""
-    lm = as_loaded(mistral, IdTokenizer(512))
-    shape = KVShape.from_config(mistral.config)
-    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), span=2048)
-    chats = [prompt(100, seed=seed) for seed in range(3)]
-    for ids in chats:  # three ended chats: every ring kept, the first chat's the oldest
+def test_a_restore_from_ram_takes_no_ring_before_its_own_kept_one_is_found():
+    """The tiny Gemma 3 (one whole-context layer) in 20 block ids and three rings: three 150-token
+    chats end, every ring kept, the first chat's blocks evicted to RAM by the third. Its next turn
+    restores them: the restore's reserve gave the sequence a ring before ``take_over`` looked for
+    the kept one, so with none free it took the oldest (that chat's own), and the turn was computed
+    again. Now the restore takes no ring: the chat goes on from its own, the other two stay kept,
+    and the logits are transformers'."""
+    model = tiny_model("gemma3", max_position_embeddings=4096)
+    lm = as_loaded(model, IdTokenizer(512))
+    shape = KVShape.from_config(model.config)
+    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 320, 4, BS), host_cap=2**24)
+    assert pool.rings is not None and pool.pool.num_blocks == 20
+    chats = [prompt(150, seed=seed) for seed in range(3)]
+    for ids in chats:
         seq = Sequence(list(ids))
+        pool.match(seq)
         pool.manager.reserve(seq, len(seq))
         pool.runner.forward(seq, len(seq), want_logits=False)
+        pool.manager.commit(seq)
         pool.manager.free(seq, keep_tail=True)
     assert not pool.rings.free and [t for t, _, _ in pool.rings.kept] == chats
     again = Sequence(chats[0] + prompt(30, seed=9))
+    ram, _ = pool.match(again)
+    assert ram > 0 and again.num_computed == 144  # its nine full blocks, some from RAM
+    assert [t for t, _, _ in pool.rings.kept] == chats[1:]
     pool.manager.reserve(again, len(again))
-    assert [t for t, _, _ in pool.rings.kept] == [chats[0], chats[2]]
+    logits = pool.runner.forward(again, len(again), want_logits=True)
+    assert (logits - model(torch.tensor([again.token_ids])).logits[0, -1]).abs().max().item() <= 1e-4
+
+
+@torch.inference_mode()
+def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring(mistral, monkeypatch, caplog):
+    """Its ids hold no bytes, so a lower precision adds none: Auto does not step down for them (it
+    went fp16 -> int8 -> int4 and preempted all the same). A prompt's ring copy that fails (out of
+    memory) leaves every ring block free and the request going."""
+    lm = as_loaded(mistral, IdTokenizer(512))
+    shape = KVShape.from_config(mistral.config)
+    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), span=2048)
+    assert pool.downshift([]) is None and pool.precision == Precision.FP16
+    seq = Sequence(prompt(100, seed=1))
+    pool.manager.reserve(seq, len(seq))
+    pool.runner.forward(seq, len(seq), want_logits=False)
+    before = pool.rings.available()
+
+    def fails(source, target):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(pool.kv, "copy_ring", fails)
+    pool.prompt_done(seq)
+    assert pool.rings.available() == before and not pool.rings.kept and "could not keep a copy" in caplog.text

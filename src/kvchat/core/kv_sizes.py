@@ -106,7 +106,8 @@ def pool_blocks(shape: KVShape, precision: Precision, block_size: int, budget_by
     ring blocks as they are (a rebuild), None lets the budget decide: rings where they leave more
     whole-context blocks than they take. Where every layer is in rings (Mistral v0.1, Phi-3), a
     block id holds no bytes and the budget does not bound the ids: the pool gets ``span`` tokens'
-    worth (the context it serves), where the budget holds the rings, and none without a span."""
+    worth (the context it serves) for each ring's sequence, where the budget holds the rings, and
+    none without a span."""
     if local is None:
         rings = ring_blocks(shape, block_size) * LOCAL_RINGS
         local = rings if rings and pool_blocks(shape, precision, block_size, budget_bytes, full_bytes, rings,
@@ -115,7 +116,7 @@ def pool_blocks(shape: KVShape, precision: Precision, block_size: int, budget_by
     windowed = windowed_layers(shape, local)
     rest = budget_bytes - local * windowed * per_layer
     if windowed == shape.num_layers:
-        return (-(-int(span) // block_size) if rest >= 0 else 0), local
+        return (-(-int(span) // block_size) * LOCAL_RINGS if rest >= 0 else 0), local
     return max(0, int(rest // ((shape.num_layers - windowed) * per_layer))), local
 
 

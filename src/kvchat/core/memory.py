@@ -131,7 +131,8 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
         p.bytes_per_token[precision.value] = layer_block_bytes(shape, precision, block_size, kv_full_bytes) \
             / block_size * whole
         p.ring_bytes[precision.value] = pool_nbytes(shape, precision, 0, local, kv_full_bytes, block_size)
-        p.max_context[precision.value] = blocks * block_size
+        # a model wholly in rings holds any context in them: it is given the one asked for
+        p.max_context[precision.value] = blocks * block_size if whole else int(need)
         if p.auto is None and budget >= pool_bytes(shape, precision, need, kv_full_bytes, block_size) \
                 and precision in LADDER:
             p.auto = precision.value

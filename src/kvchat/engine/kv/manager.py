@@ -16,6 +16,7 @@ class Sequence:
     ring: list[int] = field(default_factory=list)  # the windowed layers' ring blocks (``rings.Rings``)
     ring_clean: bool = True  # False while a step runs, or a match is checked: its rows may not be whole
     ring_top: int = -1  # the newest block whose rows its ring ever held (an earlier holder's, maybe)
+    matching: bool = False  # its cached prefix is being found: blocks get no ring (``Rings.take_over`` gives it)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -112,13 +113,14 @@ class KVCacheManager:
         missing = needed - len(seq.blocks)
         if missing > self.pool.num_free:
             raise PoolExhausted(f"KV cache is full: {missing} more blocks needed, {self.pool.num_free} free")
-        if self.rings is not None:
-            self.rings.check(seq, needed)
+        rings = self.rings if not seq.matching else None
+        if rings is not None:
+            rings.check(seq, needed)
         first = len(seq.blocks)
         for _ in range(missing):
             seq.blocks.append(self.pool.allocate(prefer=seq.blocks[-1].id + 1 if seq.blocks else None))
-        if self.rings is not None and missing > 0:
-            self.rings.extend(seq, first)
+        if rings is not None and missing > 0:
+            rings.extend(seq, first)
 
     def commit(self, seq: Sequence) -> None:
         """Publish every block that the computed tokens have filled, so later requests find it."""

@@ -197,8 +197,12 @@ class KVPool:
         a partly filled block. Returns the tokens restored from RAM and disk."""
         seq.ring_clean = self.rings is None  # a ring holds the matched tokens' rows once taken over
         self.manager.match_prefix(seq)
-        ram, disk = self.tiers.restore(seq)
-        self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
+        seq.matching = True  # a restore's blocks take no ring: the kept one that holds them comes after
+        try:
+            ram, disk = self.tiers.restore(seq)
+            self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
+        finally:
+            seq.matching = False
         if self.rings is not None and seq.num_computed and not self.rings.take_over(seq):
             self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
             seq.hashes, seq.num_computed = [], 0
@@ -209,12 +213,17 @@ class KVPool:
     def prompt_done(self, seq: Sequence) -> None:
         """``seq``'s prompt is computed, its reply not begun: a windowed model keeps a copy of the
         ring as it is (``Rings.snapshot``), so a regenerate goes on from it."""
-        if self.rings is not None:
+        if self.rings is None:
+            return
+        try:
             self.rings.snapshot(seq, self.kv.copy_ring)
+        except (RuntimeError, MemoryError) as error:  # a copy for later: the reply goes on without it
+            log.warning("could not keep a copy of the prompt's ring: %s", error)
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
-        """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom."""
-        lower = DOWNSHIFT.get(self.precision) if self.quantizable else None
+        """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom, or where no
+        layer keeps the whole context (its block ids hold no bytes: a lower precision adds none)."""
+        lower = DOWNSHIFT.get(self.precision) if self.quantizable and self.kv.whole() else None
         if lower is None or not self.rebuild(lower, self.budget, live):
             return None
         return lower

@@ -51,17 +51,11 @@ class Rings:
         """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
         until it is whole."""
         while len(seq.ring) < min(len(seq.blocks), self.size):
-            if not self.free:
-                self.free.extend(self.kept.pop(self._victim(seq))[1])
+            if not self.free:  # the oldest kept ring goes first
+                self.free.extend(self.kept.pop(0)[1])
             seq.ring.append(self.free.pop(0))
         ids = list(range(first, len(seq.blocks)))
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
-
-    def _victim(self, seq) -> int:
-        """The kept ring to give up for ``seq``: the oldest, unless it holds ``seq``'s own tokens
-        (a restore from the lower tiers reserves before ``take_over`` looks for that ring)."""
-        mine = lambda tokens: tokens == seq.token_ids[:len(tokens)]
-        return next((i for i, (tokens, _, _) in enumerate(self.kept) if not mine(tokens)), 0)
 
     def release(self, seq, keep: bool) -> None:
         """``seq`` ended; with ``keep``, its ring stays for the next request, unless a step that
@@ -86,8 +80,9 @@ class Rings:
         self.copied = None
         if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free):
             return
-        ring, self.free = self.free[:len(seq.ring)], self.free[len(seq.ring):]
-        copy(seq.ring, ring)
+        ring = self.free[:len(seq.ring)]
+        copy(seq.ring, ring)  # first: a copy that fails leaves the blocks free
+        del self.free[:len(ring)]
         self.kept.insert(0, (seq.token_ids[:n], ring, max(seq.ring_top, (n - 1) // self.block_size)))
         self.copied = ring
 
@@ -103,6 +98,9 @@ class Rings:
         i = self.holding(seq.token_ids, n)
         if i is None:
             return False
+        grow = min(len(seq.blocks), self.size) - len(self.kept[i][1])
+        if grow > len(self.free) + len(seq.ring) + self.kept_blocks() - len(self.kept[i][1]):
+            return False  # the ring could not grow to the sequence's blocks: the others hold them
         _, ring, top = self.kept.pop(i)
         self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
         self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
