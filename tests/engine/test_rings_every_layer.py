@@ -25,6 +25,23 @@ def mistral():
     return tiny_model("mistral-window", max_position_embeddings=4096)
 
 
+def ring_pool(model, precision="fp16", tokens=2048, span=2048, rings=True, **kw) -> KVPool:
+    """A pool of ``tokens`` for ``model``, its windowed layers in rings (or not), ids for ``span``."""
+    shape = KVShape.from_config(model.config)
+    return KVPool(as_loaded(model, IdTokenizer(512)), BS, precision, pool_bytes(shape, precision, tokens, 4, BS, rings),
+                  local_blocks=None if rings else 0, span=span, **kw)
+
+
+def end_turn(pool, ids) -> None:
+    """A request of ``ids`` matched, computed and ended as the engine leaves one: blocks cached, ring kept."""
+    seq = Sequence(list(ids))
+    pool.match(seq)
+    pool.manager.reserve(seq, len(seq))
+    pool.runner.forward(seq, len(seq), want_logits=False)
+    pool.manager.commit(seq)
+    pool.manager.free(seq, keep_tail=True)
+
+
 def test_mistral_v01s_kv_at_32k_is_three_rings_of_its_window():
     """32 layers, 8 KV heads of 128, a 4,096 window on each: at fp16 a token of one layer is
     2 x 8 x 128 x 2 = 4 KiB, and three rings of 257 blocks hold it all. Its block ids hold no
@@ -61,10 +78,7 @@ def test_a_pool_wholly_in_rings_says_what_the_whole_pool_says(mistral, precision
     """A 600-token prompt in 512-token chunks, then 100 greedy steps: the logits of a pool that keeps
     every row (fp16 exactly; int8 within its rounding, where the ring's chunk reads its window in
     full precision), in three rings of 5 blocks and no whole-context bytes."""
-    lm = as_loaded(mistral, IdTokenizer(512))
-    shape = KVShape.from_config(mistral.config)
-    whole = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS, rings=False), local_blocks=0)
-    pool = KVPool(lm, BS, precision, pool_bytes(shape, precision, 2048, 4, BS), span=2048)
+    whole, pool = ring_pool(mistral, precision, rings=False), ring_pool(mistral, precision)
     assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.pool.num_blocks == LOCAL_RINGS * 2048 // BS
     assert pool.kv.nbytes * 8 < whole.kv.nbytes
     ids = prompt(600, seed=5)
@@ -78,19 +92,12 @@ def test_a_pool_wholly_in_rings_says_what_the_whole_pool_says(mistral, precision
 def test_block_ids_reused_past_the_span_keep_nothing_in_the_tiers(mistral, caplog):
     """Ids are reused once the span's are taken: the evicted ones' rows are not in any whole-context
     layer, so the RAM tier keeps nothing of them, and says nothing."""
-    lm = as_loaded(mistral, IdTokenizer(512))
-    shape = KVShape.from_config(mistral.config)
-    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), host_cap=2**24, span=160)
+    pool = ring_pool(mistral, span=160, host_cap=2**24)
     assert pool.pool.on_evict is not None and pool.tiers.idle
     evicted, hook = [], pool.pool.on_evict
     pool.pool.on_evict = lambda block: (evicted.append(block.id), hook(block))
     for seed in range(5):  # 5 x 150 tokens in 30 ids: from the fourth on, a request evicts cached blocks
-        seq = Sequence(prompt(150, seed=seed))
-        pool.match(seq)
-        pool.manager.reserve(seq, len(seq))
-        pool.runner.forward(seq, len(seq), want_logits=False)
-        pool.manager.commit(seq)  # its full blocks cached, as the engine's step leaves them
-        pool.manager.free(seq, keep_tail=True)
+        end_turn(pool, prompt(150, seed=seed))
     assert len(evicted) >= 10 and pool.tiers.usage()["ram_used"] == 0 and not pool.tiers.host.entries
     assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
 
@@ -159,13 +166,10 @@ def test_a_prompt_longer_than_the_ring_leaves_its_sinks_in_the_sink_cache(mistra
     """A 600-token chunk writes only its newest rows to a ring; its first tokens' full-precision
     sink rows go to the sink cache all the same, as a whole pool's do (the next chat that opens
     the same way reads them instead of their rounded rows)."""
-    lm = as_loaded(mistral, IdTokenizer(512))
-    shape = KVShape.from_config(mistral.config)
     ids = prompt(600, seed=5)
     sinks = []
     for rings in (False, True):
-        pool = KVPool(lm, BS, "int8", pool_bytes(shape, "int8", 2048, 4, BS, rings), local_blocks=None if rings else 0,
-                      span=2048)
+        pool = ring_pool(mistral, "int8", rings=rings)
         assert (pool.rings is not None) == rings
         run(pool, ids, 1024, 1)
         sinks.append(pool.kv.sink_cache.get(tuple(ids[:4])))
@@ -205,18 +209,11 @@ def test_a_restore_from_ram_takes_no_ring_before_its_own_kept_one_is_found():
     again. Now the restore takes no ring: the chat goes on from its own, the other two stay kept,
     and the logits are transformers'."""
     model = tiny_model("gemma3", max_position_embeddings=4096)
-    lm = as_loaded(model, IdTokenizer(512))
-    shape = KVShape.from_config(model.config)
-    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 320, 4, BS), host_cap=2**24)
+    pool = ring_pool(model, tokens=320, host_cap=2**24)
     assert pool.rings is not None and pool.pool.num_blocks == 20
     chats = [prompt(150, seed=seed) for seed in range(3)]
     for ids in chats:
-        seq = Sequence(list(ids))
-        pool.match(seq)
-        pool.manager.reserve(seq, len(seq))
-        pool.runner.forward(seq, len(seq), want_logits=False)
-        pool.manager.commit(seq)
-        pool.manager.free(seq, keep_tail=True)
+        end_turn(pool, ids)
     assert not pool.rings.free and [t for t, _, _ in pool.rings.kept] == chats
     again = Sequence(chats[0] + prompt(30, seed=9))
     ram, _ = pool.match(again)
@@ -232,9 +229,7 @@ def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring
     """Its ids hold no bytes, so a lower precision adds none: Auto does not step down for them (it
     went fp16 -> int8 -> int4 and preempted all the same). A prompt's ring copy that fails (out of
     memory) leaves every ring block free and the request going."""
-    lm = as_loaded(mistral, IdTokenizer(512))
-    shape = KVShape.from_config(mistral.config)
-    pool = KVPool(lm, BS, "fp16", pool_bytes(shape, "fp16", 2048, 4, BS), span=2048)
+    pool = ring_pool(mistral)
     assert pool.downshift([]) is None and pool.precision == Precision.FP16
     seq = Sequence(prompt(100, seed=1))
     pool.manager.reserve(seq, len(seq))

@@ -21,6 +21,11 @@ from kvchat.kernels.layout import READ_SLICE, window_bytes
 GiB = 1 << 30
 PRECISIONS = ORDER  # best first
 PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as cached prefixes
+
+
+def pool_span(context: int) -> int:
+    """The tokens a pool for ``context`` serves: the context and the prefix-cache reserve."""
+    return int(context * (1 + PREFIX_RESERVE))
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
 
 
@@ -124,7 +129,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
     budget = max(0, memory - w - act - headroom)
     shape = KVShape.from_config(config)
     p = Plan(memory, w, act, headroom, budget, context)
-    need = context * (1 + PREFIX_RESERVE)
+    need = pool_span(context)
     for precision in PRECISIONS:
         blocks, local = pool_blocks(shape, precision, block_size, budget, kv_full_bytes, span=need)
         whole = shape.num_layers - windowed_layers(shape, local)
@@ -132,7 +137,7 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
             / block_size * whole
         p.ring_bytes[precision.value] = pool_nbytes(shape, precision, 0, local, kv_full_bytes, block_size)
         # a model wholly in rings holds any context in them: it is given the one asked for
-        p.max_context[precision.value] = blocks * block_size if whole else int(need)
+        p.max_context[precision.value] = blocks * block_size if whole else need
         if p.auto is None and budget >= pool_bytes(shape, precision, need, kv_full_bytes, block_size) \
                 and precision in LADDER:
             p.auto = precision.value

@@ -16,7 +16,7 @@ from kvchat.core.config import LADDER, ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
 from kvchat.core.kv_sizes import KVShape, config_value, local_blocks_for, lowest_precision, pool_blocks, pool_bytes
-from kvchat.core.memory import PREFIX_RESERVE, activations_bytes
+from kvchat.core.memory import activations_bytes, pool_span
 from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
 from kvchat.engine.compile_child import CacheWarmer
@@ -200,13 +200,12 @@ class ModelHost:
 
     @staticmethod
     def span(cfg: EngineConfig) -> int:
-        """The tokens a pool for ``cfg`` serves: the context and the prefix-cache reserve."""
-        return int(cfg.max_context * (1 + PREFIX_RESERVE))
+        return pool_span(cfg.max_context)
 
     def kv_bytes(self, context: int, precision: Precision) -> int:
         """What a pool for ``context`` tokens plus the prefix-cache reserve takes."""
         loaded = self.engine.loaded
-        return pool_bytes(KVShape.from_config(loaded.model.config), precision, context * (1 + PREFIX_RESERVE),
+        return pool_bytes(KVShape.from_config(loaded.model.config), precision, pool_span(context),
                           kv_dtype(loaded).itemsize, self.engine.config.block_size) + 1
 
     # -- the decode step --

@@ -98,12 +98,12 @@ class Rings:
         i = self.holding(seq.token_ids, n)
         if i is None:
             return False
-        grow = min(len(seq.blocks), self.size) - len(self.kept[i][1])
-        if grow > len(self.free) + len(seq.ring) + self.kept_blocks() - len(self.kept[i][1]):
+        held = len(self.kept[i][1])
+        if min(len(seq.blocks), self.size) - held > self.available() - held + len(seq.ring):
             return False  # the ring could not grow to the sequence's blocks: the others hold them
         _, ring, top = self.kept.pop(i)
         self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
-        self.free.extend(seq.ring)  # what a restore from the lower tiers gave it
+        self.free.extend(seq.ring)  # none, unless a caller reserved rings for it
         seq.ring, seq.ring_top = ring, top
         self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
         return True
