@@ -1,6 +1,7 @@
 """The CUDA code path on the CPU: dispatch told it is on CUDA, the Triton kernels run by the
 interpreter (TRITON_INTERPRET=1). Its logits against the reference path, and its host overhead:
 the ops a decode step dispatches per layer, which on a GPU are launches the CPU must issue."""
+import contextlib
 from collections import Counter
 from unittest import mock
 
@@ -79,6 +80,14 @@ class Launch:
         return run
 
 
+@contextlib.contextmanager
+def stubbed_kernels():
+    with mock.patch.object(triton_kv, "_quantize_write_kernel", Launch("write")), \
+            mock.patch.object(triton_decode, "_paged_decode_kernel", Launch("decode")), \
+            mock.patch.object(triton_decode, "_merge_kernel", Launch("merge")):
+        yield
+
+
 @pytest.mark.parametrize("precision", ["fp16", "int4"])
 def test_a_decode_step_launches_at_most_20_ops_per_layer_for_attention(model, precision):
     """int4 with its window took 42 launching ops a layer (the window transformed twice, split and
@@ -88,10 +97,7 @@ def test_a_decode_step_launches_at_most_20_ops_per_layer_for_attention(model, pr
     runner.forward(seq, len(seq), want_logits=False)
     seq.token_ids.append(7)
     manager.reserve(seq, len(seq))
-    with on_cuda_path(), mock.patch.object(triton_kv, "_quantize_write_kernel", Launch("write")), \
-            mock.patch.object(triton_decode, "_paged_decode_kernel", Launch("decode")), \
-            mock.patch.object(triton_decode, "_merge_kernel", Launch("merge")), torch.inference_mode(), \
-            profile(activities=[ProfilerActivity.CPU]) as prof:
+    with on_cuda_path(), stubbed_kernels(), torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.forward(seq, len(seq), want_logits=True)
     ops = Counter(e.name[len("aten::"):] for e in prof.events() if e.name.startswith("aten::") and inside_attention(e))
     launches = sum(n for name, n in ops.items() if name not in NO_LAUNCH) / model.config.num_hidden_layers
@@ -120,7 +126,8 @@ def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
     captured one copies them from pinned memory, without waiting)."""
     runner, manager, seq = runner_at(model, precision)
     made = []
-    with on_cuda_path(), torch.inference_mode():
+    # the kernels stubbed: the interpreter's own tensors are not the host copies a GPU would make
+    with on_cuda_path(), stubbed_kernels(), torch.inference_mode():
         runner.forward(seq, len(seq), want_logits=False)
         for token in range(7, 17):  # 40 -> 50 tokens: a new block at 48
             seq.token_ids.append(token)
