@@ -39,6 +39,7 @@ def _keep_built_files(home: Path) -> Path:
     code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(src.rglob("*.py")))).hexdigest()[:12]
     key = "-".join([version("torch"), version("transformers"), code])
     kept = TEST_CACHE / key
+    os.environ["KVCHAT_TEST_KEPT"] = str(kept)  # for tests that keep compiled code of their own
     for name in ("converted", "inductor"):
         (kept / name).mkdir(parents=True, exist_ok=True)
         (home / "cache").mkdir(parents=True, exist_ok=True)

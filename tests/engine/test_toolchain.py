@@ -2,6 +2,7 @@
 compiler and no Python headers: packaging/without_compilers.sh runs each check in a mount namespace
 where gcc, g++, cc, c++ and clang are /dev/null and Python's include dirs are empty. Python's
 headers come from the copy kvchat's set-up puts in its cache dir, as `make run` does."""
+import hashlib
 import json
 import os
 import shutil
@@ -25,22 +26,31 @@ pytestmark = [
 ]
 
 
+def kept(tmp_path: Path, name: str) -> Path:
+    """Kept with the suite's compiled code (conftest: keyed by torch, transformers and the engine's
+    code; here by the hiding script too), so a second run compiles nothing again. The compiler's
+    path is in inductor's key: the home that holds it is kept too."""
+    if not os.environ.get("KVCHAT_TEST_KEPT"):
+        return tmp_path / name
+    return Path(os.environ["KVCHAT_TEST_KEPT"]) / f"toolchain-{hashlib.sha1(HIDE.read_bytes()).hexdigest()[:8]}" / name
+
+
 @pytest.fixture
 def bare_home(tmp_path):
     """A KVCHAT_HOME whose cache holds Python's headers, copied from this interpreter's include dir
     (what python_headers.ensure() leaves there on a machine without python3-dev)."""
-    home = tmp_path / "home"
+    home = kept(tmp_path, "home")
     code = ("import sysconfig; from pathlib import Path; from kvchat.engine import python_headers as h; "
             "h.copy_tree(Path(sysconfig.get_paths()['include']), h.cached_dir())")
     subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_HOME": str(home)}, check=True)
     return home
 
 
-def run_hidden(script: str, home: Path, tmp_path: Path) -> dict:
+def run_hidden(script: str, home: Path, tmp_path: Path, inductor: Path | None = None) -> dict:
     """Runs ``script`` with the compilers and headers hidden; it prints one JSON line last."""
     ZIG_CACHE.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "KVCHAT_HOME": str(home), "ZIG_GLOBAL_CACHE_DIR": str(ZIG_CACHE),
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+           "TORCHINDUCTOR_CACHE_DIR": str(inductor or tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     env.pop("CC", None), env.pop("CXX", None)
     proc = subprocess.run([str(HIDE), "--python", sys.executable, sys.executable, "-c", textwrap.dedent(script)],
                           env=env, capture_output=True, text=True, timeout=540)
@@ -92,7 +102,8 @@ def test_triton_launcher_builds_with_the_bundled_toolchain(bare_home, tmp_path):
 def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
     """A function inductor parallelizes (a reduction over 4M elements, two threads) compiles, on
     another thread than the one that configured it, with g++ hidden; the result equals eager, and the kernel calls LLVM's OpenMP runtime (so the threads'
-    split is the runtime's, not a serial fallback)."""
+    split is the runtime's, not a serial fallback). A second run of the suite loads what the first
+    compiled, until torch, the engine's code or the hiding changes."""
     out = run_hidden("""
         import json, glob, os, subprocess
         import torch
@@ -117,7 +128,7 @@ def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
         print(json.dumps({"why": why, "cxx": toolchain.configure()[0].cxx,
                           "max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
                           "kmpc": "__kmpc_fork_call" in symbols}))
-    """, bare_home, tmp_path)
+    """, bare_home, tmp_path, kept(tmp_path, "inductor"))
     assert out["why"] is None
     assert out["cxx"].startswith(str(bare_home)) and out["cxx"].endswith("clang++")
     assert out["max_diff"] <= 1e-5 * out["scale"] + 1e-4, out
