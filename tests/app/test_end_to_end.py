@@ -39,7 +39,7 @@ def test_two_chats_answer_at_once_and_stop_and_regenerate_act_on_their_own_chat(
     them); Stop and Regenerate in the second leave the first streaming to its own end."""
     win, store, bridge, _ = engine_parts
     # sampled: a greedy story from the starter repeats itself, and the loop guard would end it early
-    win.sampling = SamplingParams(max_new_tokens=400, temperature=1.0, seed=7, ignore_eos=True)
+    win.sampling = SamplingParams(max_new_tokens=160, temperature=1.0, seed=7, ignore_eos=True)
     keys = []
     bridge.token.connect(lambda key, text, tid: keys.append(key))
     win.input.setPlainText("Write a very long story.")
@@ -73,13 +73,16 @@ def test_two_chats_answer_at_once_and_stop_and_regenerate_act_on_their_own_chat(
     assert win.replies.of(second) is not None and win.replies.of(first) is not None
     # the regenerated reply streams beside the first (a batch's order of rows puts either token last)
     qtbot.waitUntil(lambda: any(keys.count(k) >= 2 for k in set(keys) - {first_key, second_key}), timeout=60000)
+    # opening the chat asked the persona badge's question: held until no reply ran, it made the
+    # regenerated reply wait for the first's end (measured: 390 of its 400 tokens)
+    assert keys.count(first_key) < 160 and win.replies.of(first) is not None
     qtbot.keyClick(win.input, Qt.Key_Escape)
     qtbot.waitUntil(lambda: win.replies.of(second) is None, timeout=30000)
     assert store.messages(second)[-1].id == stopped.id and store.messages(second)[-1].versions == 2
 
     qtbot.waitUntil(lambda: not bridge.busy, timeout=120000)  # the first runs to its own end
     reply = store.messages(first)[-1]
-    assert not reply.interrupted and len(reply.token_ids) == 400  # max_new_tokens: nothing cut it short
+    assert not reply.interrupted and len(reply.token_ids) == 160  # max_new_tokens: nothing cut it short
     assert not win.running_button.isVisible()
 
 

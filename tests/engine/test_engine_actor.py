@@ -272,3 +272,17 @@ def test_the_persona_badges_question_is_answered_on_the_engine_thread(engine, mo
     assert engine.persona_state(persona, 30) == "warm"
     assert engine.persona_state("Be brief.", 30) == "short"
     assert threads == ["kvchat-engine"] * 3
+
+
+def test_a_persona_question_while_a_reply_runs_is_answered_at_once_and_holds_no_request_back(engine):
+    """The app asks each time a chat opens. Held until no reply ran, the question made a message
+    sent after it, in another chat, wait for every running reply to end."""
+    persona = "You are Marlowe, a patient reference librarian in a small harbour town. Answer in full sentences."
+    long = engine.submit(Request(messages=STORY, sampling=LONG))
+    started(long)
+    assert engine.persona_state(persona, 30) == "cold"
+    second = engine.submit(Request(messages=[{"role": "user", "content": "Hello"}], sampling=SamplingParams(
+        max_new_tokens=4, temperature=0, ignore_eos=True)))
+    assert len(second.result(timeout=60).token_ids) == 4
+    assert not long.future.done(), "the long reply ended first: the question held the next request back"
+    engine.cancel(long)

@@ -4,7 +4,8 @@ Shutdown) from one queue; each command's future always resolves. The work is del
 (host.py), memory to the governor (governor.py), which requests run each step to the scheduler
 (scheduler.py), a request's life to its job (generate.py), its prompt to the prompt builder
 (prompt.py). Requests run together, a step at a time; a command that changes the model or the
-pool, or asks about the pool, waits until none runs, and requests sent after it wait for it."""
+pool waits until none runs, and requests sent after it wait for it. A question about the pool (the
+persona badge's) is answered between two steps: the thread that steps is the one that reads."""
 import logging
 import queue
 import threading
@@ -101,7 +102,7 @@ class Engine:
 
     def persona_state(self, system_prompt: str, timeout: float | None = None) -> str:
         """Is this persona's prefix warm (``persona_probe``): the badge's question, asked off the
-        engine thread and answered on it, between requests."""
+        engine thread and answered on it, between two steps."""
         return self._put(PersonaQuery(system_prompt)).result(timeout)
 
     def forget(self, messages: list[dict] | None = None) -> Future:
@@ -197,8 +198,8 @@ class Engine:
             self.ready.set()
 
     def _take(self, command: Command) -> None:
-        """A request joins the scheduler; a cancel or a tokenize is answered now; the rest waits
-        until no request runs. Requests taken after a waiting command wait behind it."""
+        """A request joins the scheduler; a cancel, a tokenize or a persona question is answered
+        now; the rest waits until no request runs. Requests taken after a waiting command wait behind it."""
         if isinstance(command, Cancel):
             command.handle.cancel()
             return command.future.set_result(True)
@@ -284,8 +285,10 @@ class Engine:
 
 
 def _needs_idle(command: Command) -> bool:
-    """Runs only while no request runs: it changes the model or the pool, or asks about the pool."""
-    return not isinstance(command, (Submit, Tokenize))
+    """Runs only while no request runs: it changes the model or the pool. A persona question held
+    so made every message sent after it wait for all running replies (the app asks one each time a
+    chat opens)."""
+    return not isinstance(command, (Submit, Tokenize, PersonaQuery))
 
 
 def _fail(command: Command, message: str) -> None:
