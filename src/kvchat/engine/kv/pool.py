@@ -38,7 +38,6 @@ class KVPool:
         self.dtype = kv_dtype(lm)
         self.quantizable = quantizable(self.shape)
         self.refuse(precision)
-        self._key_stats = None
         # the windowed layers' ring blocks (kv/rings.py): given (the host's ``ring_blocks`` for
         # its context; 0: none), or None for the budget to decide (kv_sizes.pool_blocks)
         if local_blocks is None:
@@ -120,9 +119,8 @@ class KVPool:
         return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
 
     def key_stats(self):
-        if self._key_stats is None:
-            self._key_stats = calibrate(self.lm, KVPool.for_tokens)
-        return self._key_stats
+        """The model's key statistics (computed once per model: ``calibration.calibrate``)."""
+        return calibrate(self.lm, KVPool.for_tokens)
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
                 local_blocks: int | None = None, span: int | None = None) -> bool:
