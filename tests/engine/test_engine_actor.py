@@ -10,6 +10,7 @@ from kvchat.engine import host as host_module
 from kvchat.core.commands import Refused
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
+from kvchat.engine.kv.forget import chat_hashes
 from kvchat.core.events import EngineError, LoadFailed, ModelReady, Notice, Request, TokenDelta
 from kvchat.engine.model.loading import load
 
@@ -286,3 +287,33 @@ def test_a_persona_question_while_a_reply_runs_is_answered_at_once_and_holds_no_
     assert len(second.result(timeout=60).token_ids) == 4
     assert not long.future.done(), "the long reply ended first: the question held the next request back"
     engine.cancel(long)
+
+
+def test_deleting_a_chat_while_another_replies_is_done_at_once_but_waits_for_a_reply_using_its_blocks(engine):
+    """Held until no reply ran, a deleted chat's Forget made every later message wait. It waits now
+    only for a reply that holds the chat's blocks: dropped under it, they would come back as it ends."""
+    question = [{"role": "user", "content": "Tell me about the lighthouses of the northern coast: who kept "
+                 "them, how their lamps were lit, and why so many of them were built on bare rock. Then tell me "
+                 "which of them still stand, which can be visited, and what a keeper's ordinary day was like "
+                 "in the long winters, when the supply boats could not land for weeks."}]
+    done = engine.generate(question, max_new_tokens=8, temperature=0)
+    chat = question + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
+    hashes = chat_hashes(engine.formatter, engine.kvpool.manager, chat)
+    cached = lambda: sum(h in engine.kvpool.pool.cached for h in hashes)  # noqa: E731
+    assert cached() >= 3
+    long = engine.submit(Request(messages=STORY, sampling=LONG))
+    started(long)
+    assert engine.forget(chat).result(timeout=60) >= 3
+    assert cached() == 0
+    assert not long.future.done(), "the long reply ended first: the Forget waited for it"
+    engine.cancel(long).result(timeout=60)
+
+    running = engine.submit(Request(messages=question, sampling=LONG))  # its prompt's blocks are the chat's
+    started(running)
+    in_use = engine.forget(question)
+    started(running, 5)  # several steps later
+    assert not in_use.done()
+    assert cached() >= 3
+    engine.cancel(running)
+    assert in_use.result(timeout=60) >= 3
+    assert cached() == 0

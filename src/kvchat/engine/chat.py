@@ -99,14 +99,19 @@ class ChatFormatter:
         return [{"role": "user", "content": f"{system}\n\n{rest[0]['content']}"}] + rest[1:]
 
     def persona_length(self, messages: list[dict], encoded: Encoded) -> int:
-        """How many of ``encoded``'s first tokens are the persona's alone, shared by every chat with
-        it: the system message's, or where the template has no system role, what the first user
-        turn holds before its own text."""
-        if messages[0]["role"] != "system" or len(messages) < 2:
+        """How many of ``encoded``'s first tokens every chat with this persona shares: the system
+        message's, or where the template has no system role, what the first user turn holds before
+        its own text. With no system message, the template's own preamble (SmolLM2's default system
+        prompt), which every chat without a persona shares."""
+        if messages[0]["role"] != "system":
+            head = [{"role": "user", "content": ""}]
+        elif len(messages) < 2:
             return 0
-        if not self.folds_system:
+        elif not self.folds_system:
             return encoded.message_starts[1]
-        alone = self.encode([messages[0], {"role": "user", "content": ""}], add_generation_prompt=False).token_ids
+        else:
+            head = [messages[0], {"role": "user", "content": ""}]
+        alone = self.encode(head, add_generation_prompt=False).token_ids
         return next((i for i, (a, b) in enumerate(zip(alone, encoded.token_ids)) if a != b), len(alone))
 
     def tokenize(self, text: str) -> list[int]:

@@ -5,7 +5,8 @@ Shutdown) from one queue; each command's future always resolves. The work is del
 (scheduler.py), a request's life to its job (generate.py), its prompt to the prompt builder
 (prompt.py). Requests run together, a step at a time; a command that changes the model or the
 pool waits until none runs, and requests sent after it wait for it. A question about the pool (the
-persona badge's) is answered between two steps: the thread that steps is the one that reads."""
+persona badge's) and a deleted chat's Forget are answered between two steps: the thread that steps
+is the one that reads and drops."""
 import logging
 import queue
 import threading
@@ -22,7 +23,7 @@ from kvchat.engine.prompt import PromptBuilder
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
 from kvchat.engine.host import ModelHost
-from kvchat.engine.kv.forget import answer_forget
+from kvchat.engine.kv.forget import answer_forget, chat_in_use
 from kvchat.engine.kv.persona_probe import answer_persona_query
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.pool import KVPool
@@ -107,7 +108,7 @@ class Engine:
 
     def forget(self, messages: list[dict] | None = None) -> Future:
         """Delete a chat's KV from every tier (its persona's stays), or with None every cached
-        conversation's; answered between requests (``kv/forget.py``)."""
+        conversation's (``kv/forget.py``): a chat's between two steps, all of them when no reply runs."""
         return self._put(Forget(messages))
 
     def cancel_load(self) -> None:
@@ -198,18 +199,19 @@ class Engine:
             self.ready.set()
 
     def _take(self, command: Command) -> None:
-        """A request joins the scheduler; a cancel, a tokenize or a persona question is answered
-        now; the rest waits until no request runs. Requests taken after a waiting command wait behind it."""
+        """A request joins the scheduler; a cancel, a tokenize, a persona question or a deleted chat's
+        Forget is answered now; the rest waits until no request runs (``_waits``). Requests taken
+        after a waiting command wait behind it."""
         if isinstance(command, Cancel):
             command.handle.cancel()
             return command.future.set_result(True)
-        if self._held or (self.scheduler.busy() and _needs_idle(command)):
+        if self._held or _waits(self, command):
             self._held.append(command)
             return
         self._run(command)
 
     def _run_held(self) -> None:
-        while self._held and (not _needs_idle(self._held[0]) or not self.scheduler.busy()):
+        while self._held and not _waits(self, self._held[0]):
             self._run(self._held.popleft())
             self.governor.tick()
 
@@ -284,11 +286,16 @@ class Engine:
                 log.exception("an engine listener failed")
 
 
-def _needs_idle(command: Command) -> bool:
-    """Runs only while no request runs: it changes the model or the pool. A persona question held
-    so made every message sent after it wait for all running replies (the app asks one each time a
-    chat opens)."""
-    return not isinstance(command, (Submit, Tokenize, PersonaQuery))
+
+def _waits(engine: Engine, command: Command) -> bool:
+    """Held until no request runs: it changes the model or the pool. A persona question held so
+    made every message sent after it wait for all running replies (the app asks one each time a
+    chat opens); so did a deleted chat's Forget, which waits only while a reply holds its blocks."""
+    if not engine.scheduler.busy() or isinstance(command, (Submit, Tokenize, PersonaQuery)):
+        return False
+    if isinstance(command, Forget) and command.messages is not None:
+        return chat_in_use(engine, command.messages)
+    return True
 
 
 def _fail(command: Command, message: str) -> None:

@@ -13,7 +13,7 @@ log = logging.getLogger("kvchat.engine")
 
 
 def answer_forget(engine, command: Forget) -> None:
-    """On the engine thread, between requests; the future resolves whatever happens."""
+    """On the engine thread, between two steps; the future resolves whatever happens."""
     try:
         if command.messages is None:
             n = clear_conversations(engine)
@@ -31,6 +31,19 @@ def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
     persona = formatter.persona_length(messages, encoded)
     ids = encoded.token_ids
     return [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][persona // manager.block_size:]
+
+
+def chat_in_use(engine, messages: list[dict]) -> bool:
+    """A running reply holds some of the chat's blocks: dropped now, they would be skipped (a held
+    block is not dropped) and cached again when the reply ends. The app deletes no streaming chat;
+    this keeps another caller's Forget exact."""
+    if engine.kvpool is None:
+        return False
+    try:
+        doomed = set(chat_hashes(engine.formatter, engine.kvpool.manager, messages))
+    except Exception:  # answer_forget runs it again and says what is wrong with the messages
+        return False
+    return any(b.hash in doomed or b.parent in doomed for seq in engine.scheduler.live() for b in seq.blocks)
 
 
 def forget_chat(engine, messages: list[dict]) -> int:
