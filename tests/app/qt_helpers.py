@@ -73,7 +73,13 @@ def qml_items(win, name):
 
 
 def qml_point(item, x=None, y=None):
-    """An item's centre (or a point in it) in the chat view's coordinates, for QTest's mouse."""
+    """An item's centre (or a point in it) in the chat view's coordinates, for QTest's mouse. Its
+    rows and positioners are laid out first, as the frame a user clicks on has them: a row that
+    changed in place (a reply's end) lays out at the next polish, and a click before it missed."""
+    parent = item
+    while parent is not None:  # inner first: a Row's size feeds the ListView's layout
+        parent.ensurePolished()
+        parent = parent.parentItem()
     x = item.width() / 2 if x is None else x
     y = item.height() / 2 if y is None else y
     return item.mapToScene(QPointF(x, y)).toPoint()

@@ -49,6 +49,10 @@ def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
     final = store.messages(win.conversation_id)[-1].content
     assert model.data(model.index(reply_row), ROLE_IDS["content"]) == final
+    # its end too: a reset there rendered every row in view again (most of `kvchat bench ui`'s figure)
+    assert set(changed) == {(reply_row, reply_row)} and not resets
+    assert model.data(model.index(reply_row), ROLE_IDS["stats"]).startswith("TTFT")
+    assert not model.data(model.index(reply_row), ROLE_IDS["streaming"])
 
 
 def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_parts):
@@ -91,6 +95,33 @@ def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_pa
     qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # following again
     win.stop_button.click()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+def test_a_reply_that_ends_while_the_reader_is_scrolled_up_leaves_the_view_where_it_was(qtbot, app_parts):
+    """The end of a reply rendered the whole chat again, and the reset pulled the reader down."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    long_chat(store, win, words=1)
+    view = win.chat_view.list_view()
+    win.sampling = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    pace = bridge.engine.pace
+    pace.hold()
+    pace.give(1)
+    win.input.setPlainText("Write a story.")
+    with qtbot.waitSignal(bridge.token, timeout=60000):
+        qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)
+    centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
+    for _ in range(5):
+        QApplication.processEvents()
+        wheel(win.chat_view, centre, 120)
+    qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
+    held = view.property("contentY")
+    pace.free()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+    qtbot.wait(200)  # a reset's scroll to the end is queued (Qt.callLater)
+    assert store.messages(win.conversation_id)[-1].stats  # the reply ended and was saved
+    assert abs(view.property("contentY") - held) < 1 and win.chat_view.item("jumpToLatest").isVisible()
 
 
 def wheel(widget, pos, delta):

@@ -293,6 +293,6 @@ class ReplyController(QObject):
         self.update_buttons()
         win.personas.update_badge()
         if in_view:
-            win.render_chat()
+            win.render_chat(refresh=True)
             if reply.send_after_stop:
                 self.send()

@@ -181,8 +181,9 @@ class MainWindow(QMainWindow):
         self.theme.set_mode(mode)
         self.store.set_setting("theme", mode)
 
-    def render_chat(self) -> None:
-        """The whole conversation, when another one opens or a message is added or removed."""
+    def render_chat(self, refresh: bool = False) -> None:
+        """The whole conversation, when another one opens or a message is added or removed; with
+        ``refresh`` (a reply ended), only the rows that changed."""
         model, replies = self.chat_view.model, self.replies
         replies.update_buttons()  # Stop stands for the chat in view's reply, if it has one
         if self.conversation_id is None:
@@ -190,8 +191,12 @@ class MainWindow(QMainWindow):
             return
         persona = self.personas.persona(self.store.conversation(self.conversation_id)["persona_id"])
         live = replies.shown
-        model.reset(self.store.messages(self.conversation_id), persona["name"] if persona else "Assistant",
-                    live and live.reply_id, live.text if live else "")
+        messages, author = self.store.messages(self.conversation_id), persona["name"] if persona else "Assistant"
+        if refresh:
+            model.refresh(messages, author, live and live.reply_id, live.text if live else "")
+            self.tally.show()  # the chat's tokens, from the saved reply's stats (a reset tells it itself)
+        else:
+            model.reset(messages, author, live and live.reply_id, live.text if live else "")
         if replies.waiting == self.conversation_id:
             model.set_note(WAITING_NOTE)
         self.waits.note_warming()
