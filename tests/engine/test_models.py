@@ -1,4 +1,7 @@
 """Model sources: HF folder, .gguf (the starter), hub id (offline here), and bad inputs."""
+import hashlib
+import os
+
 import pytest
 import torch
 
@@ -95,6 +98,22 @@ def test_hub_download_reports_progress_in_bytes(monkeypatch, hf_folder):
     path = models.download("org/tiny", progress=lambda done, total: seen.append((done, total)))
     assert path == hf_folder
     assert seen == [(400, 1000), (1000, 1000)]
+
+
+def test_a_files_digest_is_hashed_once_and_again_when_the_file_changes(monkeypatch, tmp_path):
+    """Each start hashed the whole model file (the starter: 0.13 s); now its size and time tell."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"first" * 1000)
+    assert models.file_digest(f) == hashlib.sha256(b"first" * 1000).hexdigest()
+    opened = []
+    monkeypatch.setattr(models, "open", lambda *a, **k: opened.append(a) or open(*a, **k), raising=False)
+    assert models.file_digest(f) == hashlib.sha256(b"first" * 1000).hexdigest() and not opened
+    f.write_bytes(b"other" * 1000)  # the same size: the time tells
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000_000))
+    assert models.file_digest(f) == hashlib.sha256(b"other" * 1000).hexdigest() and len(opened) == 1
+    (tmp_path / "home" / "cache" / "digests.json").write_text("{not json")
+    assert models.file_digest(f) == hashlib.sha256(b"other" * 1000).hexdigest()  # a broken memo: hashed again
 
 
 def test_quantized_weights_need_cuda():

@@ -53,11 +53,33 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+DIGESTS_KEPT = 64
+
+
 def file_digest(path: Path) -> str:
+    """The file's sha256, remembered by its path, size and modification time: hashing the
+    starter's 138 MB took 0.13 s of every start."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo = cache_dir() / "digests.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return known[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+    known = {k: v for k, v in (known.items() if isinstance(known, dict) else []) if k != key}
+    known = dict(list(known.items())[-(DIGESTS_KEPT - 1):]) | {key: h.hexdigest()}
+    try:
+        partial = memo.with_suffix(".tmp")
+        partial.write_text(json.dumps(known))
+        partial.replace(memo)  # whole or not at all: two starts at once read a complete file
+    except OSError:  # a read-only cache: the next start hashes again
+        pass
     return h.hexdigest()
 
 

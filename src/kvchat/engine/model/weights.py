@@ -35,8 +35,10 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach().float()
         n, k = w.shape
         groups = w.view(n, k // INT8_GROUP, INT8_GROUP)
-        scale = (groups.abs().amax(-1) / 127).clamp(min=1e-12).to(torch.bfloat16).float()
-        self.register_buffer("qweight", torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k))
+        low, high = torch.aminmax(groups, dim=-1)  # one pass, no |w| copy: part of every start's load
+        scale = (torch.maximum(-low, high) / 127).clamp_(min=1e-12).to(torch.bfloat16).float()
+        codes = (groups / scale[..., None]).round_().clamp_(-127, 127)
+        self.register_buffer("qweight", codes.to(torch.int8).view(n, k))
         self.register_buffer("scales", scale.to(torch.bfloat16))  # exact: the codes were made against these
         self.bias = linear.bias
         self.in_features, self.out_features = k, n
