@@ -32,6 +32,7 @@ def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
     model = win.chat_view.model
     changed, resets = [], []
     model.dataChanged.connect(lambda first, last, roles: changed.append((first.row(), last.row())))
+    model.modelReset.connect(lambda: resets.append(1))
     win.sampling = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
     pace = bridge.engine.pace
     pace.hold()
@@ -39,7 +40,9 @@ def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
     pace.give(1)
     with qtbot.waitSignal(bridge.token, timeout=60000):
         qtbot.keyClick(win.input, Qt.Key_Return)
-    model.modelReset.connect(lambda: resets.append(1))
+    # the message and its reply are two new rows; the reply that was last loses its Regenerate
+    assert model.rowCount() == 14 and changed[0] == (11, 11) and set(changed) <= {(11, 11), (13, 13)} and not resets
+    changed.clear()
     for n in range(1, 4):  # a token at a time, each drawn before the next comes
         qtbot.waitUntil(lambda: len(changed) >= n, timeout=10000)
         pace.give(1)
@@ -122,6 +125,12 @@ def test_a_reply_that_ends_while_the_reader_is_scrolled_up_leaves_the_view_where
     qtbot.wait(200)  # a reset's scroll to the end is queued (Qt.callLater)
     assert store.messages(win.conversation_id)[-1].stats  # the reply ended and was saved
     assert abs(view.property("contentY") - held) < 1 and win.chat_view.item("jumpToLatest").isVisible()
+    pace.hold()  # a message sent from up there goes to the end, and the view follows again
+    win.input.setPlainText("Another one.")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
+    pace.free()
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
 
 
 def wheel(widget, pos, delta):

@@ -55,6 +55,7 @@ Rectangle {
         Connections {
             target: chatModel
             function onModelReset() { list.follow = true; Qt.callLater(list.toEnd) }
+            function onFollow() { list.follow = true; Qt.callLater(list.toEnd) }
         }
     }
 

@@ -181,9 +181,10 @@ class MainWindow(QMainWindow):
         self.theme.set_mode(mode)
         self.store.set_setting("theme", mode)
 
-    def render_chat(self, refresh: bool = False) -> None:
+    def render_chat(self, refresh: bool = False, follow: bool = False) -> None:
         """The whole conversation, when another one opens or a message is added or removed; with
-        ``refresh`` (a reply ended), only the rows that changed."""
+        ``refresh`` (a message sent, a reply ended), only the rows that changed or came, and with
+        ``follow`` the view goes to the newest."""
         model, replies = self.chat_view.model, self.replies
         replies.update_buttons()  # Stop stands for the chat in view's reply, if it has one
         if self.conversation_id is None:
@@ -195,6 +196,8 @@ class MainWindow(QMainWindow):
         if refresh:
             model.refresh(messages, author, live and live.reply_id, live.text if live else "")
             self.tally.show()  # the chat's tokens, from the saved reply's stats (a reset tells it itself)
+            if follow:
+                model.follow.emit()
         else:
             model.reset(messages, author, live and live.reply_id, live.text if live else "")
         if replies.waiting == self.conversation_id:
