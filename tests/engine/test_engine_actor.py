@@ -289,17 +289,24 @@ def test_a_persona_question_while_a_reply_runs_is_answered_at_once_and_holds_no_
     engine.cancel(long)
 
 
+LIGHTHOUSES = [{"role": "user", "content": "Tell me about the lighthouses of the northern coast: who kept them, how "
+                "their lamps were lit, and why so many of them were built on bare rock. Then tell me which of "
+                "them still stand, which can be visited, and what a keeper's ordinary day was like in the long "
+                "winters, when the supply boats could not land for weeks."}]
+
+
+def lighthouse_chat(e) -> tuple[list[dict], callable]:
+    """The chat, answered, and how many of its blocks the pool has cached."""
+    done = e.generate(LIGHTHOUSES, max_new_tokens=8, temperature=0)
+    chat = LIGHTHOUSES + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
+    hashes = chat_hashes(e.formatter, e.kvpool.manager, chat)
+    return chat, lambda: sum(h in e.kvpool.pool.cached for h in hashes)
+
+
 def test_deleting_a_chat_while_another_replies_is_done_at_once_but_waits_for_a_reply_using_its_blocks(engine):
     """Held until no reply ran, a deleted chat's Forget made every later message wait. It waits now
     only for a reply that holds the chat's blocks: dropped under it, they would come back as it ends."""
-    question = [{"role": "user", "content": "Tell me about the lighthouses of the northern coast: who kept "
-                 "them, how their lamps were lit, and why so many of them were built on bare rock. Then tell me "
-                 "which of them still stand, which can be visited, and what a keeper's ordinary day was like "
-                 "in the long winters, when the supply boats could not land for weeks."}]
-    done = engine.generate(question, max_new_tokens=8, temperature=0)
-    chat = question + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
-    hashes = chat_hashes(engine.formatter, engine.kvpool.manager, chat)
-    cached = lambda: sum(h in engine.kvpool.pool.cached for h in hashes)  # noqa: E731
+    chat, cached = lighthouse_chat(engine)
     assert cached() >= 3
     long = engine.submit(Request(messages=STORY, sampling=LONG))
     started(long)
@@ -308,12 +315,33 @@ def test_deleting_a_chat_while_another_replies_is_done_at_once_but_waits_for_a_r
     assert not long.future.done(), "the long reply ended first: the Forget waited for it"
     engine.cancel(long).result(timeout=60)
 
-    running = engine.submit(Request(messages=question, sampling=LONG))  # its prompt's blocks are the chat's
+    running = engine.submit(Request(messages=LIGHTHOUSES, sampling=LONG))  # its prompt's blocks are the chat's
     started(running)
-    in_use = engine.forget(question)
+    in_use = engine.forget(LIGHTHOUSES)
     started(running, 5)  # several steps later
     assert not in_use.done()
     assert cached() >= 3
     engine.cancel(running)
     assert in_use.result(timeout=60) >= 3
     assert cached() == 0
+
+
+def test_a_deleted_chats_forget_waits_for_a_queued_request_that_continues_the_chat(short_starter):
+    """A request waiting its turn holds no block yet, but computes the chat's again when it runs."""
+    e = Engine(small(max_running=1), loaded=short_starter, disk_tier=None)
+    try:
+        e.wait_ready(60)
+        chat, cached = lighthouse_chat(e)
+        long = e.submit(Request(messages=STORY, sampling=LONG))
+        started(long)
+        queued = e.submit(Request(messages=chat + [{"role": "user", "content": "And the keepers?"}],
+                                  sampling=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)))
+        gone = e.forget(chat)
+        started(long, 5)
+        assert not gone.done() and not queued.future.done()
+        e.cancel(long)
+        assert len(queued.result(timeout=60).token_ids) == 4
+        assert gone.result(timeout=60) >= 3
+        assert cached() == 0
+    finally:
+        e.close()

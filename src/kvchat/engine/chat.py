@@ -111,7 +111,10 @@ class ChatFormatter:
             return encoded.message_starts[1]
         else:
             head = [messages[0], {"role": "user", "content": ""}]
-        alone = self.encode(head, add_generation_prompt=False).token_ids
+        try:
+            alone = self.encode(head, add_generation_prompt=False).token_ids
+        except Exception:  # a template that refuses an empty turn: nothing is taken for shared
+            return 0
         return next((i for i, (a, b) in enumerate(zip(alone, encoded.token_ids)) if a != b), len(alone))
 
     def tokenize(self, text: str) -> list[int]:

@@ -290,11 +290,11 @@ class Engine:
 def _waits(engine: Engine, command: Command) -> bool:
     """Held until no request runs: it changes the model or the pool. A persona question held so
     made every message sent after it wait for all running replies (the app asks one each time a
-    chat opens); so did a deleted chat's Forget, which waits only while a reply holds its blocks."""
+    chat opens); so did a deleted chat's Forget, which waits only for a request that continues the chat."""
     if not engine.scheduler.busy() or isinstance(command, (Submit, Tokenize, PersonaQuery)):
         return False
     if isinstance(command, Forget) and command.messages is not None:
-        return chat_in_use(engine, command.messages)
+        return chat_in_use(engine, command)
     return True
 
 

@@ -18,7 +18,7 @@ def answer_forget(engine, command: Forget) -> None:
         if command.messages is None:
             n = clear_conversations(engine)
         else:
-            n = forget_chat(engine, command.messages) if engine.kvpool is not None else 0
+            n = forget_chat(engine, command) if engine.kvpool is not None else 0
     except Exception as error:
         log.exception("forgetting cached KV failed")
         return command.future.set_exception(EngineError(f"could not delete cached KV: {first_line(error)}"))
@@ -33,28 +33,45 @@ def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
     return [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][persona // manager.block_size:]
 
 
-def chat_in_use(engine, messages: list[dict]) -> bool:
-    """A running reply holds some of the chat's blocks: dropped now, they would be skipped (a held
-    block is not dropped) and cached again when the reply ends. The app deletes no streaming chat;
-    this keeps another caller's Forget exact."""
+def doomed(engine, command: Forget) -> set[bytes]:
+    """The chat's block hashes, named once per pool key: a held Forget is asked each step, and a
+    precision change (the governor's, under memory pressure) renames every block."""
+    manager = engine.kvpool.manager
+    if command.named is None or command.named[0] != manager.extra_key:
+        command.named = (manager.extra_key, set(chat_hashes(engine.formatter, manager, command.messages)))
+    return command.named[1]
+
+
+def chat_in_use(engine, command: Forget) -> bool:
+    """A request of the scheduler's continues the chat: what it holds would be skipped (a held
+    block is not dropped), and what it computes cached again as it ends. A request whose prompt is
+    not made yet might, and counts. The app deletes no chat that has a reply under way; this keeps
+    another caller's Forget exact."""
     if engine.kvpool is None:
         return False
     try:
-        doomed = set(chat_hashes(engine.formatter, engine.kvpool.manager, messages))
+        hashes = doomed(engine, command)
     except Exception:  # answer_forget runs it again and says what is wrong with the messages
         return False
-    return any(b.hash in doomed or b.parent in doomed for seq in engine.scheduler.live() for b in seq.blocks)
+    manager, scheduler = engine.kvpool.manager, engine.scheduler
+    for job in (*scheduler.running, *scheduler.waiting):
+        if job.seq is None:
+            return True
+        tokens = job.seq.token_ids
+        if any(h in hashes for _, h in manager.chain(tokens, len(tokens) // manager.block_size)):
+            return True
+    return False
 
 
-def forget_chat(engine, messages: list[dict]) -> int:
+def forget_chat(engine, command: Forget) -> int:
     kvpool = engine.kvpool
-    doomed = set(chat_hashes(engine.formatter, kvpool.manager, messages))
+    hashes = doomed(engine, command)
     pool = kvpool.pool
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
-    blocks = [b for b in pool.cached.values() if b.hash in doomed or b.parent in doomed]
+    blocks = [b for b in pool.cached.values() if b.hash in hashes or b.parent in hashes]
     if kvpool.rings is not None:  # the kept rings: this chat's windowed rows may be among them
         kvpool.rings.forget()
-    return pool.drop(blocks) + kvpool.tiers.forget(doomed)
+    return pool.drop(blocks) + kvpool.tiers.forget(hashes)
 
 
 def clear_conversations(engine) -> int:
