@@ -66,19 +66,8 @@ def test_scrolled_up_the_view_stays_put_and_jump_to_latest_returns(qtbot, app_pa
     long_chat(store, win, words=1)
     view = win.chat_view.list_view()
     qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)  # a chat opens at its newest message
-    win.sampling = LONG
     pace = bridge.engine.pace
-    pace.hold()
-    pace.give(1)
-    win.input.setPlainText("Write a very long story.")
-    with qtbot.waitSignal(bridge.token, timeout=60000):
-        qtbot.keyClick(win.input, Qt.Key_Return)
-    qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
-    centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
-    for _ in range(5):  # the reader turns the wheel up
-        QApplication.processEvents()
-        wheel(win.chat_view, centre, 120)
-    qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
+    scroll_up_while_streaming(qtbot, win, LONG, "Write a very long story.")
     held = view.property("contentY")
     jump = win.chat_view.item("jumpToLatest")
     assert not view.property("follow") and jump.isVisible()
@@ -106,19 +95,9 @@ def test_a_reply_that_ends_while_the_reader_is_scrolled_up_leaves_the_view_where
     shown(qtbot, win)
     long_chat(store, win, words=1)
     view = win.chat_view.list_view()
-    win.sampling = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     pace = bridge.engine.pace
-    pace.hold()
-    pace.give(1)
-    win.input.setPlainText("Write a story.")
-    with qtbot.waitSignal(bridge.token, timeout=60000):
-        qtbot.keyClick(win.input, Qt.Key_Return)
-    qtbot.waitUntil(lambda: view.property("atYEnd"), timeout=5000)
-    centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
-    for _ in range(5):
-        QApplication.processEvents()
-        wheel(win.chat_view, centre, 120)
-    qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
+    scroll_up_while_streaming(qtbot, win, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True),
+                              "Write a story.")
     held = view.property("contentY")
     pace.free()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
@@ -131,6 +110,24 @@ def test_a_reply_that_ends_while_the_reader_is_scrolled_up_leaves_the_view_where
     qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
     pace.free()
     qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=60000)
+
+
+def scroll_up_while_streaming(qtbot, win, sampling, text: str) -> None:
+    """Send ``text``; once its reply's first token is in view at the bottom, the reader turns the
+    wheel up. The reply is held there (the fake engine's pace) until the test gives more."""
+    view, pace = win.chat_view.list_view(), win.bridge.engine.pace
+    win.sampling = sampling
+    pace.hold()
+    pace.give(1)
+    win.input.setPlainText(text)
+    with qtbot.waitSignal(win.bridge.token, timeout=60000):
+        qtbot.keyClick(win.input, Qt.Key_Return)
+    qtbot.waitUntil(lambda: view.property("atYEnd") and view.property("follow"), timeout=5000)
+    centre = QPoint(win.chat_view.width() // 2, win.chat_view.height() // 2)
+    for _ in range(5):
+        QApplication.processEvents()
+        wheel(win.chat_view, centre, 120)
+    qtbot.waitUntil(lambda: not view.property("moving"), timeout=5000)
 
 
 def wheel(widget, pos, delta):
