@@ -241,3 +241,31 @@ def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring
     monkeypatch.setattr(pool.kv, "copy_ring", fails)
     pool.prompt_done(seq)
     assert pool.rings.available() == before and not pool.rings.kept and "could not keep a copy" in caplog.text
+
+
+def test_memory_pressure_on_a_pool_wholly_in_rings_says_it_cannot_shrink_and_rebuilds_nothing(mistral):
+    """Its bytes are its rings, whatever the budget: a pool rebuilt under pressure came back the same
+    size and said it had shrunk."""
+    from kvchat.core.events import Notice
+    from kvchat.engine.memory_probe import ScriptedProbe
+    from polling import wait_for
+
+    gib = 1 << 30
+    probe = ScriptedProbe(total=8 * gib)
+    rings = 2 * LOCAL_RINGS * RING * 2 * BS * 2 * 64 * 4  # 2 layers, K and V, 2 KV heads of 64, fp32
+    engine = Engine(EngineConfig(max_context=4096, headroom_bytes=gib, kv_budget_bytes=4 * rings),
+                    loaded=as_loaded(mistral, IdTokenizer(512)), probe=probe, disk_tier=None)
+    try:
+        engine.wait_ready()
+        pool, events = engine.kvpool, []
+        engine.add_listener(events.append)
+        nbytes, kv = pool.kv.nbytes, pool.kv
+        assert nbytes == rings and pool.budget == 4 * rings
+        probe.other = 8 * gib - (engine.weights_bytes + engine.activations + gib) - pool.budget // 3
+        assert wait_for(lambda: any(isinstance(x, Notice) for x in events), timeout=6)
+        notice = next(x for x in events if isinstance(x, Notice))
+        assert (notice.kind, notice.message) == ("pressure", "memory is short and the KV cache cannot shrink "
+                                                             "further right now")
+        assert engine.kvpool.kv is kv and kv.nbytes == nbytes  # not rebuilt
+    finally:
+        engine.close()

@@ -81,7 +81,7 @@ class MemoryGovernor:
         # Auto keeps the context the user asked for when a lower precision can; else the most room
         full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]
         choice = full[0] if full else (fits[-1] if fits else None)
-        if choice is None:
+        if choice is None or choice == old and not self.gives_back(choice, allowed):
             return e.notice("pressure", "memory is short and the KV cache cannot shrink further right now")
         try:
             done = self.rebuild(choice, allowed, live)
@@ -92,6 +92,15 @@ class MemoryGovernor:
         e.notice("shrink" if choice == old else "downshift",
                  f"another program took memory: KV cache now {allowed / 2**20:.0f} MiB"
                  + (f", {old.value} -> {choice.value}" if choice != old else ""))
+
+    def gives_back(self, precision: Precision, budget: int) -> bool:
+        """A pool wholly in rings (every layer windowed) takes their bytes whatever its budget: rebuilt
+        smaller, it came back the same size and said it had shrunk."""
+        pool = self.engine.kvpool
+        try:
+            return pool.nbytes_for(precision, budget) < pool.kv.nbytes
+        except ConfigError:  # not one block beside the rings: rebuild says why
+            return True
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
                 local_blocks: int | None = None, span: int | None = None) -> bool:
