@@ -114,3 +114,27 @@ def test_a_persona_before_an_assistant_turn_is_a_user_turn_of_its_own(tokenizer)
     enc = f.encode(messages)
     assert len(enc.message_starts) == 3 and enc.message_starts[0] == 0 < enc.message_starts[1]
     assert tokenizer.decode(enc.token_ids[:enc.message_starts[1]]) == "<start_of_turn>user\nBe brief.<end_of_turn>\n"
+
+
+def test_the_shared_head_of_a_chat_without_a_persona_is_the_templates_preamble(tokenizer, monkeypatch):
+    """SmolLM2's template writes its own system prompt: every chat without a persona shares it,
+    and deleting one chat must not delete it. A template that refuses an empty turn is asked with
+    a one-character one; one that refuses both says so rather than taking nothing for shared."""
+    f = ChatFormatter(tokenizer)
+    chat = CONVERSATION[1:]
+    encoded = f.encode(chat)
+    preamble = f.encode([{"role": "user", "content": "x"}]).token_ids
+    shared = next(i for i, (a, b) in enumerate(zip(preamble, encoded.token_ids)) if a != b)
+    assert shared > 16 and tokenizer.decode(encoded.token_ids[:shared]).endswith("<|im_start|>user\n")
+    assert f.persona_length(chat, encoded) == shared
+    encode = f.encode
+
+    def refuses_empty(messages, add_generation_prompt=True):
+        if any(not m["content"] for m in messages):
+            raise ChatError("empty turn")
+        return encode(messages, add_generation_prompt)
+    monkeypatch.setattr(f, "encode", refuses_empty)
+    assert f.persona_length(chat, encoded) == shared
+    monkeypatch.setattr(f, "encode", lambda *a, **k: (_ for _ in ()).throw(ChatError("no")))
+    with pytest.raises(ChatError, match="refuses a one-character message"):
+        f.persona_length(chat, encoded)

@@ -103,19 +103,21 @@ class ChatFormatter:
         message's, or where the template has no system role, what the first user turn holds before
         its own text. With no system message, the template's own preamble (SmolLM2's default system
         prompt), which every chat without a persona shares."""
-        if messages[0]["role"] != "system":
-            head = [{"role": "user", "content": ""}]
-        elif len(messages) < 2:
+        if messages[0]["role"] == "system" and len(messages) < 2:
             return 0
-        elif not self.folds_system:
+        if messages[0]["role"] == "system" and not self.folds_system:
             return encoded.message_starts[1]
-        else:
-            head = [messages[0], {"role": "user", "content": ""}]
-        try:
-            alone = self.encode(head, add_generation_prompt=False).token_ids
-        except Exception:  # a template that refuses an empty turn: nothing is taken for shared
-            return 0
-        return next((i for i, (a, b) in enumerate(zip(alone, encoded.token_ids)) if a != b), len(alone))
+        system = messages[:1] if messages[0]["role"] == "system" else []
+        for filler in ("", "."):  # a template may refuse an empty turn; the filler is past the shared part
+            try:
+                alone = self.encode(system + [{"role": "user", "content": filler}], add_generation_prompt=False)
+                break
+            except Exception:
+                continue
+        else:  # nothing shared is found: deleting a chat would delete its persona's blocks too
+            raise ChatError("this model's chat template refuses a one-character message")
+        return next((i for i, (a, b) in enumerate(zip(alone.token_ids, encoded.token_ids)) if a != b),
+                    len(alone.token_ids))
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

@@ -81,7 +81,10 @@ class MemoryGovernor:
         # Auto keeps the context the user asked for when a lower precision can; else the most room
         full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]
         choice = full[0] if full else (fits[-1] if fits else None)
-        if choice is None or choice == old and not self.gives_back(choice, allowed):
+        if choice == old and not self.gives_back(choice, allowed):
+            pool.budget = allowed  # its bytes (its rings) already fit: nothing to rebuild or to say
+            return
+        if choice is None:
             return e.notice("pressure", "memory is short and the KV cache cannot shrink further right now")
         try:
             done = self.rebuild(choice, allowed, live)
@@ -95,7 +98,7 @@ class MemoryGovernor:
 
     def gives_back(self, precision: Precision, budget: int) -> bool:
         """A pool wholly in rings (every layer windowed) takes their bytes whatever its budget: rebuilt
-        smaller, it came back the same size and said it had shrunk."""
+        to a smaller budget it came back the same size, and said it had shrunk."""
         pool = self.engine.kvpool
         try:
             return pool.nbytes_for(precision, budget) < pool.kv.nbytes

@@ -198,7 +198,7 @@ class ReplyController(QObject):
             self.save_or_drop(reply, "", [], None, interrupted=True)
         else:
             self.live[reply.key] = reply
-        win.render_chat(refresh=True, follow=True)
+        win.render_chat(refresh=True, follow=conversation_id == win.conversation_id)  # a waiting one may be elsewhere
 
     def update_buttons(self) -> None:
         """Stop stands where Send was while the chat in view has a reply being written; the top bar

@@ -25,12 +25,17 @@ def answer_forget(engine, command: Forget) -> None:
     command.future.set_result(n)
 
 
-def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
-    """The chained hashes of a conversation's full blocks after its persona's."""
+def chat_chain(formatter, manager, messages: list[dict]) -> tuple[list[bytes], int]:
+    """The chained hashes of a conversation's full blocks after its persona's, and how many full
+    blocks it has in all."""
     encoded = formatter.encode(messages, add_generation_prompt=messages[-1]["role"] == "user")
     persona = formatter.persona_length(messages, encoded)
-    ids = encoded.token_ids
-    return [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][persona // manager.block_size:]
+    ids, bs = encoded.token_ids, manager.block_size
+    return [h for _, h in manager.chain(ids, len(ids) // bs)][persona // bs:], len(ids) // bs
+
+
+def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
+    return chat_chain(formatter, manager, messages)[0]
 
 
 def doomed(engine, command: Forget) -> set[bytes]:
@@ -38,7 +43,8 @@ def doomed(engine, command: Forget) -> set[bytes]:
     precision change (the governor's, under memory pressure) renames every block."""
     manager = engine.kvpool.manager
     if command.named is None or command.named[0] != manager.extra_key:
-        command.named = (manager.extra_key, set(chat_hashes(engine.formatter, manager, command.messages)))
+        hashes, blocks = chat_chain(engine.formatter, manager, command.messages)
+        command.named = (manager.extra_key, set(hashes), blocks)
     return command.named[1]
 
 
@@ -53,12 +59,12 @@ def chat_in_use(engine, command: Forget) -> bool:
         hashes = doomed(engine, command)
     except Exception:  # answer_forget runs it again and says what is wrong with the messages
         return False
-    manager, scheduler = engine.kvpool.manager, engine.scheduler
+    manager, scheduler, reach = engine.kvpool.manager, engine.scheduler, command.named[2]
     for job in (*scheduler.running, *scheduler.waiting):
         if job.seq is None:
             return True
-        tokens = job.seq.token_ids
-        if any(h in hashes for _, h in manager.chain(tokens, len(tokens) // manager.block_size)):
+        tokens = job.seq.token_ids  # no further than the chat's blocks: asked at every step it waits
+        if any(h in hashes for _, h in manager.chain(tokens, min(len(tokens) // manager.block_size, reach))):
             return True
     return False
 
