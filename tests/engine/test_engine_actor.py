@@ -10,7 +10,7 @@ from kvchat.engine import host as host_module
 from kvchat.core.commands import Refused
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
-from kvchat.engine.kv.forget import chat_hashes
+from kvchat.engine.kv.forget import chat_blocks
 from kvchat.core.events import EngineError, LoadFailed, ModelReady, Notice, Request, TokenDelta
 from kvchat.engine.model.loading import load
 
@@ -299,7 +299,7 @@ def lighthouse_chat(e) -> tuple[list[dict], callable]:
     """The chat, answered, and how many of its blocks the pool has cached."""
     done = e.generate(LIGHTHOUSES, max_new_tokens=8, temperature=0)
     chat = LIGHTHOUSES + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
-    hashes = chat_hashes(e.formatter, e.kvpool.manager, chat)
+    hashes = chat_blocks(e.formatter, e.kvpool.manager, chat)[1]
     return chat, lambda: sum(h in e.kvpool.pool.cached for h in hashes)
 
 

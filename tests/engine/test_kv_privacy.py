@@ -4,7 +4,7 @@ from kvchat.core.config import EngineConfig
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.disk_tier import DiskTier
-from kvchat.engine.kv.forget import chat_hashes
+from kvchat.engine.kv.forget import chat_blocks
 from kvchat.engine.model.loading import LoadedModel
 
 PERSONA = {"role": "system", "content": "You are a careful librarian who answers in one sentence. " * 6}
@@ -42,7 +42,7 @@ def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_person
     try:
         doomed = chat(e, "Which book should I read first to learn about the history of Rome?")
         kept = chat(e, "How do I find a quiet place to study in a busy city?")
-        mine, theirs = (chat_hashes(e.formatter, e.kvpool.manager, m) for m in (doomed, kept))
+        mine, theirs = (chat_blocks(e.formatter, e.kvpool.manager, m)[1] for m in (doomed, kept))
         persona = e.formatter.encode([PERSONA, doomed[1]]).message_starts[1] // 16
         persona_hashes = [h for _, h in e.kvpool.manager.chain(e.formatter.encode(doomed).token_ids, persona)]
         before = where(e, mine)

@@ -66,7 +66,7 @@ class Forget:
     The future gives the number of blocks deleted."""
     messages: list[dict] | None = None
     future: Future = field(default_factory=Future)
-    named: tuple | None = field(default=None, repr=False)  # the engine's (pool key, block hashes), named once
+    named: tuple | None = field(default=None, repr=False)  # the engine's (pool key, first block, hashes), once
 
 
 @dataclass

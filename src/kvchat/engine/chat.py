@@ -103,11 +103,11 @@ class ChatFormatter:
         message's, or where the template has no system role, what the first user turn holds before
         its own text. With no system message, the template's own preamble (SmolLM2's default system
         prompt), which every chat without a persona shares."""
-        if messages[0]["role"] == "system" and len(messages) < 2:
-            return 0
-        if messages[0]["role"] == "system" and not self.folds_system:
-            return encoded.message_starts[1]
         system = messages[:1] if messages[0]["role"] == "system" else []
+        if system and len(messages) < 2:
+            return 0
+        if system and not self.folds_system:
+            return encoded.message_starts[1]
         for filler in ("", "."):  # a template may refuse an empty turn; the filler is past the shared part
             try:
                 alone = self.encode(system + [{"role": "user", "content": filler}], add_generation_prompt=False)

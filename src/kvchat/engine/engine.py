@@ -286,7 +286,6 @@ class Engine:
                 log.exception("an engine listener failed")
 
 
-
 def _waits(engine: Engine, command: Command) -> bool:
     """Held until no request runs: it changes the model or the pool. A persona question held so
     made every message sent after it wait for all running replies (the app asks one each time a

@@ -22,7 +22,7 @@ class MemoryTally(QObject):
         self.bridge.finished.connect(self.on_finished)
         self.bridge.ready.connect(self.show)
         self.bridge.reconfigured.connect(lambda _: self.show())
-        win.chat_view.model.modelReset.connect(self.show)  # another chat opened, or a message added
+        win.chat_view.model.modelReset.connect(self.show)  # another chat opened (a send or a reply's end: render_chat)
 
     def saved_today(self) -> int:
         saved = self.store.setting(SAVED_KEY) or {}

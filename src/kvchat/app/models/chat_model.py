@@ -23,7 +23,7 @@ def with_attachments(row: dict) -> dict:
 
 class ChatModel(RowModel):
     ROLE_IDS = ROLE_IDS
-    follow = Signal()  # the view goes to the newest message and follows it (a message was sent)
+    follow = Signal()  # the view goes to the newest message and follows it (a reset, a message sent)
 
     def __init__(self, dark: bool = False):
         super().__init__()
@@ -51,6 +51,7 @@ class ChatModel(RowModel):
         self.author = author
         self.rows = [with_attachments(self._row(m, author, m.id == streaming_id, streaming_text)) for m in messages]
         self.endResetModel()
+        self.follow.emit()  # another chat, or the same one changed in the middle: shown from its end
 
     def refresh(self, messages, author: str, streaming_id: int | None = None, streaming_text: str = "") -> None:
         """As ``reset``, but when the same messages are shown, and maybe new ones after them (a

@@ -54,7 +54,6 @@ Rectangle {
 
         Connections {
             target: chatModel
-            function onModelReset() { list.follow = true; Qt.callLater(list.toEnd) }
             function onFollow() { list.follow = true; Qt.callLater(list.toEnd) }
         }
     }

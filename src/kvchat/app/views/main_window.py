@@ -192,14 +192,13 @@ class MainWindow(QMainWindow):
             return
         persona = self.personas.persona(self.store.conversation(self.conversation_id)["persona_id"])
         live = replies.shown
-        messages, author = self.store.messages(self.conversation_id), persona["name"] if persona else "Assistant"
+        (model.refresh if refresh else model.reset)(self.store.messages(self.conversation_id),
+                                                    persona["name"] if persona else "Assistant",
+                                                    live and live.reply_id, live.text if live else "")
         if refresh:
-            model.refresh(messages, author, live and live.reply_id, live.text if live else "")
             self.tally.show()  # the chat's tokens, from the saved reply's stats (a reset tells it itself)
             if follow:
                 model.follow.emit()
-        else:
-            model.reset(messages, author, live and live.reply_id, live.text if live else "")
         if replies.waiting == self.conversation_id:
             model.set_note(WAITING_NOTE)
         self.waits.note_warming()

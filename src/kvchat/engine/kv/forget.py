@@ -25,27 +25,20 @@ def answer_forget(engine, command: Forget) -> None:
     command.future.set_result(n)
 
 
-def chat_chain(formatter, manager, messages: list[dict]) -> tuple[list[bytes], int]:
-    """The chained hashes of a conversation's full blocks after its persona's, and how many full
-    blocks it has in all."""
+def chat_blocks(formatter, manager, messages: list[dict]) -> tuple[int, list[bytes]]:
+    """Where a conversation's own full blocks start (after its persona's), and their chained hashes."""
     encoded = formatter.encode(messages, add_generation_prompt=messages[-1]["role"] == "user")
-    persona = formatter.persona_length(messages, encoded)
-    ids, bs = encoded.token_ids, manager.block_size
-    return [h for _, h in manager.chain(ids, len(ids) // bs)][persona // bs:], len(ids) // bs
+    first, ids = formatter.persona_length(messages, encoded) // manager.block_size, encoded.token_ids
+    return first, [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][first:]
 
 
-def chat_hashes(formatter, manager, messages: list[dict]) -> list[bytes]:
-    return chat_chain(formatter, manager, messages)[0]
-
-
-def doomed(engine, command: Forget) -> set[bytes]:
-    """The chat's block hashes, named once per pool key: a held Forget is asked each step, and a
-    precision change (the governor's, under memory pressure) renames every block."""
+def named(engine, command: Forget) -> tuple[int, list[bytes]]:
+    """``chat_blocks`` of the Forget's chat, once per pool key: a held Forget is asked each step,
+    and a precision change (the governor's, under memory pressure) renames every block."""
     manager = engine.kvpool.manager
     if command.named is None or command.named[0] != manager.extra_key:
-        hashes, blocks = chat_chain(engine.formatter, manager, command.messages)
-        command.named = (manager.extra_key, set(hashes), blocks)
-    return command.named[1]
+        command.named = (manager.extra_key, *chat_blocks(engine.formatter, manager, command.messages))
+    return command.named[1:]
 
 
 def chat_in_use(engine, command: Forget) -> bool:
@@ -56,22 +49,26 @@ def chat_in_use(engine, command: Forget) -> bool:
     if engine.kvpool is None:
         return False
     try:
-        hashes = doomed(engine, command)
+        first, hashes = named(engine, command)
     except Exception:  # answer_forget runs it again and says what is wrong with the messages
         return False
-    manager, scheduler, reach = engine.kvpool.manager, engine.scheduler, command.named[2]
-    for job in (*scheduler.running, *scheduler.waiting):
+    if not hashes:
+        return False
+    manager = engine.kvpool.manager
+    for job in (*engine.scheduler.running, *engine.scheduler.waiting):
         if job.seq is None:
             return True
-        tokens = job.seq.token_ids  # no further than the chat's blocks: asked at every step it waits
-        if any(h in hashes for _, h in manager.chain(tokens, min(len(tokens) // manager.block_size, reach))):
+        # hashes chain: a request that shares any of the chat's blocks shares its first one, so
+        # that block alone is hashed (asked at every step the Forget waits)
+        tokens = job.seq.token_ids
+        if len(tokens) // manager.block_size > first and list(manager.chain(tokens, first + 1))[-1][1] == hashes[0]:
             return True
     return False
 
 
 def forget_chat(engine, command: Forget) -> int:
     kvpool = engine.kvpool
-    hashes = doomed(engine, command)
+    hashes = set(named(engine, command)[1])
     pool = kvpool.pool
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
     blocks = [b for b in pool.cached.values() if b.hash in hashes or b.parent in hashes]

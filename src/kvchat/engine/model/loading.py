@@ -67,21 +67,27 @@ def file_digest(path: Path) -> str:
     try:
         known = json.loads(memo.read_text())
     except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), str):
+        known = None
+    known = known if isinstance(known, dict) else {}
+    if isinstance(known.get(key), str):
         return known[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    known = {k: v for k, v in (known.items() if isinstance(known, dict) else []) if k != key}
-    known = dict(list(known.items())[-(DIGESTS_KEPT - 1):]) | {key: h.hexdigest()}
+    known.pop(key, None)
+    digest = sha256_of(path)
+    known = dict(list(known.items())[-(DIGESTS_KEPT - 1):]) | {key: digest}
     try:
         partial = memo.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(known))
         partial.replace(memo)  # whole or not at all: two starts at once read a complete file
     except OSError:  # a read-only cache: the next start hashes again
         pass
+    return digest
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 
