@@ -99,6 +99,30 @@ def test_triton_launcher_builds_with_the_bundled_toolchain(bare_home, tmp_path):
     assert out == {"why": None, "bundled": True, "impl": True, "gcc": None, "answer": 42}
 
 
+def test_a_precompiled_header_outlives_a_reinstall_that_touched_its_header(bare_home, tmp_path):
+    """Inductor keys its precompiled header by the header's text and keeps it in /tmp: a venv made
+    again at the same path gives the same text newer file times, and clang refused the header (every
+    compile failed, the step stayed eager, until /tmp was emptied)."""
+    out = run_hidden(f"""
+        import json, os, subprocess
+        from kvchat.engine import toolchain
+        chain, why = toolchain.configure()
+        tmp = {str(tmp_path)!r}
+        header, source = os.path.join(tmp, "prefix.h"), os.path.join(tmp, "kernel.cpp")
+        open(header, "w").write("inline int answer() {{ return 42; }}\\n")
+        open(source, "w").write("int main() {{ return answer(); }}\\n")
+        made = subprocess.run([chain.cxx, "-x", "c++-header", header, "-o", header + ".pch"], capture_output=True, text=True)
+        stat = os.stat(header)
+        os.utime(header, (stat.st_atime + 3600, stat.st_mtime + 3600))
+        built = subprocess.run([chain.cxx, "-include", header, "-c", source, "-o", source + ".o"],
+                               capture_output=True, text=True)
+        print(json.dumps({{"why": why, "bundled": chain.bundled, "made": made.returncode,
+                          "built": built.returncode, "stderr": built.stderr[-400:]}}))
+    """, bare_home, tmp_path)
+    assert (out["why"], out["bundled"], out["made"]) == (None, True, 0)
+    assert out["built"] == 0, out["stderr"]
+
+
 def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
     """A function inductor parallelizes (a reduction over 4M elements, two threads) compiles, on
     another thread than the one that configured it, with g++ hidden; the result equals eager, and the kernel calls LLVM's OpenMP runtime (so the threads'

@@ -97,8 +97,11 @@ def _wrappers(zig: Path, omp: Path, include: Path) -> tuple[str, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(omp / "lib" / "libomp.so")
     zig_cache = cache_dir() / "zig"
+    # inductor keeps its precompiled header in /tmp by the header's preprocessed text, not its file
+    # times; clang refuses one whose header's mtime changed (torch reinstalled, a new venv at the
+    # same path) and every compile failed until /tmp was emptied. The text is what the key checks.
     flags = " ".join(shlex.quote(f) for f in [
-        "-isystem", str(omp / "include"), "-isystem", str(include), f"-L{folder / 'lib'}",
+        "-Xclang", "-fno-validate-pch", "-isystem", str(omp / "include"), "-isystem", str(include), f"-L{folder / 'lib'}",
         f"-Wl,-rpath,{omp / 'lib'}"])
     for name, mode in (("clang", "cc"), ("clang++", "c++")):
         _write(folder / name, "#!/bin/sh\n# written by kvchat (engine/toolchain.py): zig's clang with OpenMP and "
