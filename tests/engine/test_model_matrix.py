@@ -207,3 +207,71 @@ def test_phi_3_minis_head_dim_of_96_runs_at_fp16_and_refuses_the_quantized_preci
     assert pool.downshift([]) is None and pool.precision == Precision.FP16
     with pytest.raises(ConfigError, match="power of two"):
         pool.rebuild(Precision.INT4, pool.budget)
+
+
+def multimodal_gemma_3(text: dict):
+    """A Gemma 3 of images and text as the hub's from 4B up (model_type gemma3), its vision tower tiny."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                       eos_token_id=[2, 7])).eval()
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_gemma_3_folder_runs_its_language_model_as_the_whole_model_does_on_text(tmp_path, tokenizer,
+                                                                                           prefix):
+    """Its language model's weights are under ``prefix`` (the hub's checkpoints, or as a newer
+    transformers names them) beside the vision tower's. kvchat loads the language model alone: its
+    logits over a prompt longer than the window are the whole model's, its end-of-turn ids the
+    wrapper's, and a reply runs."""
+    from safetensors.torch import load_file, save_file
+    from kvchat.engine.host import eos_token_ids
+    from kvchat.engine.model.loading import load
+
+    from tiny_models import COMMON
+
+    whole = multimodal_gemma_3({**COMMON, **WINDOWED["gemma3"][2], "vocab_size": len(tokenizer)})
+    whole.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    assert sum(k.startswith("language_model.model.") for k in weights) == len(whole.model.language_model.state_dict())
+    save_file({k.replace("language_model.model.", prefix): v for k, v in weights.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp_path)
+    lm = load(str(tmp_path))
+    assert type(lm.model).__name__ == "Gemma3ForCausalLM" and lm.model.config.model_type == "gemma3_text"
+    ids = torch.tensor([prompt(2 * WINDOW)])
+    with torch.inference_mode():
+        assert torch.equal(lm.model(ids).logits, whole(input_ids=ids).logits)
+    assert eos_token_ids(lm) >= {2, 7}
+    engine = Engine(EngineConfig(max_context=512, prefill_chunk=32), loaded=lm)
+    done = engine.submit(Request(messages=[{"role": "user", "content": "Hello there."}], sampling=SamplingParams(
+        max_new_tokens=8, temperature=0, ignore_eos=True))).result()
+    engine.close()
+    assert done.finish_reason == "length" and len(done.token_ids) == 8
+
+
+def test_the_planner_reads_a_multimodal_gemma_3_config_json_as_transformers_does():
+    """gemma-3-4b-it's config.json names only what differs from Gemma3TextConfig's defaults (no
+    heads, head size or vocabulary): the planner's counts from it equal those of the config
+    transformers makes of it."""
+    from transformers import Gemma3Config
+
+    from kvchat.core.config import check_model_config
+    from kvchat.core.kv_sizes import KVShape
+    from kvchat.core.memory import parameter_counts
+    from kvchat.core.model_source import SUPPORTED
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    made = Gemma3Config(**hub)
+    check_model_config(hub, "gemma-3-4b-it", SUPPORTED)
+    assert parameter_counts(hub) == parameter_counts(made)
+    assert KVShape.from_config(hub) == KVShape.from_config(made)
+    assert KVShape.from_config(hub).windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,) + (1024,) * 5 + \
+        (None,) + (1024,) * 5 + (None,) + (1024,) * 5 + (None,) + (1024,) * 4

@@ -129,10 +129,29 @@ class SamplingParams:
 MODEL_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
+# Gemma3TextConfig's values for what a config.json leaves out: a multimodal Gemma 3's (4B and up)
+# text_config names only what differs from them (gemma-3-4b-it's: sizes, layers, window, RoPE)
+GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304,
+                        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                        "max_position_embeddings": 131072, "tie_word_embeddings": True}
+
+
+def text_config(config):
+    """The language model's part of a config, a config.json dict or a transformers config: a
+    multimodal model's ``text_config`` (kvchat runs its text part), else the config itself."""
+    if not isinstance(config, dict):
+        return getattr(config, "text_config", None) or config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return {**GEMMA3_TEXT_DEFAULTS, **text} if config.get("model_type") == "gemma3" else text
+
+
 def check_model_config(config, where: str, supported: tuple[str, ...]) -> None:
     """A model config (a config.json dict or a transformers config) that the planner can use, or
     ConfigError saying in one line what is wrong with it."""
-    config = getattr(config, "text_config", None) or config
+    config = text_config(config)
     if not isinstance(config, dict):
         config = config.to_dict() if hasattr(config, "to_dict") else None
     if not config:

@@ -2,7 +2,7 @@
 each precision. No torch: the planner and the app's settings count with it before any model loads."""
 from dataclasses import dataclass
 
-from kvchat.core.config import Precision
+from kvchat.core.config import Precision, text_config
 from kvchat.kernels.layout import FORMATS, token_bytes
 
 SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
@@ -132,7 +132,7 @@ def lowest_precision(shape: KVShape, precision: Precision, auto: bool) -> Precis
 
 
 def config_value(config, name: str, default=None):
-    config = getattr(config, "text_config", None) or config
+    config = text_config(config)
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 

@@ -230,11 +230,15 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
         config = AutoConfig.from_pretrained(folder)
     except Exception as e:
         raise ModelError(f"cannot read the model config in {source.label}: {first_line(e)}") from None
+    kwargs = {"dtype": dtype}
+    model_class = AutoModelForCausalLM
+    if config.model_type == "gemma3":  # Gemma 3 from 4B: images and text; kvchat runs the text part
+        config, model_class, kwargs["key_mapping"] = _text_part_of_gemma3(config)
+        kwargs["config"] = config
     if config.model_type not in SUPPORTED:
         raise ModelError(f"{source.label}: architecture {config.model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
     cpu_quant = device.type == "cpu" and weights in ("int8", "int4")
-    kwargs = {"dtype": dtype}
     if weights not in ("none", "bf16") and not cpu_quant:
         kwargs["quantization_config"] = _bnb_config(weights, device, dtype)
     if device.type == "cuda":  # straight to the GPU: a CPU copy first would need the whole model in RAM
@@ -242,7 +246,7 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         with weights_counted(progress):
-            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+            model = model_class.from_pretrained(folder, **kwargs)
     except ModelError:  # the load was cancelled from the progress callback
         raise
     except Exception as e:
@@ -256,6 +260,21 @@ def _load_folder(folder: Path, device, dtype, weights, source, progress=None):
         except ValueError as e:
             raise ModelError(f"{source.label}: {e}") from None
     return model.eval(), tokenizer
+
+
+def _text_part_of_gemma3(config):
+    """The language model of a multimodal Gemma 3 checkpoint: its text config (the end-of-turn ids
+    are the wrapper's), the text class, and the renaming of its weights (the vision tower's are
+    left unread). Checkpoints name them ``language_model.model.*`` (the hub's) or, saved by a newer
+    transformers, ``model.language_model.*``."""
+    from transformers import Gemma3ForCausalLM
+
+    text = config.text_config
+    if getattr(config, "eos_token_id", None) is not None:
+        text.eos_token_id = config.eos_token_id
+    mapping = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+               r"^language_model\.lm_head\.": "lm_head."}
+    return text, Gemma3ForCausalLM, mapping
 
 
 def _parameter_count(config) -> int | None:
