@@ -19,7 +19,14 @@ HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 GGUF_KEYS = {  # config.json name: the GGUF metadata key after "<architecture>."
     "num_hidden_layers": "block_count", "hidden_size": "embedding_length",
     "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
-    "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length"}
+    "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+    # the true head size where it is not hidden / heads (Qwen3 below 8B, Gemma): without it the
+    # planner gave Qwen3-0.6B's KV at half its size
+    "head_dim": "attention.key_length"}
+# as transformers' GGUF loader reads a file (integrations/ggml.py): Gemma's windows, and Gemma 3's
+# GGUF is its text model
+GGUF_WINDOWED = ("gemma2", "gemma3")
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 @dataclass
@@ -131,8 +138,10 @@ def gguf_config(header: Header) -> dict:
     config = {key: meta.get(f"{arch}.{gguf_key}") for key, gguf_key in GGUF_KEYS.items()}
     config = {key: None if isinstance(value, Array) else value for key, value in config.items()}
     tokens = meta.get("tokenizer.ggml.tokens")
-    config.update(model_type=arch, vocab_size=tokens.count if isinstance(tokens, Array) else None,
+    config.update(model_type=GGUF_MODEL_TYPES.get(arch, arch), vocab_size=tokens.count if isinstance(tokens, Array) else None,
                   tie_word_embeddings="output.weight" not in header.tensors)
+    if arch in GGUF_WINDOWED:
+        config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
     return config
 
 
