@@ -5,6 +5,7 @@ import sys
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # Before anything imports torch, transformers, triton or Qt.
@@ -40,15 +41,17 @@ def _keep_built_files(home: Path) -> Path:
     code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(src.rglob("*.py")))).hexdigest()[:12]
     key = "-".join([version("torch"), version("transformers"), code])
     kept = TEST_CACHE / key
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # each engine change left 0.5 GB behind: 8 GB in a month
-        for old in TEST_CACHE.glob("*-*-*"):
-            if old != kept and re.fullmatch(r".+-.+-[0-9a-f]{12}", old.name):
-                shutil.rmtree(old, ignore_errors=True)
     os.environ["KVCHAT_TEST_KEPT"] = str(kept)  # for tests that keep compiled code of their own
     for name in ("converted", "inductor"):
         (kept / name).mkdir(parents=True, exist_ok=True)
         (home / "cache").mkdir(parents=True, exist_ok=True)
         (home / "cache" / name).symlink_to(kept / name, target_is_directory=True)
+    os.utime(kept)  # in use: a run with another key (the engine's code edited meanwhile) leaves it
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # each engine change left 0.5 GB behind: 8 GB in a month
+        for old in TEST_CACHE.glob("*-*-*"):
+            if old != kept and re.fullmatch(r"\d[^-]*-\d[^-]*-[0-9a-f]{12}", old.name) and \
+                    (old / "converted").is_dir() and time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
     return kept
 
 

@@ -173,7 +173,7 @@ def test_eval_ppl_scores_several_texts_and_precisions_in_one_json_document(tmp_p
 
     prose, code = tmp_path / "prose.txt", tmp_path / "code.txt"
     prose.write_text((TEXTS / "prose.txt").read_text()[:1000])
-    code.write_text((TEXTS / "code.txt").read_text()[:500])  # one window of 128 tokens, as the prose's
+    code.write_text((TEXTS / "code.txt").read_text()[:600])  # one window of 128 tokens (and a few), as the prose's
     r = kvchat("eval", "ppl", "--text", str(prose), "--text", str(code), "--kv-precision", "int8,int4",
                "--context", "128", "--chunk", "32", "--json")
     assert r.returncode == 0, r.stderr

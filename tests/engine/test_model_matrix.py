@@ -2,6 +2,7 @@
 Phi-3) through the paged engine, against transformers' own forward and generate(). The plain
 architectures are in test_parity."""
 import copy
+import json
 
 import pytest
 import torch
@@ -240,6 +241,7 @@ def test_a_multimodal_gemma_3_folder_runs_its_language_model_as_the_whole_model_
     save_file({k.replace("language_model.model.", prefix): v for k, v in weights.items()}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()  # it would say the end-of-turn ids itself
     lm = load(str(tmp_path))
     assert type(lm.model).__name__ == "Gemma3ForCausalLM" and lm.model.config.model_type == "gemma3_text"
     ids = torch.tensor([prompt(2 * WINDOW)])
@@ -253,10 +255,13 @@ def test_a_multimodal_gemma_3_folder_runs_its_language_model_as_the_whole_model_
     assert done.finish_reason == "length" and len(done.token_ids) == 8
 
 
-def test_the_planner_reads_a_multimodal_gemma_3_config_json_as_transformers_does():
+def test_the_planner_reads_a_multimodal_gemma_3_config_json_as_transformers_does(tmp_path):
     """gemma-3-4b-it's config.json names only what differs from Gemma3TextConfig's defaults (no
     heads, head size or vocabulary): the planner's counts from it equal those of the config
-    transformers makes of it."""
+    transformers makes of it, and the model library plans its badge from it."""
+    from kvchat.core.memory import GiB
+    from kvchat.core.model_library import describe_folder, fit
+
     from transformers import Gemma3Config
 
     from kvchat.core.config import check_model_config
@@ -273,5 +278,9 @@ def test_the_planner_reads_a_multimodal_gemma_3_config_json_as_transformers_does
     check_model_config(hub, "gemma-3-4b-it", SUPPORTED)
     assert parameter_counts(hub) == parameter_counts(made)
     assert KVShape.from_config(hub) == KVShape.from_config(made)
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    listed = describe_folder(tmp_path, "added")
+    assert (listed.parameters, listed.trained_context) == (sum(parameter_counts(made)), 131072)
+    assert fit(listed, 24 * GiB, on_cuda=True).kind == "fits"
     assert KVShape.from_config(hub).windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,) + (1024,) * 5 + \
         (None,) + (1024,) * 5 + (None,) + (1024,) * 5 + (None,) + (1024,) * 4

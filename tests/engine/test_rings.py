@@ -365,21 +365,23 @@ def test_a_ring_taken_over_from_a_longer_chat_keeps_the_longer_ones_newest_rows_
     assert (logits - gemma3(torch.tensor([z_ids])).logits[0, -1]).abs().max().item() <= 1e-3
 
 
+@pytest.mark.parametrize("source,target", [([1, 2, 3, 5, 9], [6, 7, 10, 11, 0]),  # four runs
+                                           (list(range(0, 20, 2)), list(range(21, 40, 2)))])  # ten: by index
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_a_ring_copy_moves_every_windowed_tensor_as_index_copy_does_and_touches_nothing_else(precision):
+def test_a_ring_copy_moves_every_windowed_tensor_as_index_copy_does_and_touches_nothing_else(precision, source,
+                                                                                             target):
     """The regenerate's copy of a ring goes in runs of consecutive ids on both sides; here the
-    source's run 1-3 breaks where the target's does not, and the target's 10-11 where the source's
-    does not: the result is index_copy's of index_select's, the whole-context layer and the other
-    ring blocks as they were."""
+    source's 1-2-3 goes to 6-7-10 (the target breaks), and 3-5 to 10-11 (the source breaks); a
+    ring in more pieces than MAX_COPY_RUNS goes by index. The result is index_copy's of
+    index_select's, the whole-context layer and the other ring blocks as they were."""
     from kvchat.engine.kv.cache import KVCache
 
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=64, windows=(WINDOW, None, WINDOW))
-    kv = KVCache(shape, 8, 16, torch.float32, "cpu", precision, local_blocks=12)
+    kv = KVCache(shape, 8, 16, torch.float32, "cpu", precision, local_blocks=40)
     gen = torch.Generator().manual_seed(0)
     for layer in kv.layers:
         for t in layer.values():
             t.copy_(torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype))
-    source, target = [1, 2, 3, 5, 9], [6, 7, 10, 11, 0]
     want = [{name: t.clone() for name, t in layer.items()} for layer in kv.layers]
     for i in (0, 2):
         for t in want[i].values():

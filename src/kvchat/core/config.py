@@ -139,13 +139,13 @@ GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262208, "hidd
 
 def text_config(config):
     """The language model's part of a config, a config.json dict or a transformers config: a
-    multimodal model's ``text_config`` (kvchat runs its text part), else the config itself."""
+    multimodal Gemma 3's ``text_config`` (the one such model the loader runs, its text part alone),
+    else the config itself, so another wrapper is refused by its own name."""
     if not isinstance(config, dict):
         return getattr(config, "text_config", None) or config
     text = config.get("text_config")
-    if not isinstance(text, dict):
-        return config
-    return {**GEMMA3_TEXT_DEFAULTS, **text} if config.get("model_type") == "gemma3" else text
+    return {**GEMMA3_TEXT_DEFAULTS, **text} if config.get("model_type") == "gemma3" and isinstance(text, dict) \
+        else config
 
 
 def check_model_config(config, where: str, supported: tuple[str, ...]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvchat.core.gguf_header import Array, Header, read_header
 from kvchat.core.config import LADDER, Precision
+from kvchat.core.kv_sizes import config_value
 from kvchat.core.memory import GiB, plan
 from kvchat.core.paths import data_dir
 
@@ -98,7 +99,7 @@ def describe_folder(folder: Path, source: str) -> LocalModel:
     except (TypeError, KeyError):
         parameters = None
     return LocalModel(str(folder), source, name, config.get("model_type", "?"), parameters, size,
-                      config.get("max_position_embeddings"), config, folder_quantization(config))
+                      config_value(config, "max_position_embeddings"), config, folder_quantization(config))
 
 
 def folder_quantization(config: dict) -> str:
@@ -177,7 +178,7 @@ def fit(model: LocalModel, memory: int, on_cuda: bool, headroom: int = GiB, want
     """The planner's badge for this machine: "fits" at full-precision KV, "fits at int8 KV" (or
     lower) with a quantized KV cache, "needs 4-bit weights", or "too large", for the model's trained
     context up to ``want`` tokens; at least 2,048 tokens count as fitting with the lowest KV."""
-    if model.parameters is None or not model.config.get("num_hidden_layers"):
+    if model.parameters is None or not config_value(model.config, "num_hidden_layers"):
         return Fit("unknown", "unknown (no config to plan from)")
     trained = model.trained_context or want
     goal = min(trained, want)

@@ -97,9 +97,10 @@ def _wrappers(zig: Path, omp: Path, include: Path) -> tuple[str, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(omp / "lib" / "libomp.so")
     zig_cache = cache_dir() / "zig"
-    # inductor keeps its precompiled header in /tmp by the header's preprocessed text, not its file
-    # times; clang refuses one whose header's mtime changed (torch reinstalled, a new venv at the
-    # same path) and every compile failed until /tmp was emptied. The text is what the key checks.
+    # inductor keeps its precompiled header in /tmp, keyed by the command line, the header's
+    # preprocessed text and the compiler's version, not by file times; clang refused one whose
+    # header's mtime changed (torch reinstalled, a new venv at the same path) and every compile
+    # failed until /tmp was emptied. That key covers what clang's own checks would.
     flags = " ".join(shlex.quote(f) for f in [
         "-Xclang", "-fno-validate-pch", "-isystem", str(omp / "include"), "-isystem", str(include), f"-L{folder / 'lib'}",
         f"-Wl,-rpath,{omp / 'lib'}"])

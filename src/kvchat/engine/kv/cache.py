@@ -10,6 +10,9 @@ from kvchat.core.config import Precision
 from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, KVShape, ring_blocks
 
+MAX_COPY_RUNS = 8  # a ring copied in more pieces than this goes by index
+
+
 class KVCache:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device, precision: Precision = Precision.FP16, local_blocks: int = 0):
@@ -56,15 +59,22 @@ class KVCache:
     def copy_ring(self, source: list[int], target: list[int]) -> None:
         """The windowed layers' rows of ring blocks ``source`` into ring blocks ``target`` (two
         rings: no block in both), a run of consecutive ids on both sides at a time. Rings are taken
-        from the free list in order, so they are mostly one run; an index_select made a copy of
-        every tensor first: Gemma-2-9B's fp32 ring (1.35 GB) took 750 ms on 2 cores, 85 ms in runs."""
+        from the free list in order, so they are mostly one run; index_select first copied the
+        source rows out of each tensor: Gemma-2-9B's fp32 ring (1.41 GB) took 750 ms on 2 cores,
+        85 ms in runs. A ring in many pieces still goes by index (a launch per run on a GPU)."""
+        assert len(source) == len(target), (len(source), len(target))
         runs, start = [], 0
         for j in range(1, len(source) + 1):
             if j == len(source) or source[j] != source[j - 1] + 1 or target[j] != target[j - 1] + 1:
                 runs.append((source[start], target[start], j - start))
                 start = j
+        device = self.block_map.device
+        src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
         for i in self.local:
             for t in self.layers[i].values():
+                if len(runs) > MAX_COPY_RUNS:
+                    t.index_copy_(0, dst, t.index_select(0, src))
+                    continue
                 for s, d, n in runs:
                     t[d:d + n].copy_(t[s:s + n])
 

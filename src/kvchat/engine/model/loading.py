@@ -270,8 +270,9 @@ def _text_part_of_gemma3(config):
     from transformers import Gemma3ForCausalLM
 
     text = config.text_config
-    if getattr(config, "eos_token_id", None) is not None:
-        text.eos_token_id = config.eos_token_id
+    for name in ("eos_token_id", "quantization_config"):  # a pre-quantized checkpoint says so at the top
+        if getattr(config, name, None) is not None:
+            setattr(text, name, getattr(config, name))
     mapping = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
                r"^language_model\.lm_head\.": "lm_head."}
     return text, Gemma3ForCausalLM, mapping
