@@ -2,6 +2,7 @@
 failure one line (a ConfigError), never a traceback."""
 import os
 import sys
+from pathlib import Path
 
 from kvchat.core.config import MAX_RUNNING, ConfigError
 
@@ -23,9 +24,17 @@ def check_engine_args(args) -> None:
             print(f"kvchat: --threads {args.threads} capped at {cores}, this machine's core count", file=sys.stderr)
             args.threads = cores
     model = getattr(args, "model", None)
-    if model and not getattr(args, "remote", None) and looks_like_path(model) \
-            and not os.path.exists(os.path.expanduser(model)):
-        raise ConfigError(f"no such model file or folder: {model}")
+    if model and not getattr(args, "remote", None) and looks_like_path(model):
+        path = os.path.expanduser(model)
+        if not os.path.exists(path):
+            raise ConfigError(f"no such model file or folder: {model}")
+        if path.endswith(".gguf") and os.path.isfile(path):
+            from kvchat.core.gguf_header import read_header
+
+            try:  # a cut or foreign file, told before torch and transformers load (seconds)
+                read_header(Path(path))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot read GGUF file {model}: {e}") from None
 
 
 def check_serve_args(args) -> None:

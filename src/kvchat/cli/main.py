@@ -146,6 +146,12 @@ def cmd_generate(args) -> int:
     sampling = make_sampling(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
+    from kvchat.engine.chat import ChatError, validate
+
+    try:  # told at once, not after the seconds of loading the model
+        validate(messages)
+    except ChatError as e:
+        raise ConfigError(str(e)) from None
     engine = start_backend(args)
     handle = engine.submit(Request(messages=messages, sampling=sampling))
     if args.json:
