@@ -68,15 +68,15 @@ class KVCache:
             if j == len(source) or source[j] != source[j - 1] + 1 or target[j] != target[j - 1] + 1:
                 runs.append((source[start], target[start], j - start))
                 start = j
-        device = self.block_map.device
-        src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
+        if len(runs) > MAX_COPY_RUNS:
+            device = self.block_map.device
+            src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
+            copy = lambda t: t.index_copy_(0, dst, t.index_select(0, src))
+        else:
+            copy = lambda t: [t[d:d + n].copy_(t[s:s + n]) for s, d, n in runs]
         for i in self.local:
             for t in self.layers[i].values():
-                if len(runs) > MAX_COPY_RUNS:
-                    t.index_copy_(0, dst, t.index_select(0, src))
-                    continue
-                for s, d, n in runs:
-                    t[d:d + n].copy_(t[s:s + n])
+                copy(t)
 
     def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
