@@ -22,7 +22,7 @@ QUESTION = "What is the capital of France?"
 def greedy_answer(starter):
     """One greedy generate, read by two tests: each start of the command costs 4-5 s."""
     return kvchat("generate", "--prompt", QUESTION, "--temperature", "0", "--max-new-tokens", "16", "--json",
-                  "--context", "512")
+                  "--context", "512", "--kv-precision", "fp16")
 
 
 def test_generate_json_holds_text_ids_and_stats(greedy_answer):
@@ -159,10 +159,11 @@ def test_missing_paths_are_one_line(args, message):
 def test_generate_says_what_it_capped_and_takes_a_tiny_top_p(greedy_answer):
     """A top_p of 1e-300 keeps only the likeliest token: the greedy answer, token for token."""
     r = kvchat("generate", "--prompt", QUESTION, "--max-new-tokens", "16", "--json", "--context", "100000",
-               "--threads", "10000", "--top-p", "1e-300", "--temperature", "0.7")
+               "--threads", "10000", "--top-p", "1e-300", "--temperature", "0.7", "--kv-precision", "fp16")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert f"--threads 10000 capped at {os.cpu_count()}" in r.stderr
     assert "--context 100,000 capped at 8,192 tokens" in r.stderr
+    assert greedy_answer.returncode == 0, greedy_answer.stderr
     assert json.loads(r.stdout)["token_ids"] == json.loads(greedy_answer.stdout)["token_ids"]
 
 

@@ -76,9 +76,9 @@ def first_layers(lm: LoadedModel, n: int = 4) -> LoadedModel:
 
 def write_tiny_gguf(path, layers: int = 2, hidden: int = 64, ffn: int = 128, heads: int = 4, kv: int = 2,
                     vocab: int = 300) -> int:
-    """A Llama GGUF of random fp32 weights and a byte-level vocabulary, which transformers'
-    GGUF loader reads as it reads a real one, in a second where the starter takes 5-6 s before its
-    first tensor. Returns its number of tensors."""
+    """A Llama GGUF of random fp32 weights and a vocabulary of the printable ASCII characters (no
+    merges), which transformers' GGUF loader reads as it reads a real one, in a second where the
+    starter takes 5-6 s before its first tensor. Returns its number of tensors."""
     import gguf
     import numpy as np
 
@@ -93,6 +93,7 @@ def write_tiny_gguf(path, layers: int = 2, hidden: int = 64, ffn: int = 128, hea
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     chars = [chr(c) for c in range(33, 127)]
+    assert vocab >= len(chars) + 2, "the characters and the two special tokens"
     w.add_token_list(chars + [f"<t{i}>" for i in range(vocab - len(chars) - 2)] + ["<|im_start|>", "<|im_end|>"])
     w.add_token_types([1] * (vocab - 2) + [3, 3])
     w.add_token_scores([0.0] * vocab)
