@@ -58,6 +58,22 @@ def test_int8_compiled_single_row_equals_eager():
     torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
 
 
+def test_int8_compiled_batch_of_normed_rows_is_one_graph_and_equals_the_dequantized_product():
+    """A batched decode step's rows come out of an RMS norm; the compiled products (which read
+    the rows through ``kvchat::rows_as_they_are``, a wall against fusing the norm into them)
+    stay in one graph and give the product with the dequantized weight."""
+    q = Int8Linear(linear(n=64, k=96, seed=2))
+    gain = torch.rand(96) + 0.5
+
+    def normed_product(x):
+        return q(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain)
+
+    x = torch.randn(5, 1, 96)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+    want = normed @ q.weight_as(torch.float32).T
+    torch.testing.assert_close(torch.compile(normed_product, fullgraph=True)(x), want, atol=1e-5, rtol=1e-5)
+
+
 def test_int8_eager_paths_run_compiled_after_the_warm_up_for_every_shape_and_equal_the_dequantized_product(monkeypatch):
     monkeypatch.setattr(weights, "_ready_twins", {})
     layers = [Int8Linear(linear(n=n, k=k, seed=n)) for n, k in ((96, 128), (64, 64), (160, 96))]  # n == k: dynamic shapes specialise it
