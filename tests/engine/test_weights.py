@@ -58,19 +58,30 @@ def test_int8_compiled_single_row_equals_eager():
     torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
 
 
-def test_int8_compiled_batch_of_normed_rows_is_one_graph_and_equals_the_dequantized_product():
-    """A batched decode step's rows come out of an RMS norm; the compiled products (which read
-    the rows through ``kvchat::rows_as_they_are``, a wall against fusing the norm into them)
-    stay in one graph and give the product with the dequantized weight."""
+def test_int8_compiled_batch_of_normed_rows_reads_them_written_out_and_equals_the_dequantized_product():
+    """A batched decode step's rows come out of an RMS norm. Compiled, the products read them
+    through ``kvchat::rows_as_they_are`` (fused, the norm made some products run row by row), in
+    one graph, and give the product with the dequantized weight."""
     q = Int8Linear(linear(n=64, k=96, seed=2))
     gain = torch.rand(96) + 0.5
 
+    def normed(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+
     def normed_product(x):
-        return q(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain)
+        return q(normed(x))
+
+    graphs = []
+
+    def keep_graph(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
 
     x = torch.randn(5, 1, 96)
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
-    want = normed @ q.weight_as(torch.float32).T
+    torch.compile(normed_product, backend=keep_graph, fullgraph=True)(x)
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert targets.count(torch.ops.kvchat.rows_as_they_are.default) == 1
+    want = normed(x) @ q.weight_as(torch.float32).T
     torch.testing.assert_close(torch.compile(normed_product, fullgraph=True)(x), want, atol=1e-5, rtol=1e-5)
 
 

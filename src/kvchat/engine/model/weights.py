@@ -82,16 +82,17 @@ def _batch_product(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 @torch.library.custom_op("kvchat::rows_as_they_are", mutates_args=())
 def _rows_as_they_are(rows: torch.Tensor) -> torch.Tensor:
-    """The rows written out, a wall inductor cannot fuse through. Left to fuse, it pulled the RMS
-    norm that makes the rows into some products, row by row: those read the weight once per row,
-    through a local buffer (a graph of the starter's 8 rows, attention aside, 50-52 ms a step;
-    with this 29-30)."""
-    return rows.clone()
+    """A copy of a batched step's rows (an op may not return its input), opaque to inductor, so
+    that the rows are written out once before the products read them. Left to fuse, inductor
+    pulled the RMS norm that makes the rows into some of the products, which then ran row by row,
+    each reading the weight again through a local buffer: the starter's 8-row graph (attention
+    aside) took 50-52 ms a step, 29-30 with this. Only compiled steps reach it."""
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 @_rows_as_they_are.register_fake
 def _(rows: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(rows)
+    return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
 
 
 def _rows_product(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
