@@ -1,7 +1,6 @@
 """The model library's reading of a GGUF's header (core/model_library.gguf_config) against the
 config transformers' GGUF loader makes of the same file, which is the model the engine runs: the
 planner's KV shape and windows from either must agree."""
-import gguf
 import numpy as np
 import pytest
 from transformers import AutoConfig
@@ -10,6 +9,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from kvchat.core.gguf_header import read_header
 from kvchat.core.kv_sizes import KVShape
 from kvchat.core.model_library import gguf_config
+
+from tiny_models import gguf_writer, write_gguf
 
 # the sizes of the real models, a header and one tensor each: (architecture, metadata)
 HEADERS = {
@@ -21,27 +22,15 @@ HEADERS = {
 
 
 def write_header(path, arch: str, meta: dict) -> None:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(meta["layers"])
-    w.add_embedding_length(meta["hidden"])
-    w.add_feed_forward_length(meta["ffn"])
-    w.add_head_count(meta["heads"])
-    w.add_head_count_kv(meta["kv"])
-    w.add_context_length(8192)
+    w = gguf_writer(path, arch, meta["layers"], meta["hidden"], meta["ffn"], meta["heads"], meta["kv"], context=8192)
     if "key" in meta:
         w.add_key_length(meta["key"])
         w.add_value_length(meta["key"])
     if "window" in meta:
         w.add_sliding_window(meta["window"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
     w.add_token_list(["a", "b", "c"])
     w.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
 
 
 @pytest.mark.parametrize("name", sorted(HEADERS))

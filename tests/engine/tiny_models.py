@@ -74,24 +74,39 @@ def first_layers(lm: LoadedModel, n: int = 4) -> LoadedModel:
     return LoadedModel(model, lm.tokenizer, lm.source, f"{lm.identity}|first {n} layers", lm.device, lm.dtype)
 
 
-def write_tiny_gguf(path, layers: int = 2, hidden: int = 64, ffn: int = 128, heads: int = 4, kv: int = 2,
-                    vocab: int = 300) -> int:
-    """A Llama GGUF of random fp32 weights and a vocabulary of the printable ASCII characters (no
-    merges), which transformers' GGUF loader reads as it reads a real one, in a second where the
-    starter takes 5-6 s before its first tensor. Returns its number of tensors."""
+def gguf_writer(path, arch: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, context: int = 256):
+    """A GGUFWriter with a model's sizes and a gpt2-style tokenizer model set; the caller adds the
+    rest and ends it with ``write_gguf``."""
     import gguf
-    import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
+    return w
+
+
+def write_gguf(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tiny_gguf(path, layers: int = 2, hidden: int = 64, ffn: int = 128, heads: int = 4, kv: int = 2,
+                    vocab: int = 300) -> int:
+    """A Llama GGUF of random fp32 weights and a vocabulary of the printable ASCII characters (no
+    merges), which transformers' GGUF loader reads as it reads a real one, in a second where the
+    starter takes 5-6 s before its first tensor. Returns its number of tensors."""
+    import numpy as np
+
+    w = gguf_writer(path, "llama", layers, hidden, ffn, heads, kv)
     chars = [chr(c) for c in range(33, 127)]
     assert vocab >= len(chars) + 2, "the characters and the two special tokens"
     w.add_token_list(chars + [f"<t{i}>" for i in range(vocab - len(chars) - 2)] + ["<|im_start|>", "<|im_end|>"])
@@ -112,8 +127,5 @@ def write_tiny_gguf(path, layers: int = 2, hidden: int = 64, ffn: int = 128, hea
     for name, shape in tensors.items():  # None: a norm's weight, ones
         w.add_tensor(name, np.ones(hidden, np.float32) if shape is None
                      else (rng.standard_normal(shape) * 0.02).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return len(tensors)
