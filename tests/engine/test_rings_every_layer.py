@@ -132,35 +132,6 @@ def test_a_chat_with_every_layer_windowed_goes_on_from_its_ring(mistral, tokeniz
         engine.close()
 
 
-def test_the_persona_badge_says_warm_only_where_a_ring_holds_the_personas_window(tokenizer):
-    """A windowed model reuses a cached prefix only where a kept ring holds its window. With a
-    window of 256 (a ring of 17 blocks), a persona chat with a short question leaves rings (the
-    prompt's copy, the reply's) that still hold the persona's 64 cached tokens: "warm", and the
-    next chat on it skips them. After a 300-token question both rings have moved past it: the
-    persona's blocks are still cached, but the badge says "cold", as the next chat computes it."""
-    persona = ("You are Marlowe, a patient reference librarian in a small harbour town. Answer in full "
-               "sentences, name your sources, and say so when you do not know. ") * 2
-    model = tiny_model("mistral-window", max_position_embeddings=4096, vocab_size=len(tokenizer),  # real text
-                       sliding_window=256)
-
-    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(model, tokenizer))
-
-    def ask(question, new):
-        return engine.submit(Request(messages=[{"role": "system", "content": persona},
-                                               {"role": "user", "content": question}],
-                                     sampling=SamplingParams(max_new_tokens=new, temperature=0,
-                                                             ignore_eos=True))).result()
-    try:
-        assert engine.persona_state(persona, 30) == "cold"
-        ask("Hi", 1)
-        assert engine.persona_state(persona, 30) == "warm"
-        assert ask("Summarise this: " + "tide " * 300, 1).stats.cached_tokens >= 64  # the persona, the template
-        assert engine.persona_state(persona, 30) == "cold"
-        assert ask("Hey", 1).stats.cached_tokens == 0
-    finally:
-        engine.close()
-
-
 @torch.inference_mode()
 def test_a_prompt_longer_than_the_ring_leaves_its_sinks_in_the_sink_cache(mistral):
     """A 600-token chunk writes only its newest rows to a ring; its first tokens' full-precision

@@ -65,10 +65,15 @@ class Job:
         if first:
             self.handle.put(PrefillProgress(start, self.prompt_len))
         end = min(start + budget, self.target)
+        persona = e.kvpool.persona_end(seq, self.persona_len) if first else 0
+        if start < persona < end:
+            end = persona  # a windowed model's persona: its ring is copied there
         if not e.scheduler.reserve(self, end):  # may step the pool down: its runner is read after
             return 0
         logits = e.kvpool.runner.forward(seq, end, want_logits=first and end == self.target)
         e.kvpool.manager.commit(seq)
+        if end == persona:
+            e.kvpool.persona_done(seq)
         if end == self.target:
             self.phase = DECODE
             if first:

@@ -106,6 +106,15 @@ class KVCacheManager:
         seq.num_computed += same
         return same
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` full blocks of a matched prefix; the rest go back
+        (cached, for others), and a handed window with them."""
+        self.pool.release(seq.blocks[num_blocks:])
+        del seq.blocks[num_blocks:], seq.hashes[num_blocks:]
+        seq.num_computed = num_blocks * self.block_size
+        if seq.window is not None:
+            seq.window.released, seq.window = True, None
+
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Grow the block table to hold ``num_tokens``; raises PoolExhausted with nothing leaked
         (blocks already taken stay on the sequence and go back on free)."""

@@ -19,7 +19,7 @@ def persona_state(formatter, manager, tiers, system_prompt: str) -> str:
         return "short"
     chain = list(manager.chain(encoded.token_ids, n))
     rings = manager.rings
-    if rings is not None and rings.holding(encoded.token_ids, n * manager.block_size) is None:
+    if rings is not None and not rings.holding(encoded.token_ids, n * manager.block_size):
         return "cold"
     if all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain):
         return "warm"

@@ -162,7 +162,7 @@ class KVPool:
         """Forget every cached prefix no sequence holds: the blocks' and the kept rings'."""
         self.pool.clear_cache()
         if self.rings is not None:
-            self.rings.forget()
+            self.rings.forget(personas=True)
 
     def _clear_tail(self, n: int) -> bool:
         """Move live blocks off the ids a shrink to ``n`` blocks drops (data copied within this
@@ -194,19 +194,49 @@ class KVPool:
         """A new request's cached prefix: the pool's blocks, then RAM's and disk's (loaded back),
         a partly filled block. Returns the tokens restored from RAM and disk."""
         seq.ring_clean = self.rings is None  # a ring holds the matched tokens' rows once taken over
-        self.manager.match_prefix(seq)
+        pooled = self.manager.match_prefix(seq)
         seq.matching = True  # a restore's blocks take no ring: the kept one that holds them comes after
         try:
             ram, disk = self.tiers.restore(seq)
             self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         finally:
             seq.matching = False
-        if self.rings is not None and seq.num_computed and not self.rings.take_over(seq):
+        if self.rings is not None and seq.num_computed and not self._ringed(seq):
             self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
             seq.hashes, seq.num_computed = [], 0
-            ram = disk = 0
+        if seq.num_computed < pooled + ram + disk:  # the tiers' blocks past it are computed again
+            ram = min(ram, max(0, seq.num_computed - pooled))
+            disk = min(disk, max(0, seq.num_computed - pooled - ram))
         seq.ring_clean = True
         return ram, disk
+
+    def _ringed(self, seq: Sequence) -> bool:
+        """``seq``'s cached prefix gets a kept ring that holds its window, the prefix cut back to
+        the longest one a ring holds where none holds it whole (``Rings.longest_held``)."""
+        if self.rings.take_over(seq, self.kv.copy_ring):
+            return True
+        held = self.rings.longest_held(seq.token_ids, seq.num_computed)
+        if not held:
+            return False
+        self.manager.truncate(seq, held // self.manager.block_size)
+        return self.rings.take_over(seq, self.kv.copy_ring)
+
+    def persona_end(self, seq: Sequence, persona_len: int) -> int:
+        """Where a windowed model's prompt stops a chunk so that ``persona_done`` copies the ring:
+        its persona's last full block; 0 where no ring is kept (no rings, a persona under one
+        block, or one whose persona ring is kept already: a chat's kept ring goes sooner)."""
+        if self.rings is None:
+            return 0
+        end = self.personas.num_blocks(seq, persona_len) * self.manager.block_size
+        return end if end and not self.rings.keeps_persona(seq.token_ids, end) else 0
+
+    def persona_done(self, seq: Sequence) -> None:
+        """``seq`` computed its persona's full blocks: a windowed model keeps a copy of the ring
+        there (``Rings.keep_persona``), so the next chat on the persona goes on from it."""
+        try:
+            self.rings.keep_persona(seq, self.kv.copy_ring)
+        except (RuntimeError, MemoryError) as error:  # a copy for later: the reply goes on without it
+            log.warning("could not keep a copy of the persona's ring: %s", error)
 
     def prompt_done(self, seq: Sequence) -> None:
         """``seq``'s prompt is computed, its reply not begun: a windowed model keeps a copy of the

@@ -11,12 +11,18 @@ so the step's one block table serves both (the windowed layers read it through t
 The prefix cache: a cached prefix of n tokens serves a windowed layer only if positions
 ``n - W + 1 .. n`` are still in a ring. An ended sequence's ring is kept with its tokens, until
 a running request needs its blocks (the oldest kept goes first), for the next request that shares
-those tokens (its chat's next turn), which takes it over. Another request that finds cached
-blocks but no ring holding their window computes its prompt again (vLLM v1's ``SlidingWindowManager`` keeps the window's
-blocks cached instead; here the rings are what makes the memory small, so they are not shared).
+those tokens (its chat's next turn), which takes it over. A persona's ring, as its prompt left it
+at the persona's last full block, is kept apart and copied, never taken over: every new chat on
+that persona starts from it, and kept rings go before it. A request whose cached blocks no ring
+holds the window of goes back to the longest prefix that a kept ring does hold (an edited message
+to the persona's end), and computes the rest (vLLM v1's ``SlidingWindowManager`` keeps the
+window's blocks cached instead; here the rings are what makes the memory small, so they are not
+shared).
 """
 from kvchat.core.kv_sizes import KVShape, ring_blocks
 from kvchat.engine.kv.block_pool import PoolExhausted
+
+MAX_PERSONAS = 4  # persona rings kept, as ``PersonaCache`` pins four personas' blocks
 
 
 class RingsExhausted(PoolExhausted):
@@ -30,6 +36,7 @@ class Rings:
         self.free = list(range(num_blocks))
         # ended sequences' computed tokens, rings and ring tops (``Sequence.ring_top``), oldest first
         self.kept: list[tuple[list[int], list[int], int]] = []
+        self.personas: list[tuple[list[int], list[int], int]] = []  # the same, at personas' ends
         self.copied: list[int] | None = None  # the ring of the newest ``snapshot``
         self._place = place  # place(block ids, ring block ids): the cache's block_map
 
@@ -41,7 +48,7 @@ class Rings:
         return len(self.free) + self.kept_blocks()
 
     def kept_blocks(self) -> int:
-        return sum(len(ring) for _, ring, _ in self.kept)
+        return sum(len(ring) for _, ring, _ in self.kept + self.personas)
 
     def check(self, seq, num_blocks: int) -> None:
         if self.missing(seq, num_blocks) > self.available():
@@ -51,8 +58,8 @@ class Rings:
         """Give ``seq.blocks[first:]`` their ring blocks (``check`` passed), growing the ring
         until it is whole."""
         while len(seq.ring) < min(len(seq.blocks), self.size):
-            if not self.free:  # the oldest kept ring goes first
-                self.free.extend(self.kept.pop(0)[1])
+            if not self.free:  # the oldest kept ring goes first, a persona's last
+                self.free.extend((self.kept or self.personas).pop(0)[1])
             seq.ring.append(self.free.pop(0))
         ids = list(range(first, len(seq.blocks)))
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
@@ -72,55 +79,124 @@ class Rings:
         (the reply overwrites the ring itself). Only into free blocks, never a kept ring's: a
         chat's next turn is worth more. Kept as the oldest, so the first to go; one at a time.
         ``copy(from ring blocks, to ring blocks)`` copies the windowed layers' rows."""
-        n = seq.num_computed
         for i, (_, ring, _) in enumerate(self.kept):
             if ring is self.copied:  # the last copy, unless it went already
                 self.free.extend(self.kept.pop(i)[1])
                 break
         self.copied = None
-        if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free):
-            return
-        ring = self.free[:len(seq.ring)]
-        copy(seq.ring, ring)  # first: a copy that fails leaves the blocks free
-        del self.free[:len(ring)]
-        self.kept.insert(0, (seq.token_ids[:n], ring, max(seq.ring_top, (n - 1) // self.block_size)))
-        self.copied = ring
+        entry = self._copy(seq, copy)
+        if entry is not None:
+            self.kept.insert(0, entry)
+            self.copied = entry[1]
 
-    def take_over(self, seq) -> bool:
+    def keep_persona(self, seq, copy) -> None:
+        """Keep a copy of ``seq``'s ring at the end of its persona (its computed tokens), for the
+        next chats on it, unless one is kept already. Every new chat and edit on the persona
+        starts there, so the oldest kept rings make room for it (a persona's never do)."""
+        if not self.keeps_persona(seq.token_ids, seq.num_computed):
+            entry = self._copy(seq, copy, evict=True)
+            if entry is not None:
+                self.personas.append(entry)
+            while len(self.personas) > MAX_PERSONAS:
+                self.free.extend(self.personas.pop(0)[1])
+
+    def _copy(self, seq, copy, evict: bool = False):
+        """``seq``'s computed tokens, a copy of its ring, its top: in free blocks, or with
+        ``evict`` in the oldest kept rings' too; None where the ring may not be whole or the
+        blocks are too few."""
+        if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free) + (self.kept_blocks() if evict else 0):
+            return None
+        ring = self._free_blocks(len(seq.ring))
+        if ring is None:
+            return None
+        try:
+            copy(seq.ring, ring)
+        except BaseException:
+            self.free[:0] = ring  # a copy that fails leaves the blocks free
+            raise
+        n = seq.num_computed
+        return seq.token_ids[:n], ring, max(seq.ring_top, (n - 1) // self.block_size)
+
+    def take_over(self, seq, copy) -> bool:
         """Give ``seq``, which found ``seq.num_computed`` tokens cached, a kept ring that holds
-        their window (the newest that does); False when none does (the caller drops the cached
-        prefix)."""
+        their window (the newest that does; a persona's is copied, ``copy`` as in ``snapshot``);
+        False when none does (the caller drops the cached prefix, or some of it)."""
         n, bs = seq.num_computed, self.block_size
         first = max(0, n - self.window + 1) // bs
         window_blocks = seq.blocks[first:-(-n // bs)]
         if any(b.ref_cnt != 1 for b in window_blocks):  # a running sequence reads these rows
             return False
-        i = self.holding(seq.token_ids, n)
+        store, i = self.kept, self._holder(self.kept, seq.token_ids, n)
+        if i is None:
+            store, i = self.personas, self._holder(self.personas, seq.token_ids, n)
         if i is None:
             return False
-        held = len(self.kept[i][1])
+        held = len(store[i][1])
         if min(len(seq.blocks), self.size) - held > self.available() - held + len(seq.ring):
             return False  # the ring could not grow to the sequence's blocks: the others hold them
-        _, ring, top = self.kept.pop(i)
-        self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
+        tokens, ring, top = store[i]
+        fresh = self._free_blocks(len(ring)) if store is self.personas else None
+        if fresh is None:
+            del store[i]
+            self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
+        else:
+            copy(ring, fresh)
+            ring = fresh
         self.free.extend(seq.ring)  # none, unless a caller reserved rings for it
         seq.ring, seq.ring_top = ring, top
         self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
         return True
 
-    def holding(self, token_ids: list[int], n: int) -> int | None:
-        """The newest kept ring that holds the window of ``token_ids[:n]`` (its index), or None."""
-        for i in range(len(self.kept) - 1, -1, -1):
-            tokens, _, top = self.kept[i]
-            # blocks before the window of the newest block written are overwritten: a ring taken
-            # over from a longer sequence holds that one's newer blocks past its own tokens
-            held_from = max(0, (top - self.size + 1) * self.block_size)
-            if n <= len(tokens) and held_from <= max(0, n - self.window + 1) and tokens[:n] == token_ids[:n]:
+    def _free_blocks(self, k: int) -> list[int] | None:
+        """``k`` free blocks, taken off the free list (the oldest kept rings go to it first, no
+        persona's); None where there are not so many."""
+        while len(self.free) < k and self.kept:
+            self.free.extend(self.kept.pop(0)[1])
+        if len(self.free) < k:
+            return None
+        taken = self.free[:k]
+        del self.free[:k]
+        return taken
+
+    def holding(self, token_ids: list[int], n: int) -> bool:
+        """A kept ring (a persona's too) holds the window of ``token_ids[:n]``."""
+        return any(self._holder(store, token_ids, n) is not None for store in (self.kept, self.personas))
+
+    def keeps_persona(self, token_ids: list[int], n: int) -> bool:
+        return self._holder(self.personas, token_ids, n) is not None
+
+    def longest_held(self, token_ids: list[int], n: int) -> int:
+        """The longest prefix of ``token_ids``, whole blocks and at most ``n`` tokens, whose window
+        a kept ring holds (0 where none does)."""
+        bs, best = self.block_size, 0
+        for tokens, _, top in self.kept + self.personas:
+            m = 0
+            limit = min(n, len(tokens)) // bs * bs
+            while m < limit and tokens[m] == token_ids[m]:
+                m += 1
+            m = m // bs * bs
+            if m > best and self._held_from(top) <= max(0, m - self.window + 1):
+                best = m
+        return best
+
+    def _held_from(self, top: int) -> int:
+        # blocks before the window of the newest block written are overwritten: a ring taken
+        # over from a longer sequence holds that one's newer blocks past its own tokens
+        return max(0, (top - self.size + 1) * self.block_size)
+
+    def _holder(self, store, token_ids: list[int], n: int) -> int | None:
+        """The newest ring in ``store`` that holds the window of ``token_ids[:n]`` (its index)."""
+        for i in range(len(store) - 1, -1, -1):
+            tokens, _, top = store[i]
+            if n <= len(tokens) and self._held_from(top) <= max(0, n - self.window + 1) and tokens[:n] == token_ids[:n]:
                 return i
         return None
 
-    def forget(self) -> None:
-        """Drop the kept rings (a deleted chat's rows may be among them)."""
-        for _, ring, _ in self.kept:
+    def forget(self, personas: bool = False) -> None:
+        """Drop the kept rings (a deleted chat's rows may be among them); personas' stay, as
+        their pinned blocks do, unless ``personas``."""
+        for _, ring, _ in self.kept + (self.personas if personas else []):
             self.free.extend(ring)
         self.kept, self.copied = [], None
+        if personas:
+            self.personas = []
