@@ -285,7 +285,8 @@ def check_gui_once(app: list[str], root: Path, log: Path) -> dict:
         def alive(step: str) -> None:
             if proc.poll() is None:
                 return
-            if window is None and "could not connect to display" in log.read_text(errors="replace"):
+            text = log.read_text(errors="replace")  # Qt's words, or the launcher's own check's
+            if window is None and ("could not connect to display" in text or "no X server answers" in text):
                 raise DisplayUnreachable(f"gui: the app could not connect to the display ({display_state(xvfb)})"
                                          f"\n{tail(log)}")
             raise CheckFailed(f"gui: the app exited ({proc.returncode}) {step}\n{tail(log)}")

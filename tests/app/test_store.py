@@ -110,17 +110,6 @@ def test_kill_9_mid_reply_leaves_a_consistent_database(tmp_path):
     assert reply.interrupted and reply.content.startswith("word word")
 
 
-def test_kvchat_without_a_display_says_so_in_one_line():
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
-    r = subprocess.run([str(Path(sys.executable).parent / "kvchat")], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [
-        "kvchat: no display found (DISPLAY is not set); for the terminal chat run: kvchat chat"]
-
-
 V1_SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE personas (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, system_prompt TEXT NOT NULL, created REAL NOT NULL);

@@ -21,11 +21,35 @@ def display_problem() -> str | None:
     if sys.platform.startswith("linux") and not platform:
         if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
             return "kvchat: no display found (DISPLAY is not set); for the terminal chat run: kvchat chat"
+        if os.environ.get("WAYLAND_DISPLAY"):
+            return None
         missing = missing_xcb_packages()
-        if missing and not os.environ.get("WAYLAND_DISPLAY"):
+        if missing:
             return ("kvchat: Qt's xcb platform needs system libraries that are missing; install them with: "
                     f"sudo apt-get install {' '.join(missing)}")
+        display = os.environ["DISPLAY"]
+        if not x_server_answers(display):
+            # else Qt aborts the process, with a hint about libxcb-cursor0 whatever the cause
+            return (f"kvchat: no X server answers on DISPLAY={display}; start one or set DISPLAY to it, or for "
+                    "the terminal chat run: kvchat chat")
     return None
+
+
+def x_server_answers(display: str) -> bool:
+    """Whether ``display``'s X server takes a connection, asked through libxcb as Qt's xcb
+    platform asks it (the same names, sockets and authorization); True where libxcb is not found,
+    for Qt to say."""
+    name = ctypes.util.find_library("xcb")
+    if name is None:
+        return True
+    xcb = ctypes.CDLL(name)
+    xcb.xcb_connect.restype, xcb.xcb_connect.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_void_p]
+    xcb.xcb_connection_has_error.argtypes = xcb.xcb_disconnect.argtypes = [ctypes.c_void_p]
+    connection = xcb.xcb_connect(display.encode(), None)  # never NULL: an error connection on failure
+    try:
+        return xcb.xcb_connection_has_error(connection) == 0
+    finally:
+        xcb.xcb_disconnect(connection)
 
 
 def local_engine(config):
