@@ -1,5 +1,6 @@
 """Compiling beside a running reply: torch.fx's process-wide patches stay on the tracing thread,
 and a compile child is started once per graph, stopped with the engine, and only where it fits."""
+import logging
 import threading
 
 import torch
@@ -9,6 +10,8 @@ from kvchat.core.config import EngineConfig
 from kvchat.engine.compile_env import confine_fx_patches
 from kvchat.engine import compile_child
 from kvchat.engine.compile_child import SPARE_BYTES, CacheWarmer
+
+from polling import wait_for
 
 
 class _Held(nn.Module):
@@ -57,7 +60,10 @@ def test_the_warmer_starts_only_where_a_second_copy_of_the_weights_fits(monkeypa
     assert CacheWarmer.for_model(cpu, "cpu", 1 << 40, weights) is None
 
 
-def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):
+def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch, caplog):
+    """Stopped on purpose, the child is logged as stopped, not as a compile that failed (-9); one
+    that fails on its own is still a warning."""
+    caplog.set_level(logging.INFO, logger="kvchat.decode")
     started = []
     monkeypatch.setattr(compile_child, "CHILD_CODE", "import time, sys; time.sleep(60)")
     warmer = CacheWarmer({"model": "starter", "device": "cpu", "dtype": "auto", "weights": "int8"})
@@ -70,7 +76,12 @@ def test_a_child_is_started_once_per_graph_and_stopped_on_close(monkeypatch):
     assert len(started) == 1 and '"kind": "traced"' in started[0][-1] and '"threads": ' in started[0][-1]
     warmer.close()
     assert not warmer.running("traced") and warmer.done("traced")
+    assert wait_for(lambda: "traced graph's compile child was stopped" in caplog.text)
+    assert "ended with" not in caplog.text
+    monkeypatch.setattr(compile_child, "CHILD_CODE", "import sys; sys.exit('no compiler here')")
     assert warmer.start("op") and len(started) == 2  # the next graph's child, once the first has ended
+    assert wait_for(lambda: "the op graph's compile child ended with 1" in caplog.text)
+    assert [r.levelname for r in caplog.records if "ended with" in r.message] == ["WARNING"]
     warmer.close()
 
 

@@ -40,6 +40,7 @@ class CacheWarmer:
         self.spec = spec  # the model as the engine loaded it: model, device, dtype, weights, decode
         self._children: dict[str, subprocess.Popen] = {}
         self._started: dict[str, float] = {}
+        self._stopped: set[str] = set()  # kinds whose child ``close`` ended on purpose
 
     @classmethod
     def for_model(cls, config, device: str, free_bytes: int, weights_bytes: int) -> "CacheWarmer | None":
@@ -75,7 +76,10 @@ class CacheWarmer:
         child = self._children[kind]
         _, err = child.communicate()
         seconds = time.monotonic() - self._started[kind]
-        if child.returncode:
+        if kind in self._stopped:
+            log.info("the %s graph's compile child was stopped after %.0f s (a model change or the "
+                     "engine's end); what it compiled stays cached", kind, seconds)
+        elif child.returncode:
             last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
             log.warning("the %s graph's compile child ended with %s after %.0f s: %s", kind, child.returncode,
                         seconds, last[0])
@@ -98,8 +102,9 @@ class CacheWarmer:
     def close(self) -> None:
         """Stop the children still compiling (a model change, the engine's end): what they
         compiled so far stays in the cache."""
-        for child in self._children.values():
+        for kind, child in self._children.items():
             if child.poll() is None:
+                self._stopped.add(kind)
                 child.kill()
                 child.wait()
 
