@@ -171,6 +171,23 @@ def test_a_regenerate_goes_on_from_the_copy_of_its_prompts_ring(mistral):
         engine.close()
 
 
+def test_a_reply_of_one_token_keeps_its_ring_once(mistral):
+    """A reply that ends at its first token computes nothing past its prompt: the prompt's copy
+    and the ended ring hold the same rows, and both were kept (two rings of three). The copy goes
+    back now; a regenerate still goes on from the ring, as transformers says."""
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(mistral, IdTokenizer(512)))
+    try:
+        ids = prompt(300, seed=4)
+        chat(engine, ids, 1)
+        rings = engine.kvpool.rings
+        assert [len(tokens) for tokens, _, _ in rings.kept] == [300] and rings.copied is None
+        assert len(rings.free) == (LOCAL_RINGS - 1) * RING
+        again = chat(engine, ids, 30)
+        assert again.stats.cached_tokens == 299 and again.token_ids == expected(mistral, ids, 30)
+    finally:
+        engine.close()
+
+
 @torch.inference_mode()
 def test_a_restore_from_ram_takes_no_ring_before_its_own_kept_one_is_found():
     """The tiny Gemma 3 (one whole-context layer) in 20 block ids and three rings: three 150-token

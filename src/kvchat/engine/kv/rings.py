@@ -69,10 +69,16 @@ class Rings:
         failed part way may have overwritten rows its window still reads (``seq.ring_clean``)."""
         ring, seq.ring = seq.ring, []
         top, seq.ring_top = max(seq.ring_top, (seq.num_computed - 1) // self.block_size), -1
-        if keep and ring and seq.num_computed and seq.ring_clean:
-            self.kept.append((seq.token_ids[:seq.num_computed], ring, top))
-        else:
+        if not (keep and ring and seq.num_computed and seq.ring_clean):
             self.free.extend(ring)
+            return
+        tokens = seq.token_ids[:seq.num_computed]
+        for i, (other, copy, other_top) in enumerate(self.kept):
+            if other_top == top and other == tokens:  # the prompt's copy of this very ring: a reply of one token
+                self.free.extend(self.kept.pop(i)[1])
+                self.copied = None if copy is self.copied else self.copied
+                break
+        self.kept.append((tokens, ring, top))
 
     def snapshot(self, seq, copy) -> None:
         """Keep a copy of ``seq``'s ring as its prompt left it, for a regenerate of that prompt
