@@ -7,6 +7,7 @@ import torch
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.core.events import Request
 from kvchat.engine.engine import Engine
+from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.rings import MAX_PERSONAS
 
 from test_rings import BS, expected
@@ -16,16 +17,23 @@ PERSONA = ("You are Marlowe, a patient reference librarian in a small harbour to
            "sentences, name your sources, and say so when you do not know. ") * 2
 
 
-@pytest.fixture(params=["mistral-window"])
-def engine(request, tokenizer):
+def windowed(kind, tokenizer):
     """A tiny windowed model on the starter's vocabulary (its chat template), with a window of
     256: a ring of 17 blocks. Every layer of Mistral v0.1 is windowed (the pool is three rings);
     Gemma 3 keeps one layer in six whole in the pool's blocks."""
-    model = tiny_model(request.param, max_position_embeddings=4096, vocab_size=len(tokenizer),
-                       sliding_window=256)
-    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(model, tokenizer))
+    return tiny_model(kind, max_position_embeddings=4096, vocab_size=len(tokenizer), sliding_window=256)
+
+
+def start(model, tokenizer, disk_tier=True) -> Engine:
+    engine = Engine(EngineConfig(max_context=4096), loaded=as_loaded(model, tokenizer), disk_tier=disk_tier)
     engine.model = model
     engine.wait_ready()  # its formatter is made on the engine thread
+    return engine
+
+
+@pytest.fixture(params=["mistral-window"])
+def engine(request, tokenizer):
+    engine = start(windowed(request.param, tokenizer), tokenizer)
     yield engine
     engine.close()
 
@@ -111,3 +119,26 @@ def test_persona_rings_go_after_the_kept_ones_and_four_are_kept(engine):
     assert all(pool.pool.lookup(h, chunk) for chunk, h in pool.manager.chain(ids, 4))  # its blocks are cached: the ring went
     done, want = ask(engine, "Hi again", 4)
     assert done.stats.cached_tokens == 0 and done.token_ids == want
+
+
+@torch.inference_mode()
+def test_a_restart_goes_on_from_the_personas_ring_on_disk(tokenizer, tmp_path):
+    """Gemma 3: the persona's whole-context blocks were on disk, but not its windowed layers'
+    rows, so after a restart every chat on it computed it again. Its ring is written beside its
+    blocks at the turn's end (pinned, as they are): after a restart the badge says "disk", and the
+    first chat restores both (its 64 tokens from disk), with transformers' reply."""
+    model = windowed("gemma3", tokenizer)
+    first = start(model, tokenizer, DiskTier(tmp_path))
+    try:
+        ask(first, "Summarise this: " + "tide " * 300, 2)
+    finally:
+        first.close()
+    p = persona_tokens(first)
+    again = start(model, tokenizer, DiskTier(tmp_path))
+    try:
+        assert again.persona_state(PERSONA, 30) == "disk"
+        done, want = ask(again, "What opens at nine?", 6)
+        assert done.stats.cached_tokens == done.stats.disk_tokens == p and done.token_ids == want
+        assert again.persona_state(PERSONA, 30) == "warm"
+    finally:
+        again.close()

@@ -227,7 +227,7 @@ def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring
     def fails(source, target):
         raise RuntimeError("out of memory")
     monkeypatch.setattr(pool.kv, "copy_ring", fails)
-    pool.prompt_done(seq)
+    pool.ring_prefix.prompt_done(seq)
     assert pool.rings.available() == before and not pool.rings.kept and "could not keep a copy" in caplog.text
 
 

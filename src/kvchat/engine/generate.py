@@ -65,7 +65,7 @@ class Job:
         if first:
             self.handle.put(PrefillProgress(start, self.prompt_len))
         end = min(start + budget, self.target)
-        persona = e.kvpool.persona_end(seq, self.persona_len) if first else 0
+        persona = e.kvpool.ring_prefix.persona_end(seq, self.persona_len) if first else 0
         if start < persona < end:
             end = persona  # a windowed model's persona: its ring is copied there
         if not e.scheduler.reserve(self, end):  # may step the pool down: its runner is read after
@@ -73,11 +73,11 @@ class Job:
         logits = e.kvpool.runner.forward(seq, end, want_logits=first and end == self.target)
         e.kvpool.manager.commit(seq)
         if end == persona:
-            e.kvpool.persona_done(seq)
+            e.kvpool.ring_prefix.persona_done(seq)
         if end == self.target:
             self.phase = DECODE
             if first:
-                e.kvpool.prompt_done(seq)
+                e.kvpool.ring_prefix.prompt_done(seq)
                 self.handle.put(PrefillProgress(self.prompt_len, self.prompt_len))
                 self.take(logits)
         return end - start

@@ -221,6 +221,7 @@ class Scheduler:
         except Exception:
             log.exception("could not remember the persona")
         kvpool.tiers.persist(job.seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes
+        kvpool.ring_prefix.persist()  # a windowed model's new persona ring beside them
         kvpool.manager.free(job.seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def _guard(self, job: Job, fn, *args) -> bool:

@@ -117,23 +117,26 @@ class KVCache:
     def device(self) -> torch.device:
         return self.layers[0]["k"].device
 
-    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        """Every tensor that a block id addresses, stacked over layers: ``[layers, n, ...]``."""
+    def read_blocks(self, block_ids: list[int], layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor that a block id addresses, stacked over the whole-context layers (or
+        ``layers``: the windowed ones for ring block ids): ``[layers, n, ...]``."""
         index = torch.tensor(block_ids, device=self.rotation.device if self.rotation is not None else None)
-        names = self.layers[0].keys()
-        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device))  # a ring's rows are its sequence's
-                                for layer in self.whole_layers]).cpu()
-                for n in names}
+        which = [self.layers[i] for i in (self.whole() if layers is None else layers)]
+        return {n: torch.stack([layer[n].index_select(0, index.to(layer[n].device)) for layer in which]).cpu()
+                for n in which[0]}
 
-    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        if set(tensors) != set(self.layers[0]):
-            raise ValueError(f"stored tensors {sorted(tensors)} are not this pool's {sorted(self.layers[0])}")
-        whole = self.whole()
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor],
+                     layers: list[int] | None = None) -> None:
+        """``read_blocks``' tensors back into these block ids; ValueError, nothing written, where
+        they are not this pool's layout."""
+        which = [self.layers[i] for i in (self.whole() if layers is None else layers)]
+        if set(tensors) != set(which[0]):
+            raise ValueError(f"stored tensors {sorted(tensors)} are not this pool's {sorted(which[0])}")
         for name, data in tensors.items():
-            want = (len(whole), len(block_ids), *self.layers[0][name].shape[1:])
-            if tuple(data.shape) != want or data.dtype != self.layers[0][name].dtype:
+            want = (len(which), len(block_ids), *which[0][name].shape[1:])
+            if tuple(data.shape) != want or data.dtype != which[0][name].dtype:
                 raise ValueError(f"stored {name} is {tuple(data.shape)} {data.dtype}, the pool wants {want}")
-        for layer_idx, layer in enumerate(self.whole_layers):
+        for layer_idx, layer in enumerate(which):
             for name, t in layer.items():
                 index = torch.tensor(block_ids, device=t.device)
                 t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))

@@ -5,7 +5,8 @@ prefix cache and its RAM and disk tiers, not from what a window remembers.
 "disk": not in the pool, but RAM or disk holds its KV for this model and precision (restored, not computed);
 "cold": it would be computed; "short": the persona is shorter than one block, nothing to cache.
 A model with windowed layers in rings reuses a prefix only where a kept ring holds its window
-(``Rings.holding``): its persona is "warm" then, else "cold", whatever the blocks and tiers hold.
+(``Rings.holding``): its persona is "warm" then, "disk" where the disk holds its persona ring
+(``ring_prefix``) beside its blocks, else "cold", whatever the blocks and tiers hold.
 """
 
 
@@ -18,10 +19,12 @@ def persona_state(formatter, manager, tiers, system_prompt: str) -> str:
     if n == 0:
         return "short"
     chain = list(manager.chain(encoded.token_ids, n))
+    pooled = all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain)
     rings = manager.rings
     if rings is not None and not rings.holding(encoded.token_ids, n * manager.block_size):
-        return "cold"
-    if all(manager.pool.lookup(h, chunk) is not None for chunk, h in chain):
+        # its persona ring on disk, with its blocks (after a restart): restored, not computed
+        return "disk" if tiers.holds_ring(chain[-1][1]) and (pooled or tiers.holds(chain[-1][1])) else "cold"
+    if pooled:
         return "warm"
     if tiers.holds(chain[-1][1]):
         return "disk"

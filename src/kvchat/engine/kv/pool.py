@@ -15,6 +15,7 @@ from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.kv.personas import PersonaCache
+from kvchat.engine.kv.ring_prefix import RingPrefix
 from kvchat.engine.kv.rings import Rings
 from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
@@ -53,6 +54,7 @@ class KVPool:
         self._new_rings()
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager)
+        self.ring_prefix = RingPrefix(self)
         self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
         if self.tiers.host.cap_bytes or disk is not None:  # host_cap None: the default share of RAM
             self.pool.on_evict = self.tiers.evicted
@@ -201,7 +203,7 @@ class KVPool:
             self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         finally:
             seq.matching = False
-        if self.rings is not None and seq.num_computed and not self._ringed(seq):
+        if self.rings is not None and seq.num_computed and not self.ring_prefix.take(seq):
             self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
             seq.hashes, seq.num_computed = [], 0
         if seq.num_computed < pooled + ram + disk:  # the tiers' blocks past it are computed again
@@ -209,44 +211,6 @@ class KVPool:
             disk = min(disk, max(0, seq.num_computed - pooled - ram))
         seq.ring_clean = True
         return ram, disk
-
-    def _ringed(self, seq: Sequence) -> bool:
-        """``seq``'s cached prefix gets a kept ring that holds its window, the prefix cut back to
-        the longest one a ring holds where none holds it whole (``Rings.longest_held``)."""
-        if self.rings.take_over(seq, self.kv.copy_ring):
-            return True
-        held = self.rings.longest_held(seq.token_ids, seq.num_computed)
-        if not held:
-            return False
-        self.manager.truncate(seq, held // self.manager.block_size)
-        return self.rings.take_over(seq, self.kv.copy_ring)
-
-    def persona_end(self, seq: Sequence, persona_len: int) -> int:
-        """Where a windowed model's prompt stops a chunk so that ``persona_done`` copies the ring:
-        its persona's last full block; 0 where no ring is kept (no rings, a persona under one
-        block, or one whose persona ring is kept already: a chat's kept ring goes sooner)."""
-        if self.rings is None:
-            return 0
-        end = self.personas.num_blocks(seq, persona_len) * self.manager.block_size
-        return end if end and not self.rings.keeps_persona(seq.token_ids, end) else 0
-
-    def persona_done(self, seq: Sequence) -> None:
-        """``seq`` computed its persona's full blocks: a windowed model keeps a copy of the ring
-        there (``Rings.keep_persona``), so the next chat on the persona goes on from it."""
-        try:
-            self.rings.keep_persona(seq, self.kv.copy_ring)
-        except (RuntimeError, MemoryError) as error:  # a copy for later: the reply goes on without it
-            log.warning("could not keep a copy of the persona's ring: %s", error)
-
-    def prompt_done(self, seq: Sequence) -> None:
-        """``seq``'s prompt is computed, its reply not begun: a windowed model keeps a copy of the
-        ring as it is (``Rings.snapshot``), so a regenerate goes on from it."""
-        if self.rings is None:
-            return
-        try:
-            self.rings.snapshot(seq, self.kv.copy_ring)
-        except (RuntimeError, MemoryError) as error:  # a copy for later: the reply goes on without it
-            log.warning("could not keep a copy of the prompt's ring: %s", error)
 
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom, or where no

@@ -95,16 +95,23 @@ class Rings:
             self.kept.insert(0, entry)
             self.copied = entry[1]
 
-    def keep_persona(self, seq, copy) -> None:
+    def keep_persona(self, seq, copy):
         """Keep a copy of ``seq``'s ring at the end of its persona (its computed tokens), for the
         next chats on it, unless one is kept already. Every new chat and edit on the persona
-        starts there, so the oldest kept rings make room for it (a persona's never do)."""
-        if not self.keeps_persona(seq.token_ids, seq.num_computed):
-            entry = self._copy(seq, copy, evict=True)
-            if entry is not None:
-                self.personas.append(entry)
-            while len(self.personas) > MAX_PERSONAS:
-                self.free.extend(self.personas.pop(0)[1])
+        starts there, so the oldest kept rings make room for it (a persona's never do). Returns
+        the new entry, or None where none was kept."""
+        if self.keeps_persona(seq.token_ids, seq.num_computed):
+            return None
+        entry = self._copy(seq, copy, evict=True)
+        if entry is not None:
+            self.add_persona(entry)
+        return entry
+
+    def add_persona(self, entry: tuple[list[int], list[int], int]) -> None:
+        """Keep ``(tokens, ring, top)`` as a persona's ring; the oldest goes past ``MAX_PERSONAS``."""
+        self.personas.append(entry)
+        while len(self.personas) > MAX_PERSONAS:
+            self.free.extend(self.personas.pop(0)[1])
 
     def _copy(self, seq, copy, evict: bool = False):
         """``seq``'s computed tokens, a copy of its ring, its top: in free blocks, or with
@@ -112,7 +119,7 @@ class Rings:
         blocks are too few."""
         if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free) + (self.kept_blocks() if evict else 0):
             return None
-        ring = self._free_blocks(len(seq.ring))
+        ring = self.take_free(len(seq.ring))
         if ring is None:
             return None
         try:
@@ -141,7 +148,7 @@ class Rings:
         if min(len(seq.blocks), self.size) - held > self.available() - held + len(seq.ring):
             return False  # the ring could not grow to the sequence's blocks: the others hold them
         tokens, ring, top = store[i]
-        fresh = self._free_blocks(len(ring)) if store is self.personas else None
+        fresh = self.take_free(len(ring)) if store is self.personas else None
         if fresh is None:
             del store[i]
             self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
@@ -153,7 +160,7 @@ class Rings:
         self.extend(seq, first)  # its blocks from the window on, a restore's reserved ones too
         return True
 
-    def _free_blocks(self, k: int) -> list[int] | None:
+    def take_free(self, k: int) -> list[int] | None:
         """``k`` free blocks, taken off the free list (the oldest kept rings go to it first, no
         persona's); None where there are not so many."""
         while len(self.free) < k and self.kept:

@@ -5,6 +5,7 @@ found loaded back into pool blocks so that only the rest is computed.
 Every tier is keyed by the prefix cache's chained block hash, so a hit is a whole prefix and a
 block restored is the bytes that were evicted: greedy tokens are those of a pool that never
 evicted. A chain's first block of a quantized pool carries its full-precision sink rows."""
+import hashlib
 import logging
 import weakref
 
@@ -100,6 +101,32 @@ class KVTiers:
         if wrote:
             self.disk.trim()
 
+    def persist_ring(self, hash_: bytes, token_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """A windowed model's persona ring (``ring_prefix``), its windowed layers' rows, pinned on
+        disk beside the persona's blocks, named after its last one (``hash_``)."""
+        if self.disk is None or self.disk.full or self.idle or self.disk.has(ring_name(hash_)):
+            return
+        self._save(ring_name(hash_), StoredBlock(tuple(token_ids), None, tensors), pinned=True)
+        self.disk.trim()
+
+    def stored_ring(self, seq: Sequence, after: int) -> tuple[int, dict] | None:
+        """The longest prefix of ``seq``'s matched blocks, longer than ``after`` tokens, whose
+        persona ring the disk holds: its tokens and the ring's tensors."""
+        if self.disk is None or self.idle:
+            return None
+        bs = self.block_size
+        for i in range(len(seq.hashes) - 1, after // bs - 1, -1):
+            name = ring_name(seq.hashes[i])
+            if self.disk.has(name):
+                ring = self.disk.load(name, self.kvpool.manager.extra_key, seq.token_ids[:(i + 1) * bs])
+                if ring is not None:
+                    return (i + 1) * bs, ring.tensors
+        return None
+
+    def holds_ring(self, hash_: bytes) -> bool:
+        """Whether the disk has the persona ring kept at the block named ``hash_``."""
+        return self.disk is not None and not self.idle and self.disk.has(ring_name(hash_))
+
     def holds(self, hash_: bytes) -> bool:
         """Whether RAM or disk has this block: a match would restore it, not compute it."""
         return hash_ in self.host or self.disk is not None and self.disk.has(hash_)
@@ -182,3 +209,9 @@ class KVTiers:
         return {"ram_used": self.host.used, "ram_capacity": self.host.cap_bytes, "ram_hits": self.host_hits,
                 "disk_used": disk.used if disk else 0, "disk_capacity": disk.cap_bytes if disk else 0,
                 "disk_hits": self.disk_hits}
+
+
+def ring_name(hash_: bytes) -> bytes:
+    """The disk's name for the persona ring kept at the block named ``hash_``: the block's own
+    hash covers the model, layout and every token, so the ring's does too."""
+    return hashlib.blake2b(hash_ + b"|ring", digest_size=len(hash_)).digest()
