@@ -1,6 +1,7 @@
 """Where no window can open, ``kvchat`` says why in one line (cli/launcher.py), rather than Qt
 aborting the process with its hint about libxcb-cursor0."""
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,13 @@ def run_kvchat(**env):
 
 
 def unused_display() -> str:
-    """A display number no X server listens on, as its socket file says."""
-    number = next(n for n in range(173, 400) if not Path(f"/tmp/.X11-unix/X{n}").exists())
-    return f":{number}"
+    """A display number no X server listens on: no socket file, and nothing at its abstract name."""
+    def free(n: int) -> bool:
+        if Path(f"/tmp/.X11-unix/X{n}").exists():
+            return False
+        with socket.socket(socket.AF_UNIX) as sock:
+            return sock.connect_ex(f"\0/tmp/.X11-unix/X{n}") != 0
+    return f":{next(n for n in range(173, 400) if free(n))}"
 
 
 def test_kvchat_without_a_display_says_so_in_one_line():

@@ -8,7 +8,9 @@ from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.core.events import Request
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.disk_tier import DiskTier
-from kvchat.engine.kv.rings import MAX_PERSONAS
+from kvchat.core.kv_sizes import KVShape
+from kvchat.engine.kv.manager import Sequence
+from kvchat.engine.kv.rings import MAX_PERSONAS, Rings
 
 from test_rings import BS, expected
 from tiny_models import as_loaded, tiny_model
@@ -33,7 +35,8 @@ def start(model, tokenizer, disk_tier=True) -> Engine:
 
 @pytest.fixture(params=["mistral-window"])
 def engine(request, tokenizer):
-    engine = start(windowed(request.param, tokenizer), tokenizer)
+    # no disk tier: the session's would carry one test's persona rings into the next
+    engine = start(windowed(request.param, tokenizer), tokenizer, disk_tier=None)
     yield engine
     engine.close()
 
@@ -97,28 +100,29 @@ def test_an_edited_long_message_goes_back_to_the_personas_ring_not_to_the_start(
 
 
 @torch.inference_mode()
-def test_persona_rings_go_after_the_kept_ones_and_four_are_kept(engine):
-    """Three 200-token chats take the kept rings' blocks, not the persona's; four more personas,
-    whose copies take the oldest kept rings' blocks, drop the first persona's ring (as a fifth
-    pinned persona unpins the first's blocks): its blocks are still cached, but its next chat
-    computes it again, still as transformers does."""
-    first = ask(engine, "Hi", 2)[0]
-    assert first.stats.cached_tokens == 0
+def test_persona_rings_go_after_the_kept_ones_and_the_least_used_of_five_goes(engine):
+    """Three 200-token chats take the kept rings' blocks, not the persona's. Three more personas,
+    then a chat on the first (its ring copied: the last used now), then a fifth persona: the
+    second persona's ring goes, the least recently used (as a fifth pinned persona unpins the
+    least used one's blocks), and the first persona's next chat still goes on from its ring, as
+    transformers says."""
+    p = persona_tokens(engine)
+    assert ask(engine, "Hi", 2)[0].stats.cached_tokens == 0
     for seed in range(3):  # plain prompts of 200 tokens: all three rings' worth of blocks in use, in turn
         engine.submit(Request(prompt_ids=[5 + (i * 7 + seed) % 400 for i in range(200)],
                               sampling=SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))).result()
     assert engine.persona_state(PERSONA, 30) == "warm"
     others = [f"You are helper number {n}, terse and exact, and you answer in one line. " * 3 for n in range(MAX_PERSONAS)]
-    for persona in others:
+    for persona in others[:-1]:
         ask(engine, "Hi", 2, persona=persona)
+    assert ask(engine, "Hello there", 2)[0].stats.cached_tokens == p
+    ask(engine, "Hi", 2, persona=others[-1])
     rings = engine.kvpool.rings
-    assert len(rings.personas) == MAX_PERSONAS
-    assert engine.persona_state(PERSONA, 30) == "cold" and engine.persona_state(others[0], 30) == "warm"
-    ids = engine.formatter.encode([{"role": "system", "content": PERSONA}, {"role": "user", "content": "."}]).token_ids
-    pool = engine.kvpool
-    assert all(pool.pool.lookup(h, chunk) for chunk, h in pool.manager.chain(ids, 4))  # its blocks are cached: the ring went
+    prefixes = [engine.formatter.encode([{"role": "system", "content": x}, {"role": "user", "content": "."}]).token_ids[:48]
+                for x in [PERSONA, *others]]
+    assert [prefixes.index(tokens[:48]) for tokens, _, _ in rings.personas] == [2, 3, 0, 4]  # others[0]'s went
     done, want = ask(engine, "Hi again", 4)
-    assert done.stats.cached_tokens == 0 and done.token_ids == want
+    assert done.stats.cached_tokens == p and done.token_ids == want
 
 
 @torch.inference_mode()
@@ -142,3 +146,21 @@ def test_a_restart_goes_on_from_the_personas_ring_on_disk(tokenizer, tmp_path):
         assert again.persona_state(PERSONA, 30) == "warm"
     finally:
         again.close()
+
+
+def test_a_persona_ring_is_the_personas_blocks_and_taking_blocks_evicts_only_what_it_uses():
+    """Bookkeeping alone (no model): a persona's copy takes the ring blocks of the persona's own
+    blocks (a ring taken over from a longer chat holds that chat's rows past them, which a
+    pinned disk copy would keep after the chat is deleted); taking free blocks evicts kept rings
+    only where they make enough, a persona's never."""
+    shape = KVShape.from_config(tiny_model("gemma3", max_position_embeddings=4096).config)
+    rings = Rings(shape, BS, 16, place=lambda ids, ring: None)
+    copies = []
+    seq = Sequence(list(range(100)), ring=[0, 1, 2, 3, 4], num_computed=2 * BS)
+    rings.free = list(range(5, 16))
+    tokens, ring, top = rings.keep_persona(seq, lambda source, target: copies.append((source, target)))
+    assert copies == [([0, 1], [5, 6])] and ring == [5, 6] and tokens == list(range(2 * BS)) and top == 1
+    rings.free, rings.kept = [7, 8], [([1] * BS, [9, 10], 0), ([2] * BS, [11, 12], 0)]
+    assert rings.take_free(7) is None and rings.free == [7, 8] and len(rings.kept) == 2  # 6 at most: none evicted
+    assert rings.take_free(5) == [7, 8, 9, 10, 11] and rings.kept == [] and rings.free == [12]
+    assert [r for _, r, _ in rings.personas] == [[5, 6]]

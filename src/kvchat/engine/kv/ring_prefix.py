@@ -48,9 +48,9 @@ class RingPrefix:
             return 0
         try:
             pool.kv.write_blocks(ring, tensors, sorted(pool.kv.local))
-        except ValueError as error:  # written for another layout under the same key: not expected
+        except (ValueError, RuntimeError, MemoryError) as error:  # another layout (not expected), no memory
             rings.free[:0] = ring
-            log.warning("a stored persona ring does not fit this pool: %s", error)
+            log.warning("could not restore a persona's ring from disk: %s", error)
             return 0
         rings.add_persona((seq.token_ids[:n], ring, (n - 1) // pool.manager.block_size))
         return n
@@ -87,6 +87,8 @@ class RingPrefix:
             tokens, ring, _ = entry
             # named as the pool names the persona's last block now (a downshift since re-keys it)
             *_, (_, hash_) = pool.manager.chain(tokens, len(tokens) // pool.manager.block_size)
+            if not pool.tiers.takes_ring(hash_):
+                continue  # no disk, a full one, a pool wholly in rings, or written already: no copy out
             try:
                 pool.tiers.persist_ring(hash_, tokens, pool.kv.read_blocks(ring, sorted(pool.kv.local)))
             except (RuntimeError, MemoryError) as error:

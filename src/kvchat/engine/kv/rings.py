@@ -12,8 +12,8 @@ The prefix cache: a cached prefix of n tokens serves a windowed layer only if po
 ``n - W + 1 .. n`` are still in a ring. An ended sequence's ring is kept with its tokens, until
 a running request needs its blocks (the oldest kept goes first), for the next request that shares
 those tokens (its chat's next turn), which takes it over. A persona's ring, as its prompt left it
-at the persona's last full block, is kept apart and copied, never taken over: every new chat on
-that persona starts from it, and kept rings go before it. A request whose cached blocks no ring
+at the persona's last full block, is kept apart and copied (taken over only where no blocks are
+left for a copy): every new chat on that persona starts from it, and kept rings go before it. A request whose cached blocks no ring
 holds the window of goes back to the longest prefix that a kept ring does hold (an edited message
 to the persona's end), and computes the rest (vLLM v1's ``SlidingWindowManager`` keeps the
 window's blocks cached instead; here the rings are what makes the memory small, so they are not
@@ -102,7 +102,8 @@ class Rings:
         the new entry, or None where none was kept."""
         if self.keeps_persona(seq.token_ids, seq.num_computed):
             return None
-        entry = self._copy(seq, copy, evict=True)
+        # only the persona's own blocks: a ring taken over from a longer chat holds its rows past them
+        entry = self._copy(seq, copy, evict=True, blocks=-(-seq.num_computed // self.block_size))
         if entry is not None:
             self.add_persona(entry)
         return entry
@@ -113,20 +114,17 @@ class Rings:
         while len(self.personas) > MAX_PERSONAS:
             self.free.extend(self.personas.pop(0)[1])
 
-    def _copy(self, seq, copy, evict: bool = False):
-        """``seq``'s computed tokens, a copy of its ring, its top: in free blocks, or with
-        ``evict`` in the oldest kept rings' too; None where the ring may not be whole or the
-        blocks are too few."""
-        if not seq.ring or not seq.ring_clean or len(seq.ring) > len(self.free) + (self.kept_blocks() if evict else 0):
+    def _copy(self, seq, copy, evict: bool = False, blocks: int | None = None):
+        """``seq``'s computed tokens, a copy of its ring (its first ``blocks``), its top: in free
+        blocks, or with ``evict`` in the oldest kept rings' too; None where the ring may not be
+        whole or the blocks are too few."""
+        source = seq.ring[:blocks]
+        if not source or not seq.ring_clean or len(source) > len(self.free) and not evict:
             return None
-        ring = self.take_free(len(seq.ring))
+        ring = self.take_free(len(source))
         if ring is None:
             return None
-        try:
-            copy(seq.ring, ring)
-        except BaseException:
-            self.free[:0] = ring  # a copy that fails leaves the blocks free
-            raise
+        self._copy_into(copy, source, ring)
         n = seq.num_computed
         return seq.token_ids[:n], ring, max(seq.ring_top, (n - 1) // self.block_size)
 
@@ -149,11 +147,12 @@ class Rings:
             return False  # the ring could not grow to the sequence's blocks: the others hold them
         tokens, ring, top = store[i]
         fresh = self.take_free(len(ring)) if store is self.personas else None
-        if fresh is None:
+        if fresh is None:  # taken over: a persona's too where no blocks are left for a copy
             del store[i]
             self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
         else:
-            copy(ring, fresh)
+            self._copy_into(copy, ring, fresh)
+            store.append(store.pop(i))  # the persona used last goes last
             ring = fresh
         self.free.extend(seq.ring)  # none, unless a caller reserved rings for it
         seq.ring, seq.ring_top = ring, top
@@ -162,14 +161,22 @@ class Rings:
 
     def take_free(self, k: int) -> list[int] | None:
         """``k`` free blocks, taken off the free list (the oldest kept rings go to it first, no
-        persona's); None where there are not so many."""
-        while len(self.free) < k and self.kept:
-            self.free.extend(self.kept.pop(0)[1])
-        if len(self.free) < k:
+        persona's); None, and nothing evicted, where there are not so many."""
+        if len(self.free) + sum(len(ring) for _, ring, _ in self.kept) < k:
             return None
+        while len(self.free) < k:
+            self.free.extend(self.kept.pop(0)[1])
         taken = self.free[:k]
         del self.free[:k]
         return taken
+
+    def _copy_into(self, copy, source: list[int], target: list[int]) -> None:
+        """``copy(source, target)``; a copy that fails leaves ``target`` free."""
+        try:
+            copy(source, target)
+        except BaseException:
+            self.free[:0] = target
+            raise
 
     def holding(self, token_ids: list[int], n: int) -> bool:
         """A kept ring (a persona's too) holds the window of ``token_ids[:n]``."""

@@ -104,7 +104,7 @@ class KVTiers:
     def persist_ring(self, hash_: bytes, token_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         """A windowed model's persona ring (``ring_prefix``), its windowed layers' rows, pinned on
         disk beside the persona's blocks, named after its last one (``hash_``)."""
-        if self.disk is None or self.disk.full or self.idle or self.disk.has(ring_name(hash_)):
+        if not self.takes_ring(hash_):
             return
         self._save(ring_name(hash_), StoredBlock(tuple(token_ids), None, tensors), pinned=True)
         self.disk.trim()
@@ -122,6 +122,10 @@ class KVTiers:
                 if ring is not None:
                     return (i + 1) * bs, ring.tensors
         return None
+
+    def takes_ring(self, hash_: bytes) -> bool:
+        """Whether ``persist_ring`` would write the persona ring kept at the block named ``hash_``."""
+        return self.disk is not None and not self.disk.full and not self.idle and not self.disk.has(ring_name(hash_))
 
     def holds_ring(self, hash_: bytes) -> bool:
         """Whether the disk has the persona ring kept at the block named ``hash_``."""
