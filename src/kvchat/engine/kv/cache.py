@@ -71,12 +71,13 @@ class KVCache:
         if len(runs) > MAX_COPY_RUNS:
             device = self.block_map.device
             src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
-            copy = lambda t: t.index_copy_(0, dst, t.index_select(0, src))
-        else:
-            copy = lambda t: [t[d:d + n].copy_(t[s:s + n]) for s, d, n in runs]
         for i in self.local:
             for t in self.layers[i].values():
-                copy(t)
+                if len(runs) > MAX_COPY_RUNS:
+                    t.index_copy_(0, dst, t.index_select(0, src))
+                    continue
+                for s, d, n in runs:
+                    t[d:d + n].copy_(t[s:s + n])
 
     def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
