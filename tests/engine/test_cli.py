@@ -156,6 +156,25 @@ def test_missing_paths_are_one_line(args, message):
     one_error_line(kvchat(*args, timeout=60), message)
 
 
+def test_a_bench_refuses_options_it_does_not_read_and_says_which_it_reads(capsys):
+    """``bench api --weights int4`` measured the default weights and said nothing of it."""
+    from kvchat.cli.main import main
+
+    assert main(["bench", "api", "--weights", "int4", "--kv-precision", "int8"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kvchat: error: bench api does not read --weights, --kv-precision; it reads --api-key, --clients, "
+        "--max-tokens, --model, --remote and --json"]
+    assert main(["bench", "kernels", "--model", "x", "--json"]) == 1
+    assert "bench kernels does not read --model; it reads --compile and --json" in capsys.readouterr().err
+    from kvchat.cli.bench import unread_options
+    from kvchat.cli.main import parser
+
+    for args in (["bench", "decode", "--weights", "int4", "--kv-precision", "int8", "--json"],  # what it reads
+                 ["bench", "api", "--weights", "none", "--clients", "4"],  # at the default: not given
+                 ["bench", "capped", "--random-weights", "x.json", "--memory", "2GiB", "--device", "cpu"]):
+        assert unread_options(parser().parse_args(args)) == []
+
+
 def test_generate_says_what_it_capped_and_takes_a_tiny_top_p(greedy_answer):
     """A top_p of 1e-300 keeps only the likeliest token: the greedy answer, token for token."""
     r = kvchat("generate", "--prompt", QUESTION, "--max-new-tokens", "16", "--json", "--context", "100000",

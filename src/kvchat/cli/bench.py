@@ -5,6 +5,17 @@ from kvchat.cli.checks import quiet_transformers
 from kvchat.core.config import KV_MODES, MAX_RUNNING, WEIGHTS, ConfigError
 
 
+# the options each bench reads; one it does not read, given, is refused rather than ignored
+READS = {
+    "decode": {"model", "random_weights", "device", "dtype", "weights", "kv_precision", "prompt_len", "new_tokens",
+               "repeats", "paths"},
+    "api": {"model", "remote", "api_key", "clients", "max_tokens"},
+    "capped": {"random_weights", "device", "dtype", "memory", "prompts"},
+    "startup": {"model"}, "resume": {"model", "kv_precision"}, "prefix": {"model"}, "window": {"random_weights"},
+    "memory": {"model"}, "switch": {"model"}, "kv": {"model"}, "kernels": {"compile"},
+}
+
+
 def bench_args(sub) -> None:
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
     bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
@@ -38,9 +49,22 @@ def bench_args(sub) -> None:
                         help="comma-separated: eager, compiled, transformers")
     decode.add_argument("--memory", default="24GiB", help="capped: the card to emulate")
     decode.add_argument("--prompts", default="16384,32768", help="capped: prompt lengths, comma-separated")
+    bench.set_defaults(bench_defaults={a.dest: a.default for a in bench._actions if a.option_strings})
+
+
+def unread_options(args) -> list[str]:
+    """The options given (not at their defaults) that ``args.which`` does not read."""
+    reads = READS[args.which] | {"json", "help"}
+    return [f"--{dest.replace('_', '-')}" for dest, default in args.bench_defaults.items()
+            if dest not in reads and getattr(args, dest) != default]
 
 
 def cmd_bench(args) -> int:
+    unread = unread_options(args)
+    if unread:
+        raise ConfigError(f"bench {args.which} does not read {', '.join(unread)}; it reads "
+                          f"{', '.join('--' + d.replace('_', '-') for d in sorted(READS[args.which])) or 'no option'}"
+                          " and --json")
     if args.random_weights and not os.path.exists(os.path.expanduser(args.random_weights)):
         raise ConfigError(f"--random-weights {args.random_weights}: no such file or folder")
     quiet_transformers()
