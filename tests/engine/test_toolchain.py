@@ -149,11 +149,40 @@ def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
         want = f(x, y)
         libs = glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.so"), recursive=True)
         symbols = " ".join(subprocess.run(["nm", "-uD", so], capture_output=True, text=True).stdout for so in libs)
+        from torch._inductor import codecache
         print(json.dumps({"why": why, "cxx": toolchain.configure()[0].cxx,
                           "max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
-                          "kmpc": "__kmpc_fork_call" in symbols}))
+                          "kmpc": "__kmpc_fork_call" in symbols, "headers": codecache._HEADER_DIR,
+                          "pch": glob.glob(os.path.join(codecache._HEADER_DIR, "*.pch"))}))
     """, bare_home, tmp_path, kept(tmp_path, "inductor"))
     assert out["why"] is None
+    # the precompiled header in kvchat's cache (a first run built it there), not /tmp's shared folder
+    assert out["headers"].startswith(str(bare_home / "cache" / "inductor-headers")) and out["pch"], out
     assert out["cxx"].startswith(str(bare_home)) and out["cxx"].endswith("clang++")
     assert out["max_diff"] <= 1e-5 * out["scale"] + 1e-4, out
     assert out["kmpc"], "no kernel calls __kmpc_fork_call: compiled without OpenMP"
+
+
+def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_from(tmp_path, monkeypatch):
+    """Python.h made again (as a new venv or app at the same path makes it: the same text, a new
+    file) names a new folder; the same files name the same one. Inductor's own folder, one under
+    /tmp for the machine keyed by the text, gave the new files the old header, and clang failed
+    every compile ("redefinition of 'capacity_in_bytes'")."""
+    from torch._inductor import codecache
+
+    from kvchat.engine import toolchain
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
+    monkeypatch.setattr(toolchain, "cache_dir", lambda: tmp_path / "cache")
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "Python.h").write_text("/* the same text */\n")
+    chain = toolchain.Toolchain("gcc", "g++", False, include)
+    first = toolchain.own_precompiled_headers(chain)
+    assert toolchain.own_precompiled_headers(chain) == first and first.parent == tmp_path / "cache" / "inductor-headers"
+    assert (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR) == (str(first), str(first / "locks"))
+    (include / "Python.h").unlink()
+    (include / "Python.h").write_text("/* the same text */\n")
+    again = toolchain.own_precompiled_headers(chain)
+    assert again != first and codecache._HEADER_DIR == str(again)

@@ -97,10 +97,10 @@ def _wrappers(zig: Path, omp: Path, include: Path) -> tuple[str, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(omp / "lib" / "libomp.so")
     zig_cache = cache_dir() / "zig"
-    # inductor keeps its precompiled header in /tmp, keyed by the command line, the header's
-    # preprocessed text and the compiler's version, not by file times; clang refused one whose
-    # header's mtime changed (torch reinstalled, a new venv at the same path) and every compile
-    # failed until /tmp was emptied. That key covers what clang's own checks would.
+    # inductor keys its precompiled header by the command line, the header's preprocessed text
+    # and the compiler's version, not by file times; clang refused one whose header's mtime changed
+    # (torch reinstalled, a new venv at the same path) and every compile failed. That key covers
+    # what clang's own checks would; its folder is named after the files (own_precompiled_headers).
     flags = " ".join(shlex.quote(f) for f in [
         "-Xclang", "-fno-validate-pch", "-isystem", str(omp / "include"), "-isystem", str(include), f"-L{folder / 'lib'}",
         f"-Wl,-rpath,{omp / 'lib'}"])
@@ -142,6 +142,33 @@ def find() -> tuple[Toolchain | None, str | None]:
     return None, "decoding without compilation: no C++ compiler (g++) found, and no bundled one (ziglang)"
 
 
+def own_precompiled_headers(chain: Toolchain) -> Path:
+    """Inductor's precompiled header in kvchat's cache, in a folder named after the files it is
+    built from (returned). Inductor keeps it in one folder under /tmp for the whole machine, keyed
+    by the header's text, the flags and the compiler's version: a kvchat installed again at the
+    same path (new files, the same text: a new venv, an updated app) found the old one, and clang
+    read the headers again beside it ("redefinition of 'capacity_in_bytes'"), so every compile
+    failed. The files' identities (inode, mtime) name the folder here: new files, a new header."""
+    import torch
+    from torch._inductor import codecache
+
+    compiler = zig_binary() if chain.bundled else Path(shutil.which("g++") or chain.cxx)
+    built_from = [Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "cpp_prefix.h",
+                  chain.python_include / "Python.h", compiler]
+    names = []
+    for path in built_from:
+        try:
+            st = Path(path).stat()
+            names.append(f"{path}:{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
+        except (OSError, TypeError):
+            names.append(f"{path}:missing")
+    # a folder of files since replaced stays (as inductor's own in /tmp did): two installs may
+    # share this cache, and one may be compiling with its header now
+    folder = cache_dir() / "inductor-headers" / hashlib.sha256("|".join(names).encode()).hexdigest()[:16]
+    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = str(folder), str(folder / "locks")
+    return folder
+
+
 def launcher_builder(cc: str):
     """Triton's ``knobs.build.impl``: its launcher's C file compiled by ``cc`` (our wrapper, which
     knows where Python's headers are), as Triton's own build would with a system compiler."""
@@ -166,6 +193,8 @@ def configure() -> tuple[Toolchain | None, str | None]:
     """Finds the toolchain once a process and points inductor (and Triton, where it is installed)
     at it. Returns find()'s answer."""
     chain, why = find()
+    if chain is not None:
+        own_precompiled_headers(chain)
     if chain is None or not (chain.bundled or chain.cxx.startswith(str(cache_dir()))):
         return chain, why  # the system's compiler, found by inductor and Triton themselves
     if chain.libomp is not None:
