@@ -186,3 +186,20 @@ def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_fro
     (include / "Python.h").write_text("/* the same text */\n")
     again = toolchain.own_precompiled_headers(chain)
     assert again != first and codecache._HEADER_DIR == str(again)
+
+
+def test_every_compile_gets_the_headers_folder_even_a_step_compiled_by_name(monkeypatch):
+    """``--decode compiled`` never asks what is missing (``cpu_compile_missing``), so nothing had
+    configured the toolchain before its compile: ``use_disk_cache``, which every compile calls
+    first, does now."""
+    from torch._inductor import codecache
+
+    from kvchat.core.paths import cache_dir
+    from kvchat.engine import compile_env, toolchain
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", "/tmp/not-kvchat/precompiled_headers")
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", "/tmp/not-kvchat/precompiled_headers/locks")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+    toolchain.configure.cache_clear()
+    compile_env.use_disk_cache()
+    assert codecache._HEADER_DIR.startswith(str(cache_dir() / "inductor-headers" / ""))

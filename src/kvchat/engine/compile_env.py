@@ -19,8 +19,11 @@ def cpu_compile_missing() -> str | None:
 def use_disk_cache() -> None:
     """Inductor's FX-graph and kernel caches in kvchat's cache dir, so that they are where the user
     expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
-    own default into the environment the first time anything asks it for its cache dir."""
+    own default into the environment the first time anything asks it for its cache dir. Every
+    compile comes here first, so the toolchain's set-up (its precompiled header's folder too) is
+    done for a step compiled by name (``--decode compiled``), which never asks what is missing."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    toolchain.configure()
 
 
 def confine_fx_patches() -> None:

@@ -155,6 +155,8 @@ def own_precompiled_headers(chain: Toolchain) -> Path:
     compiler = zig_binary() if chain.bundled else Path(shutil.which("g++") or chain.cxx)
     built_from = [Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "cpp_prefix.h",
                   chain.python_include / "Python.h", compiler]
+    if chain.libomp is not None:  # cpp_prefix.h includes omp.h: the bundled chain's is LLVM's
+        built_from.append(chain.libomp.parent.parent / "include" / "omp.h")
     names = []
     for path in built_from:
         try:
