@@ -40,7 +40,10 @@ def bare_home(tmp_path):
     """A KVCHAT_HOME whose cache holds Python's headers, copied from this interpreter's include dir
     (what python_headers.ensure() leaves there on a machine without python3-dev)."""
     home = kept(tmp_path, "home")
+    # copied once, as ensure() does: the same files run after run (the precompiled header's folder
+    # is named after them)
     code = ("import sysconfig; from pathlib import Path; from kvchat.engine import python_headers as h; "
+            "(h.cached_dir() / 'Python.h').is_file() or "
             "h.copy_tree(Path(sysconfig.get_paths()['include']), h.cached_dir())")
     subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_HOME": str(home)}, check=True)
     return home
@@ -132,9 +135,10 @@ def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
         import json, glob, os, subprocess
         import torch
         import torch._inductor.config  # already imported when the engine configures (its default read CXX)
-        from kvchat.engine.compile_env import cpu_compile_missing
+        from kvchat.engine.compile_env import cpu_compile_missing, use_own_headers
         from kvchat.engine import toolchain
         why = cpu_compile_missing()
+        use_own_headers()  # what every compile of the engine's does first (use_disk_cache)
         torch.set_num_threads(2)
         torch.manual_seed(0)
         x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)

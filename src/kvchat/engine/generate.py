@@ -53,7 +53,7 @@ class Job:
         e, seq = self.engine, self.seq
         if not self.matched:
             self.matched = True
-            ram, disk = e.kvpool.match(seq)  # pool, RAM, disk
+            ram, disk = e.kvpool.match(seq, self.persona_len)  # pool, RAM, disk
             if not self.requeued:
                 self.stats.ram_tokens, self.stats.disk_tokens = ram, disk
                 self.stats.cached_tokens = seq.num_computed

@@ -195,8 +195,6 @@ def configure() -> tuple[Toolchain | None, str | None]:
     """Finds the toolchain once a process and points inductor (and Triton, where it is installed)
     at it. Returns find()'s answer."""
     chain, why = find()
-    if chain is not None:
-        own_precompiled_headers(chain)
     if chain is None or not (chain.bundled or chain.cxx.startswith(str(cache_dir()))):
         return chain, why  # the system's compiler, found by inductor and Triton themselves
     if chain.libomp is not None:

@@ -68,12 +68,13 @@ class KVCache:
             if j == len(source) or source[j] != source[j - 1] + 1 or target[j] != target[j - 1] + 1:
                 runs.append((source[start], target[start], j - start))
                 start = j
-        if len(runs) > MAX_COPY_RUNS:
+        by_index = len(runs) > MAX_COPY_RUNS
+        if by_index:
             device = self.block_map.device
             src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
         for i in self.local:
             for t in self.layers[i].values():
-                if len(runs) > MAX_COPY_RUNS:
+                if by_index:
                     t.index_copy_(0, dst, t.index_select(0, src))
                     continue
                 for s, d, n in runs:

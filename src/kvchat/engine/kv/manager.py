@@ -83,7 +83,7 @@ class KVCacheManager:
             return 0
         wanted = seq.token_ids[i * bs:len(seq) - 1]  # the last token is always computed
         candidates = self.pool.children(seq.hashes[-1])
-        same, block = max(((_shared(b.token_ids, wanted), b) for b in candidates),
+        same, block = max(((shared_prefix(b.token_ids, wanted), b) for b in candidates),
                           key=lambda c: (c[0], _partial(c[1], bs)), default=(0, None))
         if not same:
             for tail in candidates:  # the last turn's tail, of no use now: let the sequence grow into it
@@ -175,7 +175,8 @@ class KVCacheManager:
         return seq.blocks[position // self.block_size].id * self.block_size + position % self.block_size
 
 
-def _shared(cached: tuple, wanted: list[int]) -> int:
+def shared_prefix(cached, wanted) -> int:
+    """How many first tokens ``cached`` and ``wanted`` have alike."""
     n = 0
     while n < min(len(cached), len(wanted)) and cached[n] == wanted[n]:
         n += 1

@@ -192,9 +192,10 @@ class KVPool:
                 out.append((seq, window, fill))
         return out
 
-    def match(self, seq: Sequence) -> tuple[int, int]:
+    def match(self, seq: Sequence, persona_len: int = 0) -> tuple[int, int]:
         """A new request's cached prefix: the pool's blocks, then RAM's and disk's (loaded back),
-        a partly filled block. Returns the tokens restored from RAM and disk."""
+        a partly filled block (its first ``persona_len`` tokens a persona's). Returns the tokens
+        restored from RAM and disk."""
         seq.ring_clean = self.rings is None  # a ring holds the matched tokens' rows once taken over
         pooled = self.manager.match_prefix(seq)
         seq.matching = True  # a restore's blocks take no ring: the kept one that holds them comes after
@@ -203,7 +204,7 @@ class KVPool:
             self.manager.match_tail(seq, copy=lambda src, dst: self.kv.move_blocks({src: dst}))
         finally:
             seq.matching = False
-        if self.rings is not None and seq.num_computed and not self.ring_prefix.take(seq):
+        if self.rings is not None and seq.num_computed and not self.ring_prefix.take(seq, persona_len):
             self.manager.free(seq)  # no ring holds the windowed layers' rows: compute it all
             seq.hashes, seq.num_computed = [], 0
         if seq.num_computed < pooled + ram + disk:  # the tiers' blocks past it are computed again

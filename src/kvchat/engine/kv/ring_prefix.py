@@ -18,32 +18,35 @@ class RingPrefix:
         self.kvpool = kvpool  # its rings, cache, manager and tiers are read live: a rebuild replaces them
         self.unsaved: list[tuple] = []  # persona rings kept since the last turn's end (``Rings.personas``' entries)
 
-    def take(self, seq: Sequence) -> bool:
+    def take(self, seq: Sequence, persona_len: int = 0) -> bool:
         """Give ``seq``'s cached prefix a kept ring that holds its window, the prefix cut back to
-        the longest one a ring holds (``Rings.longest_held``, or a persona's on disk) where none
-        holds it whole; False where none holds any of it."""
+        the longest one a ring holds (``Rings.longest_held``, or its persona's, ``persona_len``
+        tokens, on disk) where none holds it whole; False where none holds any of it."""
         pool = self.kvpool
         rings, copy = pool.rings, pool.kv.copy_ring
         if rings.take_over(seq, copy):
             return True
         held = rings.longest_held(seq.token_ids, seq.num_computed)
-        held = max(held, self._from_disk(seq, held))
+        held = max(held, self._from_disk(seq, held, persona_len))
         if not held:
             return False
         pool.manager.truncate(seq, held // pool.manager.block_size)
         return rings.take_over(seq, copy)
 
-    def _from_disk(self, seq: Sequence, held: int) -> int:
-        """A persona's ring from disk for the longest of ``seq``'s matched prefixes past ``held``
-        tokens that one was kept at, loaded into free ring blocks as a persona's: its tokens, 0
-        where none is."""
+    def _from_disk(self, seq: Sequence, held: int, persona_len: int) -> int:
+        """``seq``'s persona's ring from disk, where the match reaches past ``held`` tokens to the
+        persona's last full block and the disk holds a ring kept there (one name looked up),
+        loaded into free ring blocks as a persona's: its tokens, 0 where none is."""
         pool = self.kvpool
         rings = pool.rings
-        stored = pool.tiers.stored_ring(seq, held)
-        if stored is None:
+        blocks = pool.personas.num_blocks(seq, persona_len)
+        n = blocks * pool.manager.block_size
+        if not held < n <= seq.num_computed or len(seq.hashes) < blocks:
             return 0
-        n, tensors = stored
-        ring = rings.take_free(len(next(iter(tensors.values()))[0]))
+        tensors = pool.tiers.stored_ring(seq.hashes[blocks - 1], seq.token_ids[:n])
+        if tensors is None:
+            return 0
+        ring = rings.take_free(next(iter(tensors.values())).shape[1])  # [windowed layers, ring blocks, ...]
         if ring is None:
             return 0
         try:
@@ -87,10 +90,8 @@ class RingPrefix:
             tokens, ring, _ = entry
             # named as the pool names the persona's last block now (a downshift since re-keys it)
             *_, (_, hash_) = pool.manager.chain(tokens, len(tokens) // pool.manager.block_size)
-            if not pool.tiers.takes_ring(hash_):
-                continue  # no disk, a full one, a pool wholly in rings, or written already: no copy out
             try:
-                pool.tiers.persist_ring(hash_, tokens, pool.kv.read_blocks(ring, sorted(pool.kv.local)))
+                pool.tiers.persist_ring(hash_, tokens, lambda: pool.kv.read_blocks(ring, sorted(pool.kv.local)))
             except (RuntimeError, MemoryError) as error:
                 log.warning("could not write the persona's ring to disk: %s", error)
 

@@ -21,6 +21,7 @@ shared).
 """
 from kvchat.core.kv_sizes import KVShape, ring_blocks
 from kvchat.engine.kv.block_pool import PoolExhausted
+from kvchat.engine.kv.manager import shared_prefix
 
 MAX_PERSONAS = 4  # persona rings kept, as ``PersonaCache`` pins four personas' blocks
 
@@ -47,8 +48,14 @@ class Rings:
     def available(self) -> int:
         return len(self.free) + self.kept_blocks()
 
-    def kept_blocks(self) -> int:
-        return sum(len(ring) for _, ring, _ in self.kept + self.personas)
+    def kept_blocks(self, personas: bool = True) -> int:
+        return sum(len(ring) for _, ring, _ in self.kept + (self.personas if personas else []))
+
+    def _pop_kept(self, i: int) -> list[int]:
+        """The ring of ``kept[i]``, no longer kept (nor the newest snapshot's, if it was that)."""
+        ring = self.kept.pop(i)[1]
+        self.copied = None if ring is self.copied else self.copied
+        return ring
 
     def check(self, seq, num_blocks: int) -> None:
         if self.missing(seq, num_blocks) > self.available():
@@ -59,7 +66,7 @@ class Rings:
         until it is whole."""
         while len(seq.ring) < min(len(seq.blocks), self.size):
             if not self.free:  # the oldest kept ring goes first, a persona's last
-                self.free.extend((self.kept or self.personas).pop(0)[1])
+                self.free.extend(self._pop_kept(0) if self.kept else self.personas.pop(0)[1])
             seq.ring.append(self.free.pop(0))
         ids = list(range(first, len(seq.blocks)))
         self._place([seq.blocks[i].id for i in ids], [seq.ring[i % self.size] for i in ids])
@@ -73,10 +80,9 @@ class Rings:
             self.free.extend(ring)
             return
         tokens = seq.token_ids[:seq.num_computed]
-        for i, (other, copy, other_top) in enumerate(self.kept):
+        for i, (other, _, other_top) in enumerate(self.kept):
             if other_top == top and other == tokens:  # the prompt's copy of this very ring: a reply of one token
-                self.free.extend(self.kept.pop(i)[1])
-                self.copied = None if copy is self.copied else self.copied
+                self.free.extend(self._pop_kept(i))
                 break
         self.kept.append((tokens, ring, top))
 
@@ -87,9 +93,8 @@ class Rings:
         ``copy(from ring blocks, to ring blocks)`` copies the windowed layers' rows."""
         for i, (_, ring, _) in enumerate(self.kept):
             if ring is self.copied:  # the last copy, unless it went already
-                self.free.extend(self.kept.pop(i)[1])
+                self.free.extend(self._pop_kept(i))
                 break
-        self.copied = None
         entry = self._copy(seq, copy)
         if entry is not None:
             self.kept.insert(0, entry)
@@ -147,9 +152,11 @@ class Rings:
             return False  # the ring could not grow to the sequence's blocks: the others hold them
         tokens, ring, top = store[i]
         fresh = self.take_free(len(ring)) if store is self.personas else None
-        if fresh is None:  # taken over: a persona's too where no blocks are left for a copy
-            del store[i]
-            self.copied = None if ring is self.copied else self.copied  # a running sequence's ring now
+        if fresh is None:  # taken over (a running sequence's ring now): a persona's too where no blocks are left for a copy
+            if store is self.kept:
+                self._pop_kept(i)
+            else:
+                store.pop(i)
         else:
             self._copy_into(copy, ring, fresh)
             store.append(store.pop(i))  # the persona used last goes last
@@ -162,10 +169,10 @@ class Rings:
     def take_free(self, k: int) -> list[int] | None:
         """``k`` free blocks, taken off the free list (the oldest kept rings go to it first, no
         persona's); None, and nothing evicted, where there are not so many."""
-        if len(self.free) + sum(len(ring) for _, ring, _ in self.kept) < k:
+        if len(self.free) + self.kept_blocks(personas=False) < k:
             return None
         while len(self.free) < k:
-            self.free.extend(self.kept.pop(0)[1])
+            self.free.extend(self._pop_kept(0))
         taken = self.free[:k]
         del self.free[:k]
         return taken
@@ -190,11 +197,7 @@ class Rings:
         a kept ring holds (0 where none does)."""
         bs, best = self.block_size, 0
         for tokens, _, top in self.kept + self.personas:
-            m = 0
-            limit = min(n, len(tokens)) // bs * bs
-            while m < limit and tokens[m] == token_ids[m]:
-                m += 1
-            m = m // bs * bs
+            m = shared_prefix(tokens[:n], token_ids) // bs * bs
             if m > best and self._held_from(top) <= max(0, m - self.window + 1):
                 best = m
         return best

@@ -101,31 +101,22 @@ class KVTiers:
         if wrote:
             self.disk.trim()
 
-    def persist_ring(self, hash_: bytes, token_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """A windowed model's persona ring (``ring_prefix``), its windowed layers' rows, pinned on
-        disk beside the persona's blocks, named after its last one (``hash_``)."""
-        if not self.takes_ring(hash_):
+    def persist_ring(self, hash_: bytes, token_ids: list[int], rows) -> None:
+        """A windowed model's persona ring (``ring_prefix``), its windowed layers' rows (``rows()``,
+        read only where they will be written), pinned on disk beside the persona's blocks, named
+        after its last one (``hash_``)."""
+        if self.disk is None or self.disk.full or self.idle or self.holds_ring(hash_):
             return
-        self._save(ring_name(hash_), StoredBlock(tuple(token_ids), None, tensors), pinned=True)
+        self._save(ring_name(hash_), StoredBlock(tuple(token_ids), None, rows()), pinned=True)
         self.disk.trim()
 
-    def stored_ring(self, seq: Sequence, after: int) -> tuple[int, dict] | None:
-        """The longest prefix of ``seq``'s matched blocks, longer than ``after`` tokens, whose
-        persona ring the disk holds: its tokens and the ring's tensors."""
-        if self.disk is None or self.idle:
+    def stored_ring(self, hash_: bytes, token_ids: list[int]) -> dict[str, torch.Tensor] | None:
+        """The tensors of the persona ring kept at the block named ``hash_`` (``token_ids`` up to
+        its end), where the disk holds it."""
+        if not self.holds_ring(hash_):
             return None
-        bs = self.block_size
-        for i in range(len(seq.hashes) - 1, after // bs - 1, -1):
-            name = ring_name(seq.hashes[i])
-            if self.disk.has(name):
-                ring = self.disk.load(name, self.kvpool.manager.extra_key, seq.token_ids[:(i + 1) * bs])
-                if ring is not None:
-                    return (i + 1) * bs, ring.tensors
-        return None
-
-    def takes_ring(self, hash_: bytes) -> bool:
-        """Whether ``persist_ring`` would write the persona ring kept at the block named ``hash_``."""
-        return self.disk is not None and not self.disk.full and not self.idle and not self.disk.has(ring_name(hash_))
+        ring = self.disk.load(ring_name(hash_), self.kvpool.manager.extra_key, token_ids)
+        return ring.tensors if ring is not None else None
 
     def holds_ring(self, hash_: bytes) -> bool:
         """Whether the disk has the persona ring kept at the block named ``hash_``."""
