@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvchat.engine.model import weights
+from kvchat.kernels import int8_rows
 from kvchat.engine.model.weights import INT4_GROUP, INT8_GROUP, Int4Linear, Int8Linear, _codes, quantize_linears, weight_bytes
 
 from tiny_models import tiny_model
@@ -22,15 +23,20 @@ def test_int8_stores_each_weight_within_half_a_step_of_its_group_scale():
     layer = linear()
     q = Int8Linear(layer)
     w = layer.weight.detach().view(96, -1, INT8_GROUP)
-    step = q.scales.float()[..., None]
-    assert torch.equal(q.scales.float(), (w.abs().amax(-1) / 127).to(torch.bfloat16).float())
+    scales = q.codes()[1]
+    step = scales.float()[..., None]
+    assert torch.equal(scales.float(), (w.abs().amax(-1) / 127).to(torch.bfloat16).float())
     assert ((q.weight_as(torch.float32).view_as(w) - w).abs() <= step / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int8_forward_is_the_product_with_its_dequantized_weight(rows):
+def test_int8_forward_is_the_product_with_its_dequantized_weight(monkeypatch, rows, packed):
+    """Row-major, and packed for the kernel before it is built (or where it cannot be): inductor's
+    product over the unpacked codes. The kernel's own: tests/kernels/test_int8_rows.py."""
+    monkeypatch.setattr(int8_rows, "built", False)
     layer = linear(bias=True)
-    q = Int8Linear(layer)
+    q = Int8Linear(layer, packed=packed)
     x = torch.randn(1, rows, 128)
     want = x @ q.weight_as(torch.float32).T + layer.bias
     torch.testing.assert_close(q(x), want, atol=1e-5, rtol=1e-5)
@@ -42,7 +48,7 @@ def test_int8_eager_product_in_slices_covers_every_output_once(monkeypatch, rows
     5 rows of 96 (480 floats), the last one short, give the whole product in order."""
     monkeypatch.setattr(weights, "_ready_twins", {})
     monkeypatch.setattr(weights, "SLICE_FLOATS", 480)
-    q = Int8Linear(linear(n=23, k=96, seed=4))
+    q = Int8Linear(linear(n=23, k=96, seed=4))  # 23 outputs: never packed
     calls = []
     monkeypatch.setattr(weights, "_dequantized", lambda qw, sc, dtype: calls.append(qw.shape[0]) or
                         (qw.view(qw.shape[0], -1, 32).to(dtype) * sc.to(dtype)[..., None]).view(qw.shape))
@@ -52,7 +58,7 @@ def test_int8_eager_product_in_slices_covers_every_output_once(monkeypatch, rows
 
 
 def test_int8_compiled_single_row_equals_eager():
-    q = Int8Linear(linear(n=64, k=96, seed=1))
+    q = Int8Linear(linear(n=64, k=96, seed=1), packed=False)
     x = torch.randn(1, 1, 96)
     compiled = torch.compile(q, fullgraph=True)
     torch.testing.assert_close(compiled(x), q(x), atol=1e-5, rtol=1e-5)
@@ -62,7 +68,7 @@ def test_int8_compiled_batch_of_normed_rows_reads_them_written_out_and_equals_th
     """A batched decode step's rows come out of an RMS norm. Compiled, the products read them
     through ``kvchat::rows_as_they_are`` (fused, the norm made some products run row by row), in
     one graph, and give the product with the dequantized weight."""
-    q = Int8Linear(linear(n=64, k=96, seed=2))
+    q = Int8Linear(linear(n=64, k=96, seed=2), packed=False)
     gain = torch.rand(96) + 0.5
 
     def normed(x):
@@ -87,7 +93,7 @@ def test_int8_compiled_batch_of_normed_rows_reads_them_written_out_and_equals_th
 
 def test_int8_eager_paths_run_compiled_after_the_warm_up_for_every_shape_and_equal_the_dequantized_product(monkeypatch):
     monkeypatch.setattr(weights, "_ready_twins", {})
-    layers = [Int8Linear(linear(n=n, k=k, seed=n)) for n, k in ((96, 128), (64, 64), (160, 96))]  # n == k: dynamic shapes specialise it
+    layers = [Int8Linear(linear(n=n, k=k, seed=n), packed=False) for n, k in ((96, 128), (64, 64), (160, 96))]  # n == k: dynamic shapes specialise it
     weights.warm_up(nn.Sequential(*layers, nn.LayerNorm(8)))  # the norm: a parameter to take the dtype from
     assert {fn: twin.compiled is not None for fn, twin in weights._ready_twins.items()} == {
         weights._rows_product: True, weights._row_product: True}
@@ -110,7 +116,7 @@ def test_int8_compiles_only_in_the_warm_up_and_falls_back_to_eager_once_when_tha
     weights.fused.cache_clear()  # compiled twins made by other tests
     monkeypatch.setattr(weights, "_ready_twins", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
-    q = Int8Linear(linear(seed=3))
+    q = Int8Linear(linear(seed=3), packed=False)
     x = torch.randn(4, 128)
     try:
         torch.testing.assert_close(q(x), x @ q.weight_as(torch.float32).T, atol=1e-5, rtol=1e-5)

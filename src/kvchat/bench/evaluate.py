@@ -92,6 +92,7 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
 
     from kvchat.core.config import ConfigError
     from kvchat.engine.model.loading import load
+    from kvchat.engine.model.weights import warm_up
 
     if context < 4 or context % 2:
         raise ConfigError("--context must be an even number >= 4")
@@ -105,6 +106,7 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
         if len(tokens) < context:
             raise ConfigError(f"{path} has {len(tokens)} tokens, fewer than one window of {context}")
     other = lm if weights == "none" else load(model, weights=weights)
+    warm_up(other.model)  # what the engine's compile thread does first: int8 weights' kernel, as a chat computes
     report = []
     for kind, path, tokens in texts:
         if which == "kld":

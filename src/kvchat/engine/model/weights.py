@@ -13,6 +13,8 @@ import threading
 import torch
 from torch import nn
 
+from kvchat.kernels import int8_rows
+
 log = logging.getLogger("kvchat.weights")
 
 INT8_GROUP = 32
@@ -30,35 +32,51 @@ class Int8Linear(nn.Module):
     one matrix product.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, packed: bool | None = None):
+        """``packed``: the decode kernel's layout (``kernels.int8_rows``); by default where this
+        CPU runs the kernel and the shape fits it."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
         groups = w.view(n, k // INT8_GROUP, INT8_GROUP)
         low, high = torch.aminmax(groups, dim=-1)  # one pass, no |w| copy: part of every start's load
         scale = (torch.maximum(-low, high) / 127).clamp_(min=1e-12).to(torch.bfloat16).float()
-        codes = (groups / scale[..., None]).round_().clamp_(-127, 127)
-        self.register_buffer("qweight", codes.to(torch.int8).view(n, k))
-        self.register_buffer("scales", scale.to(torch.bfloat16))  # exact: the codes were made against these
+        codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
+        scale = scale.to(torch.bfloat16)  # exact: the codes were made against these
+        if packed is None:
+            packed = w.device.type == "cpu" and int8_rows.cpu_supported() and int8_rows.fits(n, k)
+        self.packed = packed
+        if packed:
+            codes, scale = int8_rows.pack(codes, scale)
+        self.register_buffer("qweight", codes)
+        self.register_buffer("scales", scale)
         self.bias = linear.bias
         self.in_features, self.out_features = k, n
 
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes ``[n, k]`` and scales ``[n, k/32]`` row-major (views of a packed layout)."""
+        return int8_rows.unpack(self.qweight, self.scales) if self.packed else (self.qweight, self.scales)
+
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        return _dequantized(self.qweight, self.scales, dtype)
+        return _dequantized(*self.codes(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        # one row reads the codes once; a chunk's rows share the cost of rebuilding the weight
-        product = _row_product if rows.shape[0] == 1 else _rows_product
-        if 1 < rows.shape[0] <= BATCH_ROWS and torch.compiler.is_dynamo_compiling():
-            product = _batch_product  # a batched decode step's rows, one per sequence
-        out = _run(product, rows, self.qweight, self.scales).reshape(*x.shape[:-1], self.out_features)
+        if self.packed and int8_rows.built:
+            out = torch.ops.kvchat.int8_rows(rows, self.qweight, self.scales).to(rows.dtype)
+        else:
+            # one row reads the codes once; a chunk's rows share the cost of rebuilding the weight
+            product = _row_product if rows.shape[0] == 1 else _rows_product
+            if 1 < rows.shape[0] <= BATCH_ROWS and torch.compiler.is_dynamo_compiling():
+                product = _batch_product  # a batched decode step's rows, one per sequence
+            out = _run(product, rows, *self.codes())
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
 
 def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = qweight.shape
-    return (qweight.view(n, -1, INT8_GROUP).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
+    return (qweight.reshape(n, -1, INT8_GROUP).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
 
 
 def _row_product(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -154,15 +172,28 @@ def warm_up(model: nn.Module) -> None:
         if isinstance(module, Int8Linear):
             shapes.setdefault(module.qweight.shape, module)
     dtype = next(model.parameters()).dtype
+    if any(m.packed for m in shapes.values()):
+        _build_kernel()
     _warming.on = True
     try:
-        for module in shapes.values():
-            for rows in (2, 1):
+        for module in shapes.values():  # the kernel, where it is built, takes every row
+            for rows in () if module.packed and int8_rows.built else (2, 1):
                 module(torch.zeros(rows, module.in_features, dtype=dtype, device=module.qweight.device))
     finally:
         _warming.on = False
     if shapes:
         _ready_twins.update({fn: fused(fn) for fn in (_row_product, _rows_product)})
+
+
+def _build_kernel() -> None:
+    from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
+
+    why = cpu_compile_missing()
+    if why is not None:
+        log.warning("int8 decode kernel not built (%s); inductor's product instead", why)
+        return
+    use_disk_cache()
+    int8_rows.build()
 
 
 class _FirstCallGuard:

@@ -1,0 +1,120 @@
+"""A decode step's few rows against int8 weights on the CPU: ``int8_rows.cpp`` and its torch twin.
+
+kvchat's int8 weights are groups of 32 codes along the input, one bf16 scale each. With 8 rows (a
+batched step) the product does 8 multiply-adds per weight it reads and is bound by arithmetic:
+inductor's fused fp32 loop ran the starter's products in 27-29 ms a step. The kernel rounds each
+row to int16 per group of 32 and multiplies in integers with AVX-512 VNNI (``vpdpwssd``, 32
+multiply-adds an instruction). It needs that instruction set and a C++ compiler (inductor's, set
+up by ``engine.toolchain``); without them the weights keep the row-major layout and inductor's
+product.
+
+``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built (on the
+compile thread, ``build``), it runs the twin.
+"""
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvchat.int8_rows")
+
+TILE = 16  # outputs a 512-bit lane set holds: the packed layout's unit along n
+GROUP = 32
+_SOURCE = Path(__file__).with_suffix(".cpp")
+
+
+@functools.cache
+def cpu_supported() -> bool:
+    """Does this CPU run the kernel (AVX-512 F/BW/VL/DQ and VNNI)?"""
+    caps = torch.cpu.get_capabilities()
+    return all(caps.get(f, False) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni"))
+
+
+def fits(n: int, k: int) -> bool:
+    return n % TILE == 0 and k % GROUP == 0
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major ``codes [n, k]`` int8 and ``scales [n, k/32]`` to the kernel's layouts:
+    ``[n/16, k/2, 16, 2]`` and ``[n/16, k/32, 16]``."""
+    n, k = codes.shape
+    packed = codes.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return packed, scales.view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack``'s inverse, as views where torch can (a copy where a caller's op needs one)."""
+    tiles, half, _, _ = packed.shape
+    codes = packed.permute(0, 2, 1, 3).reshape(tiles * TILE, half * 2)
+    return codes, scales.transpose(1, 2).reshape(tiles * TILE, -1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's rounding of the rows: int16 codes ``[m, k]`` and a scale per group of 32."""
+    groups = x.float().view(x.shape[0], -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (``32767 / top`` is a reciprocal and a product in torch)
+    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
+    codes = torch.round(groups * inv).clamp(-32767, 32767)
+    return codes.view(x.shape[0], -1), (top / 32767).squeeze(-1)
+
+
+def twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel in torch: the same int16 rounding, exact integer sums per group, then the scales
+    (in float64, so it differs from the kernel only by the kernel's float rounding)."""
+    codes, wscales = unpack(packed, scales)
+    q, qs = quantize_rows(x)
+    m, k = q.shape
+    sums = torch.einsum("mgi,ngi->mng", q.double().view(m, -1, GROUP), codes.double().view(codes.shape[0], -1, GROUP))
+    return (sums * qs.double()[:, None, :] * wscales.double()[None]).sum(-1).float()
+
+
+_lib = None  # the kernel's entry point, once ``build`` succeeded
+built = False  # a plain bool, which a compiled step's guard can check
+_failed = False
+
+
+def build() -> bool:
+    """Compile and load the kernel once, with inductor's compiler and caches as the caller set them
+    up (a few seconds, then from the disk cache). Call on a thread that may wait: the compile
+    thread. False where it cannot run here."""
+    global _lib, built, _failed
+    if built or _failed:
+        return built
+    if not cpu_supported():
+        _failed = True
+        return False
+    try:
+        from torch._inductor.codecache import CppCodeCache
+
+        lib = CppCodeCache.load(_SOURCE.read_text())
+        fn = lib.kvchat_int8_rows
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        _lib, built = fn, True
+    except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
+        log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
+        _failed = True
+    return built
+
+
+@torch.library.custom_op("kvchat::int8_rows", mutates_args=())
+def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [m, k] @ W.T`` for ``W`` packed by ``pack``: fp32 ``[m, n]``, the kernel where it is
+    built, else its twin."""
+    if _lib is None:
+        return twin(x, packed, scales)
+    rows = x.float().contiguous()
+    m, k = rows.shape
+    n = packed.shape[0] * TILE
+    out = torch.empty(m, n, dtype=torch.float32)
+    _lib(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@int8_rows.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE, dtype=torch.float32)
