@@ -101,7 +101,12 @@ def build() -> bool:
     return built
 
 
-@torch.library.custom_op("kvchat::int8_rows", mutates_args=())
+# Registered with the plain Library API, not custom_op: a compiled step calls it 211 times a token
+# on the starter, and custom_op's wrapper cost 2.5 us more a call (8.5 against 6 us, measured).
+_library = torch.library.Library("kvchat", "FRAGMENT")
+_library.define("int8_rows(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+
+
 def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [m, k] @ W.T`` for ``W`` packed by ``pack``: fp32 ``[m, n]``, the kernel where it is
     built, else its twin."""
@@ -115,6 +120,9 @@ def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     return out
 
 
-@int8_rows.register_fake
+_library.impl("int8_rows", int8_rows, "CPU")
+
+
+@torch.library.register_fake("kvchat::int8_rows")
 def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0] * TILE, dtype=torch.float32)
