@@ -1,7 +1,7 @@
 """Which requests run in this engine step (vLLM v1's and nano-vllm's shape).
 
-A step decodes one token of every running request in one batched forward, then spends a budget of
-``prefill_chunk`` tokens on the prompt of the oldest request still prefilling. Up to
+A step spends a budget of ``prefill_chunk`` tokens on the prompt of the oldest request still
+prefilling, then decodes one token of every running request in one batched forward. Up to
 ``max_running`` requests run; the rest wait in order. A request that cannot get blocks while
 others run gives its blocks back and waits (a prefill), or the newest other one is preempted (a
 decode): its full blocks stay in the prefix cache, and it computes what they lost when it runs
@@ -73,12 +73,16 @@ class Scheduler:
                 self._guard(job, job.finish, "cancelled")
         self.retire()  # a reply that ended gives its blocks back before anyone asks for some
         decoding = [job for job in self.running if job.phase == DECODE]
-        if decoding:
-            self._decode(decoding)
-            self.retire()
+        # the prefill chunk before the batch's token: a request that comes while others decode
+        # waits for one forward less for its first token (bench api, 7 decoding: 2.10x an idle
+        # TTFT with the chunk after, 1.37x with it before), and the others still get a token a step
         prefilling = next((job for job in self.running if job.phase == PREFILL), None)
         if prefilling is not None:
             self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
+            self.retire()
+        decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
+        if decoding:
+            self._decode(decoding)
         self.retire()
         if decoding or any(job.phase == DECODE for job in self.running):  # a token came this step
             e.governor.tick(self.live())
