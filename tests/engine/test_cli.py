@@ -166,6 +166,11 @@ def test_a_bench_refuses_options_it_does_not_read_and_says_which_it_reads(capsys
         "--max-tokens, --model, --remote and --json"]
     assert main(["bench", "kernels", "--model", "x", "--json"]) == 1
     assert "bench kernels does not read --model; it reads --compile and --json" in capsys.readouterr().err
+    # decode reads both, but measures random weights of the shape, leaving a model unread
+    assert main(["bench", "decode", "--model", "org/name", "--random-weights", "shape.json"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kvchat: error: give --model or --random-weights, not both: --random-weights measures random weights of "
+        "that shape and would leave --model unread"]
     from kvchat.cli.bench import unread_options
     from kvchat.cli.main import parser
 

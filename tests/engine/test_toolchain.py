@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,33 @@ def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_fro
     (include / "Python.h").write_text("/* the same text */\n")
     again = toolchain.own_precompiled_headers(chain)
     assert again != first and codecache._HEADER_DIR == str(again)
+
+
+def test_headers_folders_no_install_used_for_two_weeks_are_removed(tmp_path, monkeypatch):
+    """Every reinstall named a new folder and left the old one (35-150 MB). A folder in use is
+    touched at each choice; one untouched for two weeks goes, a younger one stays (another
+    install sharing the cache may compile with it now)."""
+    from torch._inductor import codecache
+
+    from kvchat.engine import toolchain
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
+    monkeypatch.setattr(toolchain, "cache_dir", lambda: tmp_path / "cache")
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "Python.h").write_text("/* headers */\n")
+    chain = toolchain.Toolchain("gcc", "g++", False, include)
+    current = toolchain.own_precompiled_headers(chain)
+    day = 86400
+    old, young = current.parent / "old", current.parent / "young"
+    for folder, age in ((old, 15 * day), (young, 13 * day), (current, 20 * day)):
+        (folder / "locks").mkdir(parents=True, exist_ok=True)
+        (folder / "prefix.h.pch").write_bytes(b"pch")
+        os.utime(folder, (time.time() - age, time.time() - age))
+    assert toolchain.own_precompiled_headers(chain) == current
+    assert sorted(p.name for p in current.parent.iterdir()) == sorted([current.name, "young"])
+    assert time.time() - current.stat().st_mtime < 60 and (current / "prefix.h.pch").exists()
 
 
 def test_every_compile_gets_the_headers_folder_even_a_step_compiled_by_name(monkeypatch):

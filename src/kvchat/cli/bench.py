@@ -65,6 +65,9 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"bench {args.which} does not read {', '.join(unread)}; it reads "
                           f"{', '.join('--' + d.replace('_', '-') for d in sorted(READS[args.which])) or 'no option'}"
                           " and --json")
+    if args.random_weights and args.model != args.bench_defaults["model"]:
+        raise ConfigError("give --model or --random-weights, not both: --random-weights measures random "
+                          "weights of that shape and would leave --model unread")
     if args.random_weights and not os.path.exists(os.path.expanduser(args.random_weights)):
         raise ConfigError(f"--random-weights {args.random_weights}: no such file or folder")
     quiet_transformers()

@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +165,28 @@ def own_precompiled_headers(chain: Toolchain) -> Path:
             names.append(f"{path}:{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
         except (OSError, TypeError):
             names.append(f"{path}:missing")
-    # a folder of files since replaced stays (as inductor's own in /tmp did): two installs may
-    # share this cache, and one may be compiling with its header now
     folder = cache_dir() / "inductor-headers" / hashlib.sha256("|".join(names).encode()).hexdigest()[:16]
     codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = str(folder), str(folder / "locks")
+    _prune_headers(folder)
     return folder
+
+
+HEADERS_KEPT_S = 14 * 86400
+
+
+def _prune_headers(current: Path) -> None:
+    """Marks ``current`` as used now and removes the folders no install has used for two weeks
+    (35 MB each with zig's clang, 150 MB with g++; every reinstall leaves one). Not at once: two
+    installs may share this cache, and the other one may be compiling with its header now."""
+    current.mkdir(parents=True, exist_ok=True)
+    os.utime(current)
+    now = time.time()
+    for folder in current.parent.iterdir():
+        try:
+            if folder != current and folder.is_dir() and now - folder.stat().st_mtime > HEADERS_KEPT_S:
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass  # another process removed it first
 
 
 def launcher_builder(cc: str):

@@ -24,7 +24,7 @@ KVCHAT_ISA static void quantize(const float* x, int64_t k, int16_t* q, float* sc
         const float* v = x + g * GROUP;
         __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        __m512 inv = _mm512_set1_ps(top > 1e-30f ? 32767.0f / top : 0.0f);  // 32767 / tinier overflows
         // round to nearest even, as torch.round in the twin
         _mm256_storeu_si256((__m256i*)(q + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
         _mm256_storeu_si256((__m256i*)(q + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
@@ -64,11 +64,17 @@ typedef void (*tile_fn)(const int16_t*, const float*, int64_t, const int8_t*, co
 static const tile_fn TILES[ROWS + 1] = {0, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
 // x [m, k] fp32; w, ws packed as above for n outputs; out [m, n] fp32. k % 32 == 0, n % 16 == 0.
-extern "C" KVCHAT_ISA void kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws,
+// Returns 0, or 1 when the rows' int16 copy could not be allocated.
+extern "C" KVCHAT_ISA int kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws,
                                            int64_t n, float* out, int threads) {
     const int64_t groups = k / GROUP;
     int16_t* q = (int16_t*)malloc(sizeof(int16_t) * m * k);
     float* qs = (float*)malloc(sizeof(float) * m * groups);
+    if (!q || !qs) {  // out of memory: the caller raises
+        free(q);
+        free(qs);
+        return 1;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (m >= 16)
     for (int64_t r = 0; r < m; r++) quantize(x + r * k, k, q + r * k, qs + r * groups);
     const int64_t blocks = (m + ROWS - 1) / ROWS;
@@ -83,4 +89,5 @@ extern "C" KVCHAT_ISA void kvchat_int8_rows(const float* x, int64_t m, int64_t k
     }
     free(q);
     free(qs);
+    return 0;
 }

@@ -1,4 +1,4 @@
-"""A decode step's few rows against int8 weights on the CPU: ``int8_rows.cpp`` and its torch twin.
+"""Rows against int8 weights on the CPU: ``int8_rows.cpp`` and its torch twin.
 
 kvchat's int8 weights are groups of 32 codes along the input, one bf16 scale each. With 8 rows (a
 batched step) the product does 8 multiply-adds per weight it reads and is bound by arithmetic:
@@ -28,7 +28,8 @@ _SOURCE = Path(__file__).with_suffix(".cpp")
 @functools.cache
 def cpu_supported() -> bool:
     """Does this CPU run the kernel (AVX-512 F/BW/VL/DQ and VNNI)?"""
-    caps = torch.cpu.get_capabilities()
+    get = getattr(torch.cpu, "get_capabilities", None)  # torch 2.11 and later
+    caps = get() if get is not None else {}
     return all(caps.get(f, False) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni"))
 
 
@@ -45,7 +46,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def unpack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack``'s inverse, as views where torch can (a copy where a caller's op needs one)."""
+    """``pack``'s inverse (copies: the packed dims never merge back into a view)."""
     tiles, half, _, _ = packed.shape
     codes = packed.permute(0, 2, 1, 3).reshape(tiles * TILE, half * 2)
     return codes, scales.transpose(1, 2).reshape(tiles * TILE, -1)
@@ -55,8 +56,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's rounding of the rows: int16 codes ``[m, k]`` and a scale per group of 32."""
     groups = x.float().view(x.shape[0], -1, GROUP)
     top = groups.abs().amax(-1, keepdim=True)
-    # a true division, as the kernel's (``32767 / top`` is a reciprocal and a product in torch)
-    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
+    # a true division, as the kernel's (``32767 / top`` is a reciprocal and a product in torch);
+    # below 1e-30 the group is 0 (32767 / top would overflow to inf, and 0 * inf is NaN)
+    inv = torch.where(top > 1e-30, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
     codes = torch.round(groups * inv).clamp(-32767, 32767)
     return codes.view(x.shape[0], -1), (top / 32767).squeeze(-1)
 
@@ -91,7 +93,7 @@ def build() -> bool:
 
         lib = CppCodeCache.load(_SOURCE.read_text())
         fn = lib.kvchat_int8_rows
-        fn.restype = None
+        fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         _lib, built = fn, True
@@ -110,13 +112,19 @@ _library.define("int8_rows(Tensor x, Tensor packed, Tensor scales) -> Tensor")
 def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [m, k] @ W.T`` for ``W`` packed by ``pack``: fp32 ``[m, n]``, the kernel where it is
     built, else its twin."""
-    if _lib is None:
-        return twin(x, packed, scales)
     rows = x.float().contiguous()
     m, k = rows.shape
     n = packed.shape[0] * TILE
+    # the kernel trusts these: a wrong k reads past the codes, fp32 scales read as garbage
+    if (packed.dtype != torch.int8 or scales.dtype != torch.bfloat16 or k % GROUP or packed.shape[1:] != (k // 2, TILE, 2)
+            or scales.shape != (packed.shape[0], k // GROUP, TILE) or not (packed.is_contiguous() and scales.is_contiguous())):
+        raise ValueError(f"int8_rows: rows of {k} against codes {tuple(packed.shape)} {packed.dtype} and scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, not the layout of pack()")
+    if _lib is None:
+        return twin(rows, packed, scales)
     out = torch.empty(m, n, dtype=torch.float32)
-    _lib(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+    if _lib(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"int8_rows: no memory for {m} rows of {k} int16 values")
     return out
 
 

@@ -9,6 +9,7 @@ it is (a lookup reads one row); the output head gets its own quantized copy.
 import functools
 import logging
 import threading
+import time
 
 import torch
 from torch import nn
@@ -56,11 +57,11 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = k, n
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes ``[n, k]`` and scales ``[n, k/32]`` row-major (views of a packed layout)."""
+        """The codes ``[n, k]`` and scales ``[n, k/32]`` row-major (copies of a packed layout)."""
         return int8_rows.unpack(self.qweight, self.scales) if self.packed else (self.qweight, self.scales)
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        return _dequantized(*self.codes(), dtype)
+        return _dequantized(self.qweight, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -71,12 +72,14 @@ class Int8Linear(nn.Module):
             product = _row_product if rows.shape[0] == 1 else _rows_product
             if 1 < rows.shape[0] <= BATCH_ROWS and torch.compiler.is_dynamo_compiling():
                 product = _batch_product  # a batched decode step's rows, one per sequence
-            out = _run(product, rows, *self.codes())
+            out = _run(product, rows, self.qweight, self.scales)  # packed: until the kernel is built
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
 
 def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if qweight.dim() == 4:  # packed for the kernel (or a slice of its tiles)
+        qweight, scales = int8_rows.unpack(qweight, scales)
     n, k = qweight.shape
     return (qweight.reshape(n, -1, INT8_GROUP).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
 
@@ -127,7 +130,8 @@ def _in_slices(product, rows: torch.Tensor, qweight: torch.Tensor, scales: torch
     dequantization out in full: the starter's output head whole (113 MB of floats, fresh pages
     each token) took 124 ms a row, in slices 7-9 ms (its compiled twin 4 ms); so an int8 reply
     decodes at eager speed while its compile runs elsewhere."""
-    step = max(1, SLICE_FLOATS // qweight.shape[1])
+    outputs = int8_rows.TILE if qweight.dim() == 4 else 1  # a packed weight's dim 0 is tiles of 16
+    step = max(1, SLICE_FLOATS // (rows.shape[-1] * outputs))
     if qweight.shape[0] <= step:
         return product(rows, qweight, scales)
     return torch.cat([product(rows, qweight[i:i + step], scales[i:i + step])
@@ -193,15 +197,31 @@ def _kernel_can_run(n: int, k: int) -> bool:
     return int8_rows.fits(n, k) and int8_rows.cpu_supported() and cpu_compile_missing() is None
 
 
+_build_lock = threading.Lock()
+
+
 def _build_kernel() -> None:
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
-    why = cpu_compile_missing()
-    if why is not None:
-        log.warning("int8 decode kernel not built (%s); inductor's product instead", why)
-        return
-    use_disk_cache()
-    int8_rows.build()
+    with _build_lock:  # the load's thread and the compile thread: one builds, the other waits
+        if int8_rows.built:
+            return
+        why = cpu_compile_missing()
+        if why is not None:
+            log.warning("int8 decode kernel not built (%s); inductor's product instead", why)
+            return
+        use_disk_cache()
+        started = time.perf_counter()
+        if int8_rows.build():
+            log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
+
+
+def build_kernel_soon(model: nn.Module) -> None:
+    """Build the int8 kernel on a thread of its own from a model's load on: with a compile child,
+    the compile thread's warm-up comes only once the child's graph is done (minutes on a first
+    start), and the eager steps until then ran inductor's product over unpacked copies."""
+    if not int8_rows.built and any(isinstance(m, Int8Linear) and m.packed for m in model.modules()):
+        threading.Thread(target=_build_kernel, name="kvchat-int8-kernel", daemon=True).start()
 
 
 class _FirstCallGuard:
@@ -297,6 +317,7 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
                 # starter's is Q8_0), and 4 bits there cost more than anywhere else
                 setattr(module, child_name, Int8Linear(child) if child is head else make(child))
     model.config.tie_word_embeddings = False  # the head is its own tensor now
+    build_kernel_soon(model)
     return model
 
 
