@@ -168,11 +168,9 @@ def test_inductor_compiles_with_openmp_and_equals_eager(bare_home, tmp_path):
     assert out["kmpc"], "no kernel calls __kmpc_fork_call: compiled without OpenMP"
 
 
-def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_from(tmp_path, monkeypatch):
-    """Python.h made again (as a new venv or app at the same path makes it: the same text, a new
-    file) names a new folder; the same files name the same one. Inductor's own folder, one under
-    /tmp for the machine keyed by the text, gave the new files the old header, and clang failed
-    every compile ("redefinition of 'capacity_in_bytes'")."""
+def headers_chain(tmp_path: Path, monkeypatch):
+    """A system toolchain whose Python.h is in ``tmp_path``, with kvchat's cache there too, and
+    inductor's header folder put back after the test."""
     from torch._inductor import codecache
 
     from kvchat.engine import toolchain
@@ -183,7 +181,20 @@ def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_fro
     include = tmp_path / "include"
     include.mkdir()
     (include / "Python.h").write_text("/* the same text */\n")
-    chain = toolchain.Toolchain("gcc", "g++", False, include)
+    return toolchain.Toolchain("gcc", "g++", False, include)
+
+
+def test_the_precompiled_headers_folder_is_named_after_the_files_it_is_built_from(tmp_path, monkeypatch):
+    """Python.h made again (as a new venv or app at the same path makes it: the same text, a new
+    file) names a new folder; the same files name the same one. Inductor's own folder, one under
+    /tmp for the machine keyed by the text, gave the new files the old header, and clang failed
+    every compile ("redefinition of 'capacity_in_bytes'")."""
+    from torch._inductor import codecache
+
+    from kvchat.engine import toolchain
+
+    chain = headers_chain(tmp_path, monkeypatch)
+    include = chain.python_include
     first = toolchain.own_precompiled_headers(chain)
     assert toolchain.own_precompiled_headers(chain) == first and first.parent == tmp_path / "cache" / "inductor-headers"
     assert (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR) == (str(first), str(first / "locks"))
@@ -197,17 +208,9 @@ def test_headers_folders_no_install_used_for_two_weeks_are_removed(tmp_path, mon
     """Every reinstall named a new folder and left the old one (35-150 MB). A folder in use is
     touched at each choice; one untouched for two weeks goes, a younger one stays (another
     install sharing the cache may compile with it now)."""
-    from torch._inductor import codecache
-
     from kvchat.engine import toolchain
 
-    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
-    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
-    monkeypatch.setattr(toolchain, "cache_dir", lambda: tmp_path / "cache")
-    include = tmp_path / "include"
-    include.mkdir()
-    (include / "Python.h").write_text("/* headers */\n")
-    chain = toolchain.Toolchain("gcc", "g++", False, include)
+    chain = headers_chain(tmp_path, monkeypatch)
     current = toolchain.own_precompiled_headers(chain)
     day = 86400
     old, young = current.parent / "old", current.parent / "young"
