@@ -77,7 +77,7 @@ def bench(app: list[str], env: dict, cwd: Path, log: Path) -> dict:
     notes = [n for n in out.get("notes", []) if EAGER_NOTICE in n]
     if notes or "compiled" not in out.get("paths", {}):
         raise CompileCheckFailed(f"bench decode did not compile the step: {notes or out.get('paths')}")
-    if "did not build" in (out.get("int8_products") or ""):  # the .cpp left out, or no compiler for it
+    if "did not build" in (out.get("int8_products") or ""):  # the .cpp left out, or a compile error
         raise CompileCheckFailed(f"bench decode: {out['int8_products']} ({log})")
     return out
 

@@ -131,9 +131,17 @@ def test_packed_weights_before_the_kernel_is_built_run_inductors_product_in_slic
 
 
 def test_packed_weights_without_the_kernel_compile_to_inductors_batch_product(monkeypatch):
+    """Where the kernel is not built, a compiled step's product is inductor's, reading the packed
+    codes in its graph (the unpacking traced with it), and never the op."""
     monkeypatch.setattr(int8_rows, "built", False)
     q = weights.Int8Linear(torch.nn.Linear(96, 64, bias=False), packed=True)
     x = torch.randn(5, 96)
+    graphs = []
+    torch.compile(q, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(x)
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert torch.ops.kvchat.rows_as_they_are.default in targets and torch.ops.kvchat.int8_rows not in targets
+    placeholders = [node for node in graphs[0].graph.nodes if node.op == "placeholder"]
+    assert [p.meta["example_value"].dim() for p in placeholders].count(4) == 1  # the packed codes, read as they are
     torch.testing.assert_close(torch.compile(q, fullgraph=True)(x), x @ q.weight_as(torch.float32).T,
                                atol=1e-5, rtol=1e-5)
 
@@ -145,8 +153,9 @@ def test_an_int8_load_builds_the_kernel_on_its_own_thread(kernel, monkeypatch):
 
     from tiny_models import tiny_model
 
-    for name, value in (("built", False), ("_lib", None), ("_failed", False)):
+    for name, value in (("built", False), ("_lib", None), ("failed", False)):
         monkeypatch.setattr(int8_rows, name, value)
+    monkeypatch.setattr(weights, "_ready_twins", {})  # the warm-up below fills it
     model = weights.quantize_linears(tiny_model("llama"), "int8")
     assert all(m.packed for m in model.modules() if isinstance(m, weights.Int8Linear))
     for builder in [t for t in threading.enumerate() if t.name == "kvchat-int8-kernel"]:

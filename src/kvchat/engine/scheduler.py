@@ -76,6 +76,7 @@ class Scheduler:
         for job in decoding:  # the batch's blocks first: a prefill that finds the pool full waits
             if job.phase == DECODE:  # not preempted for one before it
                 self._guard(job, self.reserve, job, len(job.seq))
+        self.retire()  # one that could not fit even alone gives its blocks back before the prefill
         # the prefill chunk before the batch's token: a request that comes while others decode
         # waits for one forward less for its first token (bench api, 7 decoding: 2.10x an idle
         # TTFT with the chunk after, 1.37x with it before), and the others still get a token a step

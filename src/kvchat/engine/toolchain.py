@@ -178,8 +178,19 @@ def _prune_headers(current: Path) -> None:
     """Marks ``current`` as used now and removes the folders no install has used for two weeks
     (35 MB each with zig's clang, 150 MB with g++; every reinstall leaves one). Not at once: two
     installs may share this cache, and the other one may be compiling with its header now."""
-    current.mkdir(parents=True, exist_ok=True)
-    os.utime(current)
+    try:
+        if not current.is_dir():
+            current.mkdir(parents=True)
+            # made again after another install pruned it: inductor's cached path to a header
+            # there is gone with it
+            from torch._inductor import codecache
+
+            made = getattr(codecache, "_precompile_header", None)
+            if hasattr(made, "cache_clear"):
+                made.cache_clear()
+        os.utime(current)
+    except OSError:  # pruned by another install just now: inductor makes it again
+        return
     now = time.time()
     for folder in current.parent.iterdir():
         try:

@@ -24,7 +24,8 @@ KVCHAT_ISA static void quantize(const float* x, int64_t k, int16_t* q, float* sc
         const float* v = x + g * GROUP;
         __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        __m512 inv = _mm512_set1_ps(top > 1e-30f ? 32767.0f / top : 0.0f);  // 32767 / tinier overflows
+        // 32767 / top overflows below about 1e-34: a margin, as the twin's
+        __m512 inv = _mm512_set1_ps(top > 1e-30f ? 32767.0f / top : 0.0f);
         // round to nearest even, as torch.round in the twin
         _mm256_storeu_si256((__m256i*)(q + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
         _mm256_storeu_si256((__m256i*)(q + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
@@ -68,6 +69,7 @@ static const tile_fn TILES[ROWS + 1] = {0, tile<1>, tile<2>, tile<3>, tile<4>, t
 extern "C" KVCHAT_ISA int kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws,
                                            int64_t n, float* out, int threads) {
     const int64_t groups = k / GROUP;
+    if (m == 0) return 0;  // malloc(0) may be NULL
     int16_t* q = (int16_t*)malloc(sizeof(int16_t) * m * k);
     float* qs = (float*)malloc(sizeof(float) * m * groups);
     if (!q || !qs) {  // out of memory: the caller raises

@@ -8,8 +8,8 @@ multiply-adds an instruction). It needs that instruction set and a C++ compiler 
 up by ``engine.toolchain``); without them the weights keep the row-major layout and inductor's
 product.
 
-``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built (on the
-compile thread, ``build``), it runs the twin.
+``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built
+(``build``, on a thread of the engine's from a model's load on), it runs the twin.
 """
 import ctypes
 import functools
@@ -57,7 +57,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = x.float().view(x.shape[0], -1, GROUP)
     top = groups.abs().amax(-1, keepdim=True)
     # a true division, as the kernel's (``32767 / top`` is a reciprocal and a product in torch);
-    # below 1e-30 the group is 0 (32767 / top would overflow to inf, and 0 * inf is NaN)
+    # a group under 1e-30 is 0: 32767 / top overflows to inf below about 1e-34 (and 0 * inf is
+    # NaN); the margin costs nothing, as such rows are 0 at fp32's resolution anyway
     inv = torch.where(top > 1e-30, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
     codes = torch.round(groups * inv).clamp(-32767, 32767)
     return codes.view(x.shape[0], -1), (top / 32767).squeeze(-1)
@@ -75,18 +76,18 @@ def twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 _lib = None  # the kernel's entry point, once ``build`` succeeded
 built = False  # a plain bool, which a compiled step's guard can check
-_failed = False
+failed = False
 
 
 def build() -> bool:
     """Compile and load the kernel once, with inductor's compiler and caches as the caller set them
-    up (a few seconds, then from the disk cache). Call on a thread that may wait: the compile
-    thread. False where it cannot run here."""
-    global _lib, built, _failed
-    if built or _failed:
+    up (a few seconds, then from the disk cache), on a thread that may wait. False where it cannot
+    run here."""
+    global _lib, built, failed
+    if built or failed:
         return built
     if not cpu_supported():
-        _failed = True
+        failed = True
         return False
     try:
         from torch._inductor.codecache import CppCodeCache
@@ -99,7 +100,7 @@ def build() -> bool:
         _lib, built = fn, True
     except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
         log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
-        _failed = True
+        failed = True
     return built
 
 
@@ -115,11 +116,10 @@ def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     rows = x.float().contiguous()
     m, k = rows.shape
     n = packed.shape[0] * TILE
-    # the kernel trusts these: a wrong k reads past the codes, fp32 scales read as garbage
-    if (packed.dtype != torch.int8 or scales.dtype != torch.bfloat16 or k % GROUP or packed.shape[1:] != (k // 2, TILE, 2)
-            or scales.shape != (packed.shape[0], k // GROUP, TILE) or not (packed.is_contiguous() and scales.is_contiguous())):
-        raise ValueError(f"int8_rows: rows of {k} against codes {tuple(packed.shape)} {packed.dtype} and scales "
-                         f"{tuple(scales.shape)} {scales.dtype}, not the layout of pack()")
+    # what the kernel trusts: a wrong k reads past the codes, fp32 scales (a module's .float())
+    # read as garbage. The full check is the fake's, once at a trace; this one runs every call
+    if packed.shape[1] * 2 != k or scales.dtype != torch.bfloat16:
+        _check(rows, packed, scales)
     if _lib is None:
         return twin(rows, packed, scales)
     out = torch.empty(m, n, dtype=torch.float32)
@@ -131,6 +131,17 @@ def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
 _library.impl("int8_rows", int8_rows, "CPU")
 
 
+def _check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    k = x.shape[-1]
+    if (x.dim() != 2 or packed.dtype != torch.int8 or scales.dtype != torch.bfloat16 or k % GROUP
+            or packed.dim() != 4 or packed.shape[1:] != (k // 2, TILE, 2)
+            or scales.shape != (packed.shape[0], k // GROUP, TILE)
+            or not (packed.is_contiguous() and scales.is_contiguous())):
+        raise ValueError(f"int8_rows: rows of {k} against codes {tuple(packed.shape)} {packed.dtype} and scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, not the layout of pack()")
+
+
 @torch.library.register_fake("kvchat::int8_rows")
 def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    _check(x, packed, scales)
     return x.new_empty(x.shape[0], packed.shape[0] * TILE, dtype=torch.float32)

@@ -8,6 +8,8 @@ it is (a lookup reads one row); the output head gets its own quantized copy.
 """
 import functools
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -204,7 +206,7 @@ def _build_kernel() -> None:
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
     with _build_lock:  # the load's thread and the compile thread: one builds, the other waits
-        if int8_rows.built:
+        if int8_rows.built or int8_rows.failed:
             return
         why = cpu_compile_missing()
         if why is not None:
@@ -216,12 +218,27 @@ def _build_kernel() -> None:
             log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
 
 
+def _build_in_background() -> None:
+    # niced as the compile child is: its compiler (which inherits this) shares two cores with a
+    # first prefill (a compile started before one made a first token 5.9 s, scheduler.py)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+    try:
+        _build_kernel()
+    except Exception:  # noqa: BLE001 - the compile thread's warm-up tries again
+        if not sys.is_finalizing():
+            log.exception("building the int8 kernel failed")
+
+
 def build_kernel_soon(model: nn.Module) -> None:
     """Build the int8 kernel on a thread of its own from a model's load on: with a compile child,
     the compile thread's warm-up comes only once the child's graph is done (minutes on a first
     start), and the eager steps until then ran inductor's product over unpacked copies."""
-    if not int8_rows.built and any(isinstance(m, Int8Linear) and m.packed for m in model.modules()):
-        threading.Thread(target=_build_kernel, name="kvchat-int8-kernel", daemon=True).start()
+    if not (int8_rows.built or int8_rows.failed) and any(isinstance(m, Int8Linear) and m.packed
+                                                          for m in model.modules()):
+        threading.Thread(target=_build_in_background, name="kvchat-int8-kernel", daemon=True).start()
 
 
 class _FirstCallGuard:
