@@ -229,7 +229,7 @@ def _machine(dev: torch.device) -> str:
 
 def int8_products(model) -> str | None:
     """What ran the int8 weights' products (None: no int8 weights)."""
-    from kvchat.engine.model.weights import _build_kernel
+    from kvchat.engine.model.weights import build_kernel
     from kvchat.kernels import int8_rows
 
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
@@ -237,7 +237,7 @@ def int8_products(model) -> str | None:
         return None
     if not any(m.packed for m in linears):
         return "inductor's (no AVX-512 VNNI, no compiler, or shapes the kernel does not take)"
-    _build_kernel()  # waits for the load's build: a --paths transformers run never warms up
+    build_kernel()  # waits for the load's build: a --paths transformers run never warms up
     return "kvchat's int8_rows kernel" if int8_rows.built else "inductor's (the int8 kernel did not build)"
 
 

@@ -50,7 +50,6 @@ class Int8Linear(nn.Module):
         scale = scale.to(torch.bfloat16)  # exact: the codes were made against these
         if packed is None:
             packed = w.device.type == "cpu" and _kernel_can_run(n, k)
-        self.packed = packed
         if packed:
             codes, scale = int8_rows.pack(codes, scale)
         self.register_buffer("qweight", codes)
@@ -58,9 +57,10 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = k, n
 
-    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes ``[n, k]`` and scales ``[n, k/32]`` row-major (copies of a packed layout)."""
-        return int8_rows.unpack(self.qweight, self.scales) if self.packed else (self.qweight, self.scales)
+    @property
+    def packed(self) -> bool:
+        """In the kernel's layout (``int8_rows.pack``), which every path here reads by its 4 dims."""
+        return self.qweight.dim() == 4
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         return _dequantized(self.qweight, self.scales, dtype)
@@ -181,7 +181,7 @@ def warm_up(model: nn.Module) -> None:
             shapes.setdefault(module.qweight.shape, module)
     dtype = next(model.parameters()).dtype
     if any(m.packed for m in shapes.values()):
-        _build_kernel()
+        build_kernel()
     _warming.on = True
     try:
         for module in shapes.values():  # the kernel, where it is built, takes every row
@@ -202,7 +202,7 @@ def _kernel_can_run(n: int, k: int) -> bool:
 _build_lock = threading.Lock()
 
 
-def _build_kernel() -> None:
+def build_kernel() -> None:
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
     with _build_lock:  # the load's thread and the compile thread: one builds, the other waits
@@ -226,7 +226,7 @@ def _build_in_background() -> None:
     except (AttributeError, OSError):
         pass
     try:
-        _build_kernel()
+        build_kernel()
     except Exception:  # noqa: BLE001 - the compile thread's warm-up tries again
         if not sys.is_finalizing():
             log.exception("building the int8 kernel failed")
