@@ -3,7 +3,11 @@ import pytest
 import torch
 
 from kvchat.engine.model import weights
-from kvchat.kernels import int8_rows
+from kvchat.kernels import cpu_isa, int8_rows
+
+# every variant this CPU executes: an AVX-512 machine runs all three, so what AVX2 and AVX-VNNI
+# desktops get is tested here too
+ISAS = cpu_isa.available()
 
 
 def codes_and_scales(n, k, seed=0):
@@ -19,15 +23,23 @@ def dequantized(codes, scales):
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def built():
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
-    if not int8_rows.cpu_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI: the kernel is never used here")
+    if not ISAS:
+        pytest.skip("this CPU runs none of the kernel's variants (x86-64 with AVX2 and up)")
     assert cpu_compile_missing() is None  # kvchat's toolchain travels with it: a compiler is always here
     use_disk_cache()
     assert int8_rows.build()
-    return torch.ops.kvchat.int8_rows
+    return int8_rows.isa
+
+
+@pytest.fixture(params=ISAS or ["none"])
+def kernel(built, request):
+    """The op, running each variant in turn; the build's own choice again afterwards."""
+    int8_rows.use(request.param)
+    yield torch.ops.kvchat.int8_rows
+    int8_rows.use(built)
 
 
 def test_pack_and_unpack_are_inverse():
@@ -74,7 +86,48 @@ def test_each_row_equals_itself_computed_alone_bit_for_bit(kernel):
     assert torch.equal(together, torch.cat([kernel(x[i:i + 1], *packed) for i in range(11)]))
 
 
-def test_int8_layer_runs_the_kernel_in_a_compiled_graph_and_eagerly(kernel):
+def test_every_variant_gives_the_same_bits(built):
+    """AVX2, AVX-VNNI and AVX-512 VNNI: exact integer sums, the same float steps per lane."""
+    codes, scales = codes_and_scales(80, 352, seed=7)
+    packed = int8_rows.pack(codes, scales)
+    x = torch.randn(13, 352) * 5
+    x[2, 32:64] = 0  # a group of zeros: scale 0
+    x[4, :32] *= 1e4  # a group whose top code saturates nothing
+    outs = {}
+    try:
+        for isa in ISAS:
+            int8_rows.use(isa)
+            outs[isa] = torch.ops.kvchat.int8_rows(x, *packed)
+    finally:
+        int8_rows.use(built)
+    assert len(outs) == len(ISAS) >= 1
+    first = outs[ISAS[0]]
+    torch.testing.assert_close(first, int8_rows.twin(x, *packed), atol=1e-3, rtol=1e-5)
+    for isa in ISAS[1:]:
+        assert torch.equal(outs[isa], first), isa
+
+
+def test_the_override_picks_the_variant_and_refuses_what_the_cpu_cannot_run(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv(cpu_isa.OVERRIDE, raising=False)
+    assert cpu_isa.chosen() == (ISAS[-1] if ISAS else None)
+    for isa in ISAS:
+        monkeypatch.setenv(cpu_isa.OVERRIDE, isa)
+        assert cpu_isa.chosen() == isa and cpu_isa.override_problem() is None
+    monkeypatch.setenv(cpu_isa.OVERRIDE, "sse9")
+    assert cpu_isa.chosen() is None and "not one of avx2, avx_vnni, avx512_vnni" in cpu_isa.override_problem()
+    monkeypatch.delenv(cpu_isa.OVERRIDE)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # torch's cap alone: no 512-bit kernel either
+    assert cpu_isa.chosen() == ([i for i in ISAS if i != "avx512_vnni"] or [None])[-1]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cpu_isa.chosen() is None
+    missing = [isa for isa in cpu_isa.ISAS if not cpu_isa.runs(isa)]
+    if missing:  # a CPU without AVX-512: the override cannot pretend it has it
+        monkeypatch.setenv(cpu_isa.OVERRIDE, missing[-1])
+        assert cpu_isa.chosen() is None and "cannot run" in cpu_isa.override_problem()
+
+
+def test_int8_layer_runs_the_kernel_in_a_compiled_graph_and_eagerly(built):
     layer = torch.nn.Linear(96, 64, bias=True)
     q = weights.Int8Linear(layer, packed=True)
     assert q.packed and q.qweight.shape == (4, 48, 16, 2)
@@ -146,7 +199,7 @@ def test_packed_weights_without_the_kernel_compile_to_inductors_batch_product(mo
                                atol=1e-5, rtol=1e-5)
 
 
-def test_an_int8_load_builds_the_kernel_on_its_own_thread(kernel, monkeypatch):
+def test_an_int8_load_builds_the_kernel_on_its_own_thread(built, monkeypatch):
     """From the load on, not only from the compile thread's warm-up (which a compile child holds
     back for minutes on a first start): eager steps get the kernel within seconds."""
     import threading

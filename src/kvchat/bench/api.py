@@ -142,13 +142,18 @@ def bench_api(model: str = "starter", remote: str | None = None, api_key: str | 
     else:
         base, engine = _local_server(model, decode, clients)
         url, target = base + "/v1", f"kvchat serve ({engine.loaded.source.label}, in this process)"
+    build = {}
+    if engine is not None and engine.loaded.device.type == "cpu":
+        from kvchat.bench.engine import cpu_build
+
+        build = {"cpu_build": cpu_build(engine.loaded.model)}
     try:
         result = asyncio.run(_run(url, api_key, remote_model, clients, max_tokens))
         persona = _persona(url, api_key, remote_model)
     finally:
         if engine is not None:
             engine.close()
-    return {"target": target, "clients": clients, "max_tokens": max_tokens, **result, **persona}
+    return {"target": target, "clients": clients, "max_tokens": max_tokens, **build, **result, **persona}
 
 
 def _persona(url: str, api_key: str | None, model: str | None) -> dict:
@@ -183,6 +188,10 @@ def report(result: dict, as_json: bool) -> None:
         return
     r = result
     print(f"bench api: {r['target']}", file=sys.stderr)
+    if r.get("cpu_build"):
+        from kvchat.bench.engine import describe_cpu_build
+
+        print(describe_cpu_build(r["cpu_build"]))
     print(f"streamed requests of {r['max_tokens']} greedy tokens, sent at once by N clients")
     print(f"  {'clients':>7}  {'decode tok/s':>12}  {'TTFT p50':>9}  {'TTFT p95':>9}")
     for s in r["sweep"]:

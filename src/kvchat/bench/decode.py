@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvchat.bench.engine import cpu_build, describe_cpu_build, machine
 from kvchat.core.config import Precision
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.kv.manager import Sequence
@@ -211,7 +212,8 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
                                     + mean_context * bytes_per_token(shape, Precision.FP16, kv_dtype(reference).itemsize))
         result["paths"][path] = {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": d,
                                  "roofline_fraction": d / roofline}
-    result["int8_products"] = int8_products(lm.model)
+    if dev.type == "cpu":
+        result["cpu_build"] = cpu_build(lm.model)
     ours = result["paths"]
     if "eager" in ours and "compiled" in ours:
         result["compiled_vs_eager"] = ours["compiled"]["decode_tok_s"] / ours["eager"]["decode_tok_s"]
@@ -222,23 +224,7 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
 
 
 def _machine(dev: torch.device) -> str:
-    from kvchat.bench.engine import machine
-
     return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}" if dev.type == "cuda" else machine()
-
-
-def int8_products(model) -> str | None:
-    """What ran the int8 weights' products (None: no int8 weights)."""
-    from kvchat.engine.model.weights import build_kernel
-    from kvchat.kernels import int8_rows
-
-    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    if not linears:
-        return None
-    if not any(m.packed for m in linears):
-        return "inductor's (no AVX-512 VNNI, no compiler, or shapes the kernel does not take)"
-    build_kernel()  # waits for the load's build: a --paths transformers run never warms up
-    return "kvchat's int8_rows kernel" if int8_rows.built else "inductor's (the int8 kernel did not build)"
 
 
 def report(r: dict, as_json: bool) -> None:
@@ -261,7 +247,7 @@ def report(r: dict, as_json: bool) -> None:
             print(f"  {key.replace('_', ' ')}: {r[key]:.2f}x")
     if "compiled_tokens_equal_eager" in r:
         print(f"  compiled greedy tokens equal eager's: {r['compiled_tokens_equal_eager']}")
-    if r.get("int8_products"):
-        print(f"  int8 products: {r['int8_products']}")
+    if r.get("cpu_build"):
+        print(f"  {describe_cpu_build(r['cpu_build'])}")
     for note in r.get("notes", []):
         print(f"  note: {note}")

@@ -13,6 +13,41 @@ from kvchat.core.events import Request
 from kvchat.engine.model.loading import load
 
 
+def cpu_build(model=None) -> dict:
+    """What a CPU speed figure depends on beside the machine: the instruction sets of kvchat's
+    kernels, ATen and inductor; the compiler and OpenMP runtime that build the compiled step and
+    the kernels; and, given a model, what ran its int8 products."""
+    from kvchat.engine import toolchain
+    from kvchat.kernels import cpu_isa
+
+    info = {"isa": cpu_isa.describe(), **toolchain.describe()}
+    if model is not None:
+        info["int8_products"] = int8_products(model)
+    return info
+
+
+def int8_products(model) -> str | None:
+    """What ran the int8 weights' products (None: no int8 weights)."""
+    from kvchat.engine.model.weights import Int8Linear, build_kernel
+    from kvchat.kernels import int8_rows
+
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if not linears:
+        return None
+    if not any(m.packed for m in linears):
+        return "inductor's (no AVX2 kernel for this CPU, no compiler, or shapes the kernel does not take)"
+    build_kernel()  # waits for the load's build: a --paths transformers run never warms up
+    return f"kvchat's int8_rows kernel ({int8_rows.isa})" if int8_rows.built else \
+        "inductor's (the int8 kernel did not build)"
+
+
+def describe_cpu_build(info: dict) -> str:
+    isa = info["isa"]
+    line = (f"ISA: kvchat {isa['kvchat']}, ATen {isa['aten']}, inductor {isa.get('inductor', '?')}; "
+            f"compiler {info['compiler']}, OpenMP {info['openmp']}")
+    return line + (f"; int8 products: {info['int8_products']}" if info.get("int8_products") else "")
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"

@@ -298,6 +298,11 @@ def main(argv=None) -> int:
     if args.command is None:
         args = parser().parse_args(["chat"])
     try:
+        if os.environ.get("KVCHAT_CPU_ISA"):  # torch only where a developer set the override
+            from kvchat.kernels.cpu_isa import override_problem
+
+            if (problem := override_problem()) is not None:
+                raise ConfigError(problem)
         return {"chat": cmd_chat, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
                 "eval": cmd_eval, "plan": cmd_plan, "prepare": cmd_prepare, "connections": cmd_connections}[command](args)
     except (ModelError, EngineError, ConfigError) as e:

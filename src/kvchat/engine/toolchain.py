@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -255,3 +256,18 @@ def configure() -> tuple[Toolchain | None, str | None]:
             log.info("Triton's build.impl not set (%s); it uses CC", e)
     log.info("compiling with kvchat's own toolchain: %s", chain.cxx)
     return chain, None
+
+
+def describe() -> dict:
+    """The compiler and OpenMP runtime that build the compiled step and the CPU kernels here, for
+    a bench's report (what a speed figure depends on beside the ISA)."""
+    chain, why = configure()
+    if chain is None:
+        return {"compiler": "none", "openmp": "none", "why": why}
+    try:
+        run = subprocess.run([chain.cxx, "--version"], capture_output=True, text=True, timeout=30)
+        version = (run.stdout.splitlines() or ["?"])[0].strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        version = f"? ({e})"
+    origin = "bundled zig clang" if chain.bundled else "the system's"
+    return {"compiler": f"{version} ({origin})", "openmp": "LLVM libomp" if chain.libomp else "GNU libgomp"}

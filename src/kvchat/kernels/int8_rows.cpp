@@ -2,30 +2,43 @@
 // in groups of 32 along k, one bf16 scale per group: kvchat's CPU weight format.
 //
 // Why its own kernel: a product with 8 rows does 8 multiply-adds per weight read, so it is bound
-// by arithmetic, not by reading the weights. In fp32 each weight is first widened to a float;
-// here the activations are rounded to int16 per group of 32 (one fp32 scale each, 15 bits, far
-// finer than the weights' 8) and vpdpwssd does 32 integer multiply-adds per instruction.
+// by arithmetic, not by reading the weights; and one row through inductor's int8-to-float loops
+// depends on how the compiler vectorises them (g++ on AVX2 ran them 5x slower than clang). Here
+// the activations are rounded to int16 per group of 32 (one fp32 scale each, 15 bits, far finer
+// than the weights' 8) and the products are integer multiply-adds.
+//
+// One kernel per x86-64 instruction set, chosen at run time by the caller (int8_rows.py), as
+// ggml-cpu does: AVX-512 VNNI (vpdpwssd on zmm, 16 outputs a register), AVX-VNNI (vpdpwssd on
+// ymm) and AVX2 (vpmaddwd + vpaddd on ymm), 8 outputs a register for the last two. Each function
+// carries its own target attribute, so one build holds all three whatever the build's flags.
 //
 // Layouts (made by int8_rows.py's pack): codes [N/16][K/2][16][2], so one 32-byte load is 16
-// outputs by 2 k, which vpdpwssd pairs with a broadcast of the row's 2 k; scales [N/16][K/32][16].
-// Each row's sums run in the same order whatever rows share the call: a batch's rows equal the
-// rows computed alone, bit for bit.
+// outputs by 2 k, which the dot instruction pairs with a broadcast of the row's 2 k (a ymm kernel
+// takes it as two 16-byte halves: outputs 0-7 and 8-15); scales [N/16][K/32][16].
+// The integer sums are exact and each lane's float steps are the same in every variant, so the
+// three give the same bits; and each row's sums run in the same order whatever rows share the
+// call: a batch's rows equal the rows computed alone, bit for bit.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define KVCHAT_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define KVCHAT_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define KVCHAT_AVX_VNNI __attribute__((target("avx2,fma,avxvnni")))
+#define KVCHAT_AVX2 __attribute__((target("avx2,fma")))
 
-static const int TILE = 16, GROUP = 32, ROWS = 8;
+enum { ISA_AVX2 = 0, ISA_AVX_VNNI = 1, ISA_AVX512_VNNI = 2 };
+static const int TILE = 16, GROUP = 32, ROWS_512 = 8, ROWS_256 = 4;
 
-KVCHAT_ISA static void quantize(const float* x, int64_t k, int16_t* q, float* scale) {
+// 32767 / top overflows below about 1e-34: a margin, as the twin's
+static inline float inverse(float top) { return top > 1e-30f ? 32767.0f / top : 0.0f; }
+
+KVCHAT_AVX512_VNNI static void quantize_512(const float* x, int64_t k, int16_t* q, float* scale) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float* v = x + g * GROUP;
         __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        // 32767 / top overflows below about 1e-34: a margin, as the twin's
-        __m512 inv = _mm512_set1_ps(top > 1e-30f ? 32767.0f / top : 0.0f);
+        __m512 inv = _mm512_set1_ps(inverse(top));
         // round to nearest even, as torch.round in the twin
         _mm256_storeu_si256((__m256i*)(q + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
         _mm256_storeu_si256((__m256i*)(q + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
@@ -33,41 +46,136 @@ KVCHAT_ISA static void quantize(const float* x, int64_t k, int16_t* q, float* sc
     }
 }
 
+KVCHAT_AVX2 static void quantize_256(const float* x, int64_t k, int16_t* q, float* scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float* v = x + g * GROUP;
+        __m256 a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(v + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        __m256 inv = _mm256_set1_ps(inverse(top));
+        for (int i = 0; i < 4; i += 2) {
+            __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv)), hi = _mm256_cvtps_epi32(_mm256_mul_ps(a[i + 1], inv));
+            // packs works within 128-bit lanes: the permute puts the 16 values back in order
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i*)(q + g * GROUP + 8 * i), packed);
+        }
+        scale[g] = top / 32767.0f;
+    }
+}
+
+// A dot instruction waits for its accumulator's last one (about 5 cycles): with one row, one
+// chain of them held a core to 19 GB/s of weights. Fewer rows get more chains, summed at the
+// group's end (integer sums: the order changes nothing).
+#define CHAINS_512(R) ((R) >= 4 ? 1 : (R) >= 2 ? 2 : 4)
+#define CHAINS_256(R) ((R) >= 2 ? 1 : 2)
+
 template <int R>
-KVCHAT_ISA static void tile(const int16_t* q, const float* qs, int64_t k, const int8_t* w, const uint16_t* ws,
-                            float* out, int64_t n) {
+KVCHAT_AVX512_VNNI static void tile_512(const int16_t* q, const float* qs, int64_t k, const int8_t* w,
+                                        const uint16_t* ws, float* out, int64_t n) {
     const int64_t groups = k / GROUP;
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[R];
-        for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+        __m512i sums[R][CHAINS_512(R)];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < CHAINS_512(R); c++) sums[r][c] = _mm512_setzero_si512();
         const int8_t* wg = w + g * GROUP * TILE;
         for (int p = 0; p < GROUP / 2; p++) {
             __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wg + p * 2 * TILE)));
             for (int r = 0; r < R; r++) {
                 int32_t xs2;
                 __builtin_memcpy(&xs2, q + r * k + g * GROUP + 2 * p, 4);
-                sums[r] = _mm512_dpwssd_epi32(sums[r], pair, _mm512_set1_epi32(xs2));
+                __m512i& sum = sums[r][p % CHAINS_512(R)];
+                sum = _mm512_dpwssd_epi32(sum, pair, _mm512_set1_epi32(xs2));
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int c = 1; c < CHAINS_512(R); c++) sums[r][0] = _mm512_add_epi32(sums[r][0], sums[r][c]);
         // bf16 to fp32: the bf16 bits are the float's top half
         __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ws + g * TILE))), 16));
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(qs[r * groups + g])),
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), _mm512_set1_ps(qs[r * groups + g])),
                                      scale, acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * n, acc[r]);
 }
 
+// The ymm kernels differ only in their dot instruction. vpmaddwd's pair sums cannot overflow here
+// (weights within +-127), so adding them equals vpdpwssd's fused sum.
+#define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(w, x))
+#define DOT_AVX_VNNI(sum, w, x) _mm256_dpwssd_avx_epi32(sum, w, x)
+#define TILE_256(NAME, ISA, DOT)                                                                                  \
+    template <int R>                                                                                              \
+    ISA static void NAME(const int16_t* q, const float* qs, int64_t k, const int8_t* w, const uint16_t* ws,        \
+                         float* out, int64_t n) {                                                                 \
+        const int64_t groups = k / GROUP;                                                                         \
+        __m256 acc[R][2];                                                                                         \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                  \
+        for (int64_t g = 0; g < groups; g++) {                                                                    \
+            __m256i sums[R][2][CHAINS_256(R)];                                                                    \
+            for (int r = 0; r < R; r++)                                                                           \
+                for (int c = 0; c < CHAINS_256(R); c++) sums[r][0][c] = sums[r][1][c] = _mm256_setzero_si256();   \
+            const int8_t* wg = w + g * GROUP * TILE;                                                              \
+            for (int p = 0; p < GROUP / 2; p++) {                                                                 \
+                __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + p * 2 * TILE)));          \
+                __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + p * 2 * TILE + TILE)));   \
+                const int c = p % CHAINS_256(R);                                                                  \
+                for (int r = 0; r < R; r++) {                                                                     \
+                    int32_t xs2;                                                                                  \
+                    __builtin_memcpy(&xs2, q + r * k + g * GROUP + 2 * p, 4);                                     \
+                    __m256i x = _mm256_set1_epi32(xs2);                                                           \
+                    sums[r][0][c] = DOT(sums[r][0][c], lo, x);                                                    \
+                    sums[r][1][c] = DOT(sums[r][1][c], hi, x);                                                    \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int r = 0; r < R; r++)                                                                           \
+                for (int c = 1; c < CHAINS_256(R); c++)                                                           \
+                    for (int h = 0; h < 2; h++) sums[r][h][0] = _mm256_add_epi32(sums[r][h][0], sums[r][h][c]);   \
+            for (int h = 0; h < 2; h++) {                                                                         \
+                __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(                                             \
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(ws + g * TILE + 8 * h))), 16));        \
+                for (int r = 0; r < R; r++)                                                                       \
+                    acc[r][h] = _mm256_fmadd_ps(                                                                  \
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][h][0]), _mm256_set1_ps(qs[r * groups + g])), scale, \
+                        acc[r][h]);                                                                               \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < R; r++) {                                                                             \
+            _mm256_storeu_ps(out + r * n, acc[r][0]);                                                             \
+            _mm256_storeu_ps(out + r * n + 8, acc[r][1]);                                                         \
+        }                                                                                                         \
+    }
+
+TILE_256(tile_avx2, KVCHAT_AVX2, DOT_AVX2)
+TILE_256(tile_avx_vnni, KVCHAT_AVX_VNNI, DOT_AVX_VNNI)
+
 typedef void (*tile_fn)(const int16_t*, const float*, int64_t, const int8_t*, const uint16_t*, float*, int64_t);
-static const tile_fn TILES[ROWS + 1] = {0, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+typedef void (*quantize_fn)(const float*, int64_t, int16_t*, float*);
+struct Isa {
+    quantize_fn quantize;
+    int rows;  // a register block: as many rows as leave the sums and a weight pair in registers
+    tile_fn tiles[ROWS_512 + 1];
+};
+static const Isa ISAS[] = {
+    {quantize_256, ROWS_256, {0, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>}},
+    {quantize_256, ROWS_256, {0, tile_avx_vnni<1>, tile_avx_vnni<2>, tile_avx_vnni<3>, tile_avx_vnni<4>}},
+    {quantize_512, ROWS_512,
+     {0, tile_512<1>, tile_512<2>, tile_512<3>, tile_512<4>, tile_512<5>, tile_512<6>, tile_512<7>, tile_512<8>}},
+};
 
 // x [m, k] fp32; w, ws packed as above for n outputs; out [m, n] fp32. k % 32 == 0, n % 16 == 0.
-// Returns 0, or 1 when the rows' int16 copy could not be allocated.
-extern "C" KVCHAT_ISA int kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws,
-                                           int64_t n, float* out, int threads) {
+// isa: ISA_AVX2, ISA_AVX_VNNI or ISA_AVX512_VNNI, which the caller checked this CPU runs.
+// Returns 0, 1 when the rows' int16 copy could not be allocated, 2 for an unknown isa.
+extern "C" int kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws, int64_t n,
+                                float* out, int threads, int isa) {
+    if (isa < ISA_AVX2 || isa > ISA_AVX512_VNNI) return 2;
+    const Isa& f = ISAS[isa];
     const int64_t groups = k / GROUP;
     if (m == 0) return 0;  // malloc(0) may be NULL
     int16_t* q = (int16_t*)malloc(sizeof(int16_t) * m * k);
@@ -78,15 +186,15 @@ extern "C" KVCHAT_ISA int kvchat_int8_rows(const float* x, int64_t m, int64_t k,
         return 1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (m >= 16)
-    for (int64_t r = 0; r < m; r++) quantize(x + r * k, k, q + r * k, qs + r * groups);
-    const int64_t blocks = (m + ROWS - 1) / ROWS;
+    for (int64_t r = 0; r < m; r++) f.quantize(x + r * k, k, q + r * k, qs + r * groups);
+    const int64_t blocks = (m + f.rows - 1) / f.rows;
     // tiles outer: a thread's row blocks of one tile find its weights in L1
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t t = 0; t < n / TILE; t++) {
         for (int64_t b = 0; b < blocks; b++) {
-            int64_t r = b * ROWS, rows = m - r < ROWS ? m - r : ROWS;
-            TILES[rows](q + r * k, qs + r * groups, k, w + t * k * TILE, ws + t * groups * TILE,
-                        out + r * n + t * TILE, n);
+            int64_t r = b * f.rows, rows = m - r < f.rows ? m - r : f.rows;
+            f.tiles[rows](q + r * k, qs + r * groups, k, w + t * k * TILE, ws + t * groups * TILE,
+                          out + r * n + t * TILE, n);
         }
     }
     free(q);

@@ -2,21 +2,22 @@
 
 kvchat's int8 weights are groups of 32 codes along the input, one bf16 scale each. With 8 rows (a
 batched step) the product does 8 multiply-adds per weight it reads and is bound by arithmetic:
-inductor's fused fp32 loop ran the starter's products in 27-29 ms a step. The kernel rounds each
-row to int16 per group of 32 and multiplies in integers with AVX-512 VNNI (``vpdpwssd``, 32
-multiply-adds an instruction). It needs that instruction set and a C++ compiler (inductor's, set
-up by ``engine.toolchain``); without them the weights keep the row-major layout and inductor's
-product.
+inductor's fused fp32 loop ran the starter's products in 27-29 ms a step; and on AVX2 its one-row
+loops ran 5x slower built by g++ than by clang. The kernel rounds each row to int16 per group of
+32 and multiplies in integers: AVX-512 VNNI, AVX-VNNI or AVX2, whichever ``cpu_isa.chosen`` names
+(one build holds all three). It needs one of them and a C++ compiler (inductor's, set up by
+``engine.toolchain``); without them the weights keep the row-major layout and inductor's product.
 
 ``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built
 (``build``, on a thread of the engine's from a model's load on), it runs the twin.
 """
 import ctypes
-import functools
 import logging
 from pathlib import Path
 
 import torch
+
+from kvchat.kernels import cpu_isa
 
 log = logging.getLogger("kvchat.int8_rows")
 
@@ -25,12 +26,9 @@ GROUP = 32
 _SOURCE = Path(__file__).with_suffix(".cpp")
 
 
-@functools.cache
 def cpu_supported() -> bool:
-    """Does this CPU run the kernel (AVX-512 F/BW/VL/DQ and VNNI)?"""
-    get = getattr(torch.cpu, "get_capabilities", None)  # torch 2.11 and later
-    caps = get() if get is not None else {}
-    return all(caps.get(f, False) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni"))
+    """Does this CPU run one of the kernel's variants (AVX2 and up, or the override's)?"""
+    return cpu_isa.chosen() is not None
 
 
 def fits(n: int, k: int) -> bool:
@@ -77,6 +75,16 @@ def twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.T
 _lib = None  # the kernel's entry point, once ``build`` succeeded
 built = False  # a plain bool, which a compiled step's guard can check
 failed = False
+isa = None  # the variant every call runs: cpu_isa.chosen() at the build, or use()'s
+_isa_index = -1
+
+
+def use(name: str) -> None:
+    """Run ``name``'s variant from now on (the tests run each ISA this CPU executes)."""
+    global isa, _isa_index
+    if not cpu_isa.runs(name):
+        raise ValueError(f"int8_rows: this CPU cannot run {name}")
+    isa, _isa_index = name, cpu_isa.ISAS.index(name)
 
 
 def build() -> bool:
@@ -89,6 +97,7 @@ def build() -> bool:
     if not cpu_supported():
         failed = True
         return False
+    use(cpu_isa.chosen())
     try:
         from torch._inductor.codecache import CppCodeCache
 
@@ -96,7 +105,7 @@ def build() -> bool:
         fn = lib.kvchat_int8_rows
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _lib, built = fn, True
     except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
         log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
@@ -123,8 +132,11 @@ def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     if _lib is None:
         return twin(rows, packed, scales)
     out = torch.empty(m, n, dtype=torch.float32)
-    if _lib(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"int8_rows: no memory for {m} rows of {k} int16 values")
+    status = _lib(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
+                  torch.get_num_threads(), _isa_index)
+    if status:
+        raise (MemoryError(f"int8_rows: no memory for {m} rows of {k} int16 values") if status == 1
+               else ValueError(f"int8_rows: no variant {isa!r}"))
     return out
 
 
