@@ -205,3 +205,16 @@ def test_clients_hanging_up_mid_body_leave_one_log_line_not_a_traceback_each(ser
     text = log.read_text()
     print(f"\n200 clients hung up mid-body: the log holds {len(text)} bytes")
     assert "Traceback" not in text and text.count("hung up while sending its body") <= 1, text[-2000:]
+
+
+def test_two_hundred_thousand_one_character_messages_are_refused_and_the_next_request_is_served(server):
+    """A 5.9 MiB body of one-character messages, under the body limit: before the cap, the trim
+    (quadratic in the count) held the engine thread for minutes and every other client with it."""
+    url, _, _ = server
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(200_000)]
+    reply = send(url, "chat/completions", json.dumps({"messages": messages, "max_tokens": 1}).encode())
+    assert reply.status_code == 400, reply.text
+    assert "2048" in reply.json()["error"]["message"], reply.text
+    after = send(url, "chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 1, "temperature": 0}).encode())
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 1, after.text

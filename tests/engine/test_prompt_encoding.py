@@ -2,8 +2,10 @@
 the same tokens as rendering prefix by prefix, and a trim that re-encodes once."""
 import pytest
 
-from kvchat.engine.chat import ChatFormatter
-from kvchat.engine.prompt import drop_to_fit
+import random
+
+from kvchat.engine.chat import ChatFormatter, Stopped
+from kvchat.engine.prompt import drop_long, drop_to_fit
 
 
 def conversation(n: int, tokenizer=None) -> list[dict]:
@@ -30,8 +32,8 @@ def test_pairwise_pieces_equal_prefix_by_prefix_rendering(tokenizer, persona):
     messages = conversation(12, tokenizer)[0 if persona else 1:]
     f = ChatFormatter(tokenizer)
     fast = f.encode(messages)
-    assert f._by_pairs(messages, True) is not None  # the starter's template composes pairwise
-    slow = f._by_prefixes(messages, True)
+    assert f._by_pairs(messages, True, lambda: False) is not None  # the starter's template composes pairwise
+    slow = f._by_prefixes(messages, True, lambda: False)
     assert fast.token_ids == [t for piece in slow for t in piece]
     assert fast.message_starts == [sum(map(len, slow[:i])) for i in range(len(messages))]
 
@@ -51,7 +53,7 @@ def test_a_template_that_does_not_compose_pairwise_falls_back_to_prefixes(tokeni
     f.template = ("{% for m in messages %}{{ loop.index }}:{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
     messages = conversation(3)
-    assert f._by_pairs(messages, True) is None
+    assert f._by_pairs(messages, True, lambda: False) is None
     text = tokenizer.decode(f.encode(messages).token_ids)
     assert text == f.render(messages, add_generation_prompt=True)
 
@@ -91,3 +93,62 @@ def test_a_prompt_is_refused_on_its_characters_when_they_alone_exceed_the_contex
     with pytest.raises(ChatError, match="tokens, longer than the context of 100"):
         formatter.prompt_ids("a b " * 100, 100)  # under the character bound, over in tokens
     assert formatter.prompt_ids("Hello", 100) == tokenizer("Hello")["input_ids"]
+
+
+def reference_drop_oldest(messages):
+    """The trim's rule, one exchange at a time (the engine's former loop, quadratic in the count):
+    the oldest message after the persona goes, then the history starts again on a user turn."""
+    head = 1 if messages[0]["role"] == "system" else 0
+    if len(messages) - head <= 1:
+        return None
+    rest = messages[head + 1:]
+    while len(rest) > 1 and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return messages[:head] + rest
+
+
+class Sized:
+    """An encoding whose message sizes are given (what drop_to_fit reads of one)."""
+
+    def __init__(self, sizes, generation_prompt):
+        self.message_starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.prompt_start = sum(sizes)
+        self.token_ids = [0] * (self.prompt_start + generation_prompt)
+
+
+def random_chat(rng, n):
+    messages = [{"role": "system", "content": "p" * rng.randint(1, 9)}] if rng.random() < 0.5 else []
+    roles = ["user", "assistant"]
+    for _ in range(n):
+        messages.append({"role": rng.choice(roles + ["user"]), "content": "x" * rng.randint(1, 30)})
+    messages.append({"role": "user", "content": "y" * rng.randint(1, 30)})
+    return messages
+
+
+def test_the_one_pass_trims_keep_what_dropping_one_exchange_at_a_time_kept():
+    rng = random.Random(0)
+    for case in range(400):
+        messages = random_chat(rng, rng.randint(0, 12))
+        cap = rng.randint(1, 32)
+        want = messages
+        while want is not None and max(len(m["content"]) for m in want) > cap:
+            want = reference_drop_oldest(want)
+        assert drop_long(messages, cap) == want, case
+        sizes = [len(m["content"]) for m in messages]
+        encoded, budget = Sized(sizes, 3), rng.randint(1, sum(sizes) + 3)
+        want = reference_drop_oldest(messages)
+        while want is not None and sum(len(m["content"]) for m in want) + 3 > budget:
+            fewer = reference_drop_oldest(want)
+            if fewer is None:
+                break
+            want = fewer
+        assert drop_to_fit(messages, encoded, budget) == want, case
+
+
+def test_encoding_stops_between_messages_when_asked(tokenizer):
+    f = Counting(tokenizer)
+    messages = conversation(40)
+    asked = []
+    with pytest.raises(Stopped):
+        f.encode(messages, stop=lambda: asked.append(1) or len(asked) > 5)
+    assert len(asked) == 6 and f.renders <= 12  # stopped at the sixth message, not after all 82

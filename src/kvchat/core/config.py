@@ -37,6 +37,9 @@ WEIGHTS = ("none", "auto", "bf16", "int8", "int4", "nf4")
 DECODE_MODES = ("auto", "eager", "compiled")
 
 
+# messages a request may carry: a long chat has a few hundred; 200,000 one-character messages (under
+# the API's body limit) held the engine thread for minutes
+MAX_MESSAGES = 2048
 MAX_RUNNING = 16  # the largest batched decode step (engine/model/batch_step.py's last bucket)
 
 

@@ -8,6 +8,8 @@ only the template's text around its content is tokenized.
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvchat.core.config import MAX_MESSAGES
+
 # Used when a model ships no chat template: ChatML, which most instruction-tuned small models
 # have seen, with plain role names.
 FALLBACK_TEMPLATE = (
@@ -26,6 +28,10 @@ SEGMENT_CACHE_BYTES = 64 << 20
 
 class ChatError(ValueError):
     pass
+
+
+class Stopped(Exception):
+    """The request was cancelled while its messages were being encoded."""
 
 
 @dataclass
@@ -122,14 +128,18 @@ class ChatFormatter:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True, stop=None) -> Encoded:
+        """``stop()``, asked before each message's render: True raises ``Stopped`` (a client that
+        hung up does not hold the engine thread for the rest of its messages)."""
         validate(messages, need_user=add_generation_prompt)
+        stop = stop or _never
         folded = self._folded(messages)
         # a system message merged into the first user turn starts where that turn starts: it has no
         # tokens of its own
         starts = [0] if len(folded) < len(messages) else []
         messages = folded
-        pieces = self._by_pairs(messages, add_generation_prompt) or self._by_prefixes(messages, add_generation_prompt)
+        pieces = (self._by_pairs(messages, add_generation_prompt, stop)
+                  or self._by_prefixes(messages, add_generation_prompt, stop))
         ids: list[int] = []
         for tokens in pieces[:len(messages)]:
             starts.append(len(ids))
@@ -139,15 +149,20 @@ class ChatFormatter:
             ids += pieces[-1]
         return Encoded(ids, starts, prompt_start)
 
-    def _by_pairs(self, messages: list[dict], add_generation_prompt: bool) -> list[list[int]] | None:
+    def _by_pairs(self, messages: list[dict], add_generation_prompt: bool, stop) -> list[list[int]] | None:
         """Per-message tokens from renders of (previous message, message); None when the template
         does not compose that way."""
         try:
-            pieces = [self._piece(messages[i - 1] if i else None, m) for i, m in enumerate(messages)]
+            pieces = []
+            for i, m in enumerate(messages):
+                _check(stop)
+                pieces.append(self._piece(messages[i - 1] if i else None, m))
             if add_generation_prompt:
                 last = messages[-1:]
                 pieces.append((_delta(self.render(last), self.render(last, True)), None))
             whole = self.render(messages, add_generation_prompt)
+        except Stopped:
+            raise
         except Exception:  # a template that insists on its own message order (raise_exception)
             return None
         if "".join(text for text, _ in pieces) != whole:
@@ -174,10 +189,11 @@ class ChatFormatter:
                 self.cached_bytes -= self._sizes.pop(old)
         return piece
 
-    def _by_prefixes(self, messages: list[dict], add_generation_prompt: bool) -> list[list[int]]:
+    def _by_prefixes(self, messages: list[dict], add_generation_prompt: bool, stop) -> list[list[int]]:
         pieces = []
         before = ""
         for i, message in enumerate(messages):
+            _check(stop)
             after = self.render(messages[:i + 1])
             pieces.append(self._message_tokens(messages[:i], message, before, after))
             before = after
@@ -200,17 +216,20 @@ class ChatFormatter:
         return self.tokenize(_delta(before, after))
 
 
+def _never() -> bool:
+    return False
+
+
+def _check(stop) -> None:
+    if stop():
+        raise Stopped()
+
+
 def _key(message: dict | None) -> tuple | None:
     if message is None:
         return None
     ids = message.get("token_ids")
     return message["role"], message["content"], tuple(ids) if ids else None
-
-
-def longest_content(messages) -> int:
-    """The most characters in one message's content (0 for what is not a list of messages)."""
-    return max((len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)),
-               default=0) if isinstance(messages, list) else 0
 
 
 def _size(key: tuple, piece: tuple[str, list[int]]) -> int:
@@ -234,6 +253,8 @@ def _delta(before: str, after: str) -> str:
 def validate(messages: list[dict], need_user: bool = True) -> None:
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise ChatError(f"{len(messages):,} messages: at most {MAX_MESSAGES:,} are taken")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ChatError(f"message {i} needs a role ({', '.join(ROLES)}) and a string content")

@@ -5,6 +5,7 @@ Error, after its blocks went back (``Scheduler.retire``)."""
 import time
 
 from kvchat.core.events import Error, Finished, PrefillProgress, RequestHandle, Stats, TokenDelta
+from kvchat.engine.chat import Stopped
 from kvchat.engine.detok import StopChecker, StreamDetokenizer
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.sampler import Sampler
@@ -37,7 +38,11 @@ class Job:
         e = self.engine
         if self.handle.cancelled or e.switching():
             return self.finish("cancelled")
-        prompt, self.persona_len, trimmed = e.prompts.prompt_ids(self.handle.request)
+        try:
+            prompt, self.persona_len, trimmed = e.prompts.prompt_ids(self.handle.request,
+                                                                     stop=lambda: self.handle.cancelled)
+        except Stopped:
+            return self.finish("cancelled")
         self.seq = Sequence(list(prompt))
         self.prompt_len = self.target = len(prompt)
         self.stats = Stats(prompt_tokens=len(prompt), trimmed_messages=trimmed)

@@ -2,10 +2,11 @@
 context (the oldest messages left out, a message alone past it refused), and the context limit
 itself; the API's plain prompts tokenized on the engine thread."""
 from kvchat.core.commands import Tokenize
+from kvchat.core.config import MAX_MESSAGES
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, Request
 from kvchat.core.kv_sizes import lowest_precision
-from kvchat.engine.chat import ChatError, longest_content
+from kvchat.engine.chat import ChatError, validate
 
 
 class PromptBuilder:
@@ -26,9 +27,10 @@ class PromptBuilder:
         floor = lowest_precision(e.kvpool.shape, e.kvpool.precision, e.auto)
         return min(e.config.max_context, e.kvpool.tokens_for(floor))
 
-    def prompt_ids(self, request: Request) -> tuple[list[int], int, int]:
+    def prompt_ids(self, request: Request, stop=None) -> tuple[list[int], int, int]:
         """The prompt's token ids, how many of them are the persona (the system message), and how
-        many of the oldest messages were left out so that the rest fits the context."""
+        many of the oldest messages were left out so that the rest fits the context. ``stop()``
+        True (the request was cancelled) raises ``chat.Stopped`` between messages."""
         e = self.engine
         limit = self.context_limit()
         if request.prompt_ids is not None:
@@ -39,17 +41,18 @@ class PromptBuilder:
             if len(ids) >= limit:
                 raise EngineError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
             return ids, 0, 0
-        messages, trimmed = request.messages, 0
+        # a chat longer than the API takes (the window's may grow so) keeps its newest messages
+        messages = keep_newest(request.messages, MAX_MESSAGES)
+        trimmed = len(request.messages) - len(messages)
+        validate(messages)
         cap = e.formatter.max_chars(limit)
-        while longest_content(messages) > cap:  # a message alone past the context: trimmed or refused, untokenized
-            shorter = drop_oldest(messages)
-            if shorter is None:
-                raise EngineError(f"a message is longer than the context of {limit} tokens ({cap:,} characters "
-                                  "at most)")
-            trimmed += len(messages) - len(shorter)
-            messages = shorter
+        # a message alone past the context: trimmed or refused, untokenized
+        shorter = drop_long(messages, cap)
+        if shorter is None:
+            raise EngineError(f"a message is longer than the context of {limit} tokens ({cap:,} characters at most)")
+        trimmed, messages = trimmed + len(messages) - len(shorter), shorter
         room = min(request.sampling.max_new_tokens, limit // 4)
-        encoded = e.formatter.encode(messages)
+        encoded = e.formatter.encode(messages, stop=stop)
         while len(encoded.token_ids) + room > limit:
             shorter = drop_to_fit(messages, encoded, limit - room)
             if shorter is None:
@@ -57,7 +60,7 @@ class PromptBuilder:
                                   f"{limit} (with room for a {room}-token reply)")
             trimmed += len(messages) - len(shorter)
             messages = shorter
-            encoded = e.formatter.encode(messages)
+            encoded = e.formatter.encode(messages, stop=stop)
         if trimmed:
             e.notice("trim", f"{trimmed} oldest message(s) are outside the context of {limit} tokens")
         persona_len = 0
@@ -66,31 +69,54 @@ class PromptBuilder:
         return encoded.token_ids, persona_len, trimmed
 
 
-def drop_oldest(messages: list[dict]) -> list[dict] | None:
-    """The conversation without its oldest exchange; the persona and the last message stay. None
-    when nothing is left to drop."""
+def _starts(messages: list[dict]) -> tuple[int, list[int]]:
+    """Where the history may start once its oldest messages are dropped, oldest first: at each user
+    turn after the first message of the history, and at the last message alone; the persona (a
+    leading system message) always stays. With the number of persona messages (0 or 1)."""
     head = 1 if messages[0]["role"] == "system" else 0
-    if len(messages) - head <= 1:
+    last = len(messages) - 1
+    starts = [i for i in range(head + 1, last) if messages[i]["role"] == "user"]
+    return head, starts + [last] if last > head else []
+
+
+def keep_newest(messages, most: int):
+    """At most ``most`` messages: the persona and the newest from a start (``_starts``). What is not
+    a list of messages is left for ``validate`` to refuse."""
+    if not isinstance(messages, list) or len(messages) <= most or not isinstance(messages[0], dict):
+        return messages
+    head = 1 if messages[0].get("role") == "system" else 0
+    first = len(messages) - (most - head)
+    begin = next((i for i in range(first, len(messages) - 1)
+                  if isinstance(messages[i], dict) and messages[i].get("role") == "user"), len(messages) - 1)
+    return messages[:head] + messages[begin:]
+
+
+def drop_long(messages: list[dict], cap: int) -> list[dict] | None:
+    """The conversation from its oldest start after the last message of more than ``cap``
+    characters (the conversation itself when none is); None when that is the last message or the
+    persona. One pass."""
+    head, starts = _starts(messages)
+    longest = [i for i, m in enumerate(messages) if len(m["content"]) > cap]
+    if not longest:
+        return messages
+    if longest[0] < head or longest[-1] == len(messages) - 1:
         return None
-    rest = messages[head + 1:]
-    while len(rest) > 1 and rest[0]["role"] != "user":  # start the history on a user turn
-        rest = rest[1:]
-    return messages[:head] + rest
+    begin = next(i for i in starts if i > longest[-1])
+    return messages[:head] + messages[begin:]
 
 
 def drop_to_fit(messages: list[dict], encoded, budget: int) -> list[dict] | None:
-    """The conversation without as many of its oldest exchanges as its messages' token counts say
-    must go for it to fit ``budget`` tokens: one re-encoding, not one per dropped message. None
-    when nothing is left to drop."""
+    """The conversation from its oldest start at which its messages' token counts fit ``budget``
+    tokens (at the last message alone when none does): one pass and one re-encoding, not one per
+    dropped message. None when nothing is left to drop."""
+    head, starts = _starts(messages)
+    if not starts:
+        return None
     ends = encoded.message_starts[1:] + [encoded.prompt_start]
-    size = {id(m): end - start for m, start, end in zip(messages, encoded.message_starts, ends)}
-    extra = len(encoded.token_ids) - encoded.prompt_start  # the generation prompt
-    shorter = drop_oldest(messages)
-    while shorter is not None:
-        if sum(size[id(m)] for m in shorter) + extra <= budget:
-            return shorter
-        fewer = drop_oldest(shorter)
-        if fewer is None:
-            return shorter
-        shorter = fewer
-    return None
+    sizes = [end - start for start, end in zip(encoded.message_starts, ends)]
+    kept = sum(sizes[:head]) + len(encoded.token_ids) - encoded.prompt_start  # the persona, the generation prompt
+    tail = [0] * (len(sizes) + 1)  # tail[i]: the tokens of messages i and after
+    for i in range(len(sizes) - 1, -1, -1):
+        tail[i] = tail[i + 1] + sizes[i]
+    begin = next((i for i in starts if kept + tail[i] <= budget), starts[-1])
+    return messages[:head] + messages[begin:]

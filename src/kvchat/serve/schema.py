@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvchat.core.config import ConfigError, SamplingParams
+from kvchat.core.config import MAX_MESSAGES, ConfigError, SamplingParams
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 128  # every stop string is matched against every token's text
@@ -149,7 +149,7 @@ class Sampling(BaseModel):
 
 
 class ChatBody(Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     tools: list | None = None
     tool_choice: Any = None
