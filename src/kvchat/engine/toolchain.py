@@ -258,6 +258,7 @@ def configure() -> tuple[Toolchain | None, str | None]:
     return chain, None
 
 
+@functools.cache
 def describe() -> dict:
     """The compiler and OpenMP runtime that build the compiled step and the CPU kernels here, for
     a bench's report (what a speed figure depends on beside the ISA)."""

@@ -249,7 +249,9 @@ class ModelController(QObject):
         weights = weights_label(self.bridge.settings.get("weights", now["weights"]), getattr(self.config, "kvchat_weights", None))
         short = name.removesuffix("-Instruct").removesuffix("-Chat")  # narrow: the name that tells models apart
         win.model_chip.setText(" · ".join(p for p in (name, size, weights) if p), short)
-        win.model_chip.setToolTip(f"{name}{f', {size} parameters' if size else ''}, {weights}: click to change the model")
+        why = getattr(self.config, "kvchat_weights_why", None)  # auto's measurement, where it ran
+        win.model_chip.setToolTip(f"{name}{f', {size} parameters' if size else ''}, {weights}"
+                                  f"{f' ({why})' if why else ''}: click to change the model")
         win.context_chip.setText(f"Context: {now['max_context']:,} tokens", f"{now['max_context']:,} tokens")
         show_saving(win, now["kv_precision"], self.bridge.precision)
 

@@ -113,8 +113,7 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
         from kvchat.engine import toolchain
 
         toolchain.configure()  # Triton builds its kernels' launchers with it on a machine without cc
-    weights = pick_weights(weights, dev, decode)
-    torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
+    asked, weights = weights, pick_weights(weights, dev, decode)
     staged = (lambda stage: (lambda done, total: progress(done, total, stage))) if progress else (lambda stage: None)
     if source.kind in ("gguf", "starter"):
         digest = file_digest(Path(source.location))
@@ -126,26 +125,51 @@ def load(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "n
     else:
         folder = Path(source.location)
         identity = "folder:" + folder_identity(folder)
+    why = None
+    if asked == "auto" and dev.type == "cpu":
+        weights, why = _measured_weights(folder, source, decode)
+    torch_dtype = torch.bfloat16 if weights == "bf16" else pick_dtype(dtype, dev)
     model, tokenizer = _load_folder(folder, dev, torch_dtype, weights, source, staged("weights"))
     # what "auto" chose, for the window's chip: the weights in memory, or the dtype they stay in
     model.config.kvchat_weights = weights if weights != "none" else str(torch_dtype).removeprefix("torch.")
+    model.config.kvchat_weights_why = why
     if weights != "none":  # other weights give other K/V: the prefix cache must not mix them
         identity += f"|weights:{weights}"
     return LoadedModel(model, tokenizer, source, identity, dev, torch_dtype)
 
 
-def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> str:
-    """``auto``: int8 on the CPU when the decode step compiles, the fastest mode within its quality
-    bar there (README, Performance; int8 decodes fast only compiled); the checkpoint's own weights
-    on CUDA."""
-    if weights == "auto":
-        from kvchat.engine.compile_env import cpu_compile_missing
+def _compiles(decode: str) -> bool:
+    from kvchat.engine.compile_env import cpu_compile_missing
 
-        compiled = decode != "eager" and cpu_compile_missing() is None
-        return "int8" if device.type == "cpu" and compiled else "none"
+    return decode != "eager" and cpu_compile_missing() is None
+
+
+def pick_weights(weights: str, device: torch.device, decode: str = "auto") -> str:
+    """``auto`` before the model's shapes are known: int8 on the CPU when the decode step compiles
+    and the int8 kernel runs here; the checkpoint's own weights on CUDA. ``load`` then measures
+    (``weight_speed``)."""
+    if weights == "auto":
+        from kvchat.kernels import int8_rows
+
+        return "int8" if device.type == "cpu" and _compiles(decode) and int8_rows.cpu_supported() else "none"
     if device.type == "cpu" and weights == "nf4":
         raise ModelError("nf4 weights need a CUDA GPU (bitsandbytes); on the CPU use none, bf16, int8 or int4")
     return weights
+
+
+def _measured_weights(folder: Path, source, decode: str) -> tuple[str, str | None]:
+    """Auto on the CPU: the weight mode whose products run fastest here for this model's shapes
+    (``weight_speed``), and why; the rule of ``pick_weights`` where the config cannot be read."""
+    from transformers import AutoConfig
+
+    from kvchat.engine.model.weight_speed import choose
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        return choose(config, _compiles(decode))
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        log.warning("weights not timed for %s (%s): the default rule instead", source.label, first_line(e))
+        return pick_weights("auto", torch.device("cpu"), decode), None
 
 
 def gguf_to_folder(path: Path, digest: str, progress: Callable[[int, int, str], None] | None = None) -> Path:
