@@ -1,7 +1,9 @@
 """The CUDA code path on the CPU: dispatch told it is on CUDA, the Triton kernels run by the
 interpreter (TRITON_INTERPRET=1). Its logits against the reference path, and its host overhead:
-the ops a decode step dispatches per layer, which on a GPU are launches the CPU must issue."""
+the ops a decode step dispatches per layer, which on a GPU are launches the CPU must issue. With
+the interpreter off (``make gpu-check``) the same tests run on CUDA tensors."""
 import contextlib
+import os
 from collections import Counter
 from unittest import mock
 
@@ -20,6 +22,9 @@ from tiny_models import tiny_model
 
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
+# compiled kernels take CUDA pointers only; without CUDA and the interpreter, conftest skips these
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
 NO_LAUNCH = {"view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "slice", "select", "expand", "t",
              "as_strided", "permute", "alias", "detach", "detach_", "unflatten", "flatten", "reshape", "lift_fresh",
              "empty", "empty_like", "empty_strided", "to"}  # views, allocations, casts of what already has the dtype
@@ -27,17 +32,18 @@ NO_LAUNCH = {"view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "slice
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return tiny_model("llama").to(DEVICE)
 
 
 def runner_at(model, precision: str, prompt: int = 40):
     shape = KVShape.from_config(model.config)
-    kv = KVCache(shape, 64, 16, torch.float32, "cpu", precision)
+    kv = KVCache(shape, 64, 16, torch.float32, DEVICE, precision)
     if kv.format.quantized:
         gen = torch.Generator().manual_seed(3)
-        kv.calibrated([torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) * 0.1] * shape.num_layers,
-                      [torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5] * shape.num_layers,
-                      [torch.rand(2, shape.num_kv_heads, generator=gen) * 0.05 + 0.01] * shape.num_layers)
+        stats = (torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) * 0.1,
+                 torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5,
+                 torch.rand(2, shape.num_kv_heads, generator=gen) * 0.05 + 0.01)
+        kv.calibrated(*([t.to(DEVICE)] * shape.num_layers for t in stats))
     manager = KVCacheManager(BlockPool(64), 16, "test")
     runner = ModelRunner(model, kv, manager, "eager")
     seq = Sequence(list(range(3, 3 + prompt)))
