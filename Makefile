@@ -103,7 +103,9 @@ package-tar: $(APP)
 # there: kernel tests on CUDA, bench kernels, bench decode on an 8B shape. GPU_CHECK_ARGS=--device cpu
 # rehearses it here on a tiny shape.
 WHEEL_PLATFORMS := $(foreach n,2_28 2_27 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
-GPU_WHEELS ?= platformdirs==4.14.9 bitsandbytes==0.50.2
+# every import of kvchat.cli.main and the benches beyond torch, transformers, triton and what they
+# require, pinned as in .venv (tests/test_gpu_check.py walks the imports); nvidia-ml-py is pynvml
+GPU_WHEELS ?= platformdirs==4.14.9 psutil==7.2.2 nvidia-ml-py==13.615.71 bitsandbytes==0.50.2
 
 .PHONY: gpu-wheels gpu-check
 

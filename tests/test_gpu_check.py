@@ -1,5 +1,6 @@
 """What ``make gpu-check`` relies on, checked on the CPU: a borrowed GPU gives minutes, and a
 result lost or false there is not known until the next loan."""
+import ast
 import os
 import re
 import subprocess
@@ -28,3 +29,105 @@ def test_without_cuda_or_the_interpreter_every_gpu_test_is_skipped(tmp_path):
     assert not ran, ran
     modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in files}
     assert {m for m in modules if any(c.get("classname").startswith(m) for c in cases)} == modules
+
+
+# Code the GPU machine never runs (no display, no network, no model file: random weights only), so
+# neither do its imports: a module and those below it, or module:function for one function.
+ELSEWHERE = {
+    "kvchat.app": "the GUI",
+    "kvchat.bench.ui": "the GUI's timings",
+    "kvchat.bench.api": "a server and its clients",
+    "kvchat.cli.main:cmd_serve": "kvchat serve",
+    "kvchat.remote": "a server elsewhere",
+    "kvchat.core.connections": "saved connections and their keys",
+    "kvchat.core.model_library": "the headers of .gguf files",
+    "kvchat.engine.model.gguf": "a .gguf file",
+}
+ON_THE_GPU_MACHINE = ("torch", "transformers", "triton")  # with their dependencies
+
+
+def third_party_imports() -> dict[str, set[str]]:
+    """The top-level names that kvchat.cli.main and the benches import, at the top of a module or
+    in a function (a bench's imports run when it does), each with the modules importing it."""
+    src = ROOT / "src"
+
+    def path(module: str) -> Path:
+        p = src.joinpath(*module.split("."))
+        return p / "__init__.py" if p.is_dir() else p.with_suffix(".py")
+
+    def away(where: str) -> bool:
+        return any(where == e or where.startswith((e + ".", e + ":")) for e in ELSEWHERE)
+
+    todo = ["kvchat.cli.main", *(f"kvchat.bench.{p.stem}" for p in (src / "kvchat" / "bench").glob("*.py"))]
+    seen, found = set(), {}
+    while todo:
+        module = todo.pop()
+        if module in seen or away(module) or not path(module).exists():  # kvchat.x.name: not a module
+            continue
+        seen.add(module)
+        todo += [module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)]  # its packages run first
+        for top in ast.parse(path(module).read_text()).body:
+            function = isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if function and away(f"{module}:{top.name}"):
+                continue
+            for node in ast.walk(top):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    assert not node.level, f"{module}: a relative import"
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                else:
+                    continue
+                for name in names:
+                    if name.split(".")[0] == "kvchat":
+                        todo.append(name)
+                    elif name.split(".")[0] not in sys.stdlib_module_names:
+                        found.setdefault(name.split(".")[0], set()).add(module)
+    return found
+
+
+def needed_distributions(roots) -> set[str]:
+    """``roots`` and everything they require as installed here, extras left out."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), list(roots)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            wanted = [Requirement(r) for r in requires(name) or []]
+        except PackageNotFoundError:
+            continue
+        todo += [r.name for r in wanted if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return seen
+
+
+def test_gpu_wheels_carry_every_import_the_check_reaches_beyond_torch_transformers_and_triton():
+    """The GPU machine has torch, Triton and transformers; whatever else kvchat.cli.main and the
+    benches import comes from .whl/ (make gpu-wheels, installed there with --no-deps), or every
+    step dies on its first import (psutil and platformdirs were missing). Pinned as installed here."""
+    from importlib.metadata import packages_distributions, requires, version
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    line = re.search(r"^GPU_WHEELS \?= (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    wheels = dict(w.split("==") for w in line.split())
+    there = needed_distributions(ON_THE_GPU_MACHINE)
+    carried = {canonicalize_name(w) for w in wheels}
+    provided = {m: {canonicalize_name(d) for d in ds} for m, ds in packages_distributions().items()}
+    imports = third_party_imports()
+    assert {"torch", "psutil", "platformdirs"} <= imports.keys()  # the walk finds what it must
+    missing = {m: sorted(by) for m, by in imports.items() if not provided.get(m, set()) & (there | carried)}
+    assert not missing, f"imported, neither on the GPU machine nor in GPU_WHEELS: {missing}"
+    for wheel, pinned in wheels.items():
+        assert version(wheel) == pinned, wheel
+        wanted = [Requirement(r) for r in requires(wheel) or []]
+        unmet = {canonicalize_name(r.name) for r in wanted
+                 if r.marker is None or r.marker.evaluate({"extra": ""})} - there - carried
+        assert not unmet, f"{wheel} needs {unmet}, which --no-deps leaves behind"
