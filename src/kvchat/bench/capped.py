@@ -32,8 +32,11 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory / total), dev)
     lm = random_model(random_weights, dev, pick_dtype(dtype, dev))
+    # the card holds the weights before any KV: a probe reporting nothing in use let the planner
+    # size the pool as if the 8B shape's 15 GiB were free
+    weights = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
     engine = Engine(EngineConfig(max_context=max(prompts), kv_precision="auto"), loaded=lm, disk_tier=None,
-                    probe=ScriptedProbe(total=memory))
+                    probe=ScriptedProbe(total=memory, own=weights))
     engine.wait_ready()
     base = _allocated(dev)
     result = {"device": str(dev), "shape": random_weights, "memory_gib": memory / GiB,
