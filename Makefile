@@ -99,22 +99,27 @@ package-tar: $(APP)
 	@ls -l $(PACKAGE_TAR)
 
 # -- a borrowed GPU machine (no network; Python 3.12 with torch, triton and transformers) ---------
-# make gpu-wheels here puts what it lacks in .whl/ (git-ignored, carried along); make gpu-check runs
-# there: kernel tests on CUDA, bench kernels, bench decode on an 8B shape. GPU_CHECK_ARGS=--device cpu
-# rehearses it here on a tiny shape.
+# make gpu-wheels here puts what it lacks in .whl/ (git-ignored, carried along); make gpu-check-1
+# and gpu-check-2 run there: bench decode on an 8B shape, kernel tests on CUDA, the capped card.
+# GPU_CHECK_ARGS=--device cpu rehearses it here on a tiny shape.
 WHEEL_PLATFORMS := $(foreach n,2_28 2_27 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 # every import of kvchat.cli.main and the benches beyond torch, transformers, triton and what they
 # require, pinned as in .venv (tests/test_gpu_check.py walks the imports); nvidia-ml-py is pynvml
 GPU_WHEELS ?= platformdirs==4.14.9 psutil==7.2.2 nvidia-ml-py==13.615.71 bitsandbytes==0.50.2
 
-.PHONY: gpu-wheels gpu-check
+.PHONY: gpu-wheels gpu-check gpu-check-1 gpu-check-2
 
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
 
+# on the device, two calls of at most 8 minutes each, one after the other (docs/gpu-check.md);
+# gpu-check runs both, as the rehearsal does
 gpu-check:
 	tools/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-check-1 gpu-check-2:
+	tools/gpu_check.sh --call $(subst gpu-check-,,$@) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

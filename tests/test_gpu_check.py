@@ -1,6 +1,7 @@
 """What ``make gpu-check`` relies on, checked on the CPU: a borrowed GPU gives minutes, and a
 result lost or false there is not known until the next loan."""
 import ast
+import json
 import os
 import re
 import subprocess
@@ -131,3 +132,47 @@ def test_gpu_wheels_carry_every_import_the_check_reaches_beyond_torch_transforme
         unmet = {canonicalize_name(r.name) for r in wanted
                  if r.marker is None or r.marker.evaluate({"extra": ""})} - there - carried
         assert not unmet, f"{wheel} needs {unmet}, which --no-deps leaves behind"
+
+
+def test_each_call_of_the_check_fits_8_minutes_and_together_they_run_every_step():
+    """A device command may run 10 minutes, start-up included: the check is two calls whose step
+    limits sum to at most 8 minutes each (one call's 1,200 s could not finish), and the steps the
+    script runs are exactly those of call 1 then call 2, in their order."""
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    found = [re.search(rf'^CALL_{n}="([^"]*)"$', script, re.M) for n in (1, 2)]
+    assert all(found), "gpu_check.sh names no CALL_1 and CALL_2"
+    calls = [f.group(1).split() for f in found]
+    steps = [[entry.split(":")[0] for entry in call] for call in calls]
+    for call in calls:
+        assert sum(int(entry.split(":")[1]) for entry in call) <= 8 * 60, call
+    assert re.findall(r"^(?:step|kv) (\w+)", script, re.M) == steps[0] + steps[1]
+
+
+def test_the_kernel_step_files_each_tests_outcome_as_it_ends(tmp_path):
+    """A pytest killed by the step's limit writes no JUnit XML: the plugin files each outcome the
+    moment it is known, as this second test sees of the first while it runs."""
+    figures = tmp_path / "results.jsonl"
+    (tmp_path / "test_two.py").write_text(f'''
+import json, pytest
+
+def test_first():
+    pass
+
+def test_second():
+    lines = [json.loads(line)["figure"] for line in open({str(figures)!r})]
+    assert [(f["test"], f["outcome"]) for f in lines] == [("test_two.py::test_first", "passed")]
+
+@pytest.mark.skip
+def test_third():
+    pass
+''')
+    env = {**os.environ, "KVCHAT_FIGURES": str(figures), "KVCHAT_STEP": "kernel_tests",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           "-p", "tools.gpu_check_tests", "test_two.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = [json.loads(line) for line in figures.read_text().splitlines()]
+    assert [(x["step"], x["figure"]["test"], x["figure"]["outcome"]) for x in lines] == [
+        ("kernel_tests", "test_two.py::test_first", "passed"), ("kernel_tests", "test_two.py::test_second", "passed"),
+        ("kernel_tests", "test_two.py::test_third", "skipped")]

@@ -2,6 +2,8 @@
 
     gpu_check_collect.py step NAME OUT   stdout.tmp -> a line of results.jsonl if JSON, else log.txt
     gpu_check_collect.py summary OUT     one line per decode bench and chat turn, for the closing note
+
+results.jsonl also holds the figures a step filed as it went ({"step", "figure"}, kvchat.bench.figures).
 """
 import json
 import sys
@@ -26,6 +28,8 @@ def summary(out: Path) -> None:
     results = out / "results.jsonl"
     for line in results.read_text().splitlines() if results.exists() else []:
         step = json.loads(line)
+        if "result" not in step:  # a figure filed as it was measured: the step's result repeats it
+            continue
         r = step["result"]
         if "chat_turn" in r:
             c = r["chat_turn"]

@@ -1,5 +1,6 @@
 """``bench capped``: the card it emulates, and its chat turn: what it times is a cached history
 plus a few new tokens."""
+import json
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,16 @@ def test_the_capped_card_holds_the_weights_before_the_planner_sizes_the_pool(mon
     total, used = made["probe"].totals()
     assert weights > 0 and total == 2 * GiB
     assert used >= weights and made["probe"].own() >= weights
+
+
+def test_each_phase_is_filed_the_moment_it_ends(tmp_path, monkeypatch):
+    """gpu-check's step has a time limit, and the bench's JSON comes only at its end."""
+    figures = tmp_path / "results.jsonl"
+    monkeypatch.setenv("KVCHAT_FIGURES", str(figures))
+    monkeypatch.setenv("KVCHAT_STEP", "capped_24gb")
+    row = capped._phase("prompt 16", torch.device("cpu"), 0, lambda: None)
+    filed = figures.read_text().splitlines() if figures.exists() else []
+    assert [json.loads(line) for line in filed] == [{"step": "capped_24gb", "figure": row}]
 
 
 def test_a_chat_turn_computes_only_the_new_tokens_after_a_cached_history():

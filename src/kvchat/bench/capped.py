@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvchat.bench.decode import random_model, sync
+from kvchat.bench.figures import figure
 from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
@@ -42,6 +43,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
     result = {"device": str(dev), "shape": random_weights, "memory_gib": memory / GiB,
               "precision": engine.precision.value, "pool_gib": engine.kvpool.kv.nbytes / GiB,
               "activations_reserve_gib": engine.activations / GiB, "phases": []}
+    figure(result)
     vocab = lm.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     for n in prompts:
@@ -49,6 +51,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
         result["phases"].append(_phase(f"prompt {n}", dev, base, lambda: engine.submit(Request(
             prompt_ids=ids, sampling=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))).result()))
     result["chat_turn"] = chat_turn(engine, ids, vocab)
+    figure({"chat_turn": result["chat_turn"]})
     # the pool now holds the prompts' blocks as cached prefixes: converting it touches every one
     result["phases"].append(_phase("downshift to int8", dev, base,
                                    lambda: engine.reconfigure(kv_precision="int8").result()))
@@ -94,6 +97,7 @@ def _phase(name: str, dev: torch.device, base: int, run) -> dict:
     row["seconds"] = time.perf_counter() - t0
     if dev.type == "cuda":
         row["peak_above_weights_and_pool_gib"] = (torch.cuda.max_memory_allocated(dev) - base) / GiB
+    figure(row)
     return row
 
 
