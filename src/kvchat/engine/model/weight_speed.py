@@ -75,6 +75,9 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
     """Seconds of one token's products in ``mode``: the layers timed (as many as stream from
     memory), scaled to the model's count, plus the head."""
     layer, layers, head = token_shapes(config)
+    if mode == "int8":  # as fused_linears runs them: q/k/v and gate/up one product each
+        q, k, v, o, gate, up, down = layer
+        layer = [(q[0] + k[0] + v[0], q[1]), o, (gate[0] + up[0], gate[1]), down]
     layer_bytes = sum(n * k for n, k in layer) * 4
     timed = max(1, min(layers, math.ceil(STREAM_BYTES / layer_bytes)))
     mats = _matrices(mode, layer * timed + [head])

@@ -327,6 +327,10 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"{mode} weights need input sizes divisible by {group}"
                          + (f" and output sizes by {rows}" if rows > 1 else "") + f": {bad[0]} is not")
     head = model.get_output_embeddings()
+    if mode == "int8" and head is not None and head.weight.device.type == "cpu":
+        from kvchat.engine.model.fused_linears import fuse_groups
+
+        fuse_groups(model, _kernel_can_run)  # q/k/v and gate/up as one kernel call each
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
