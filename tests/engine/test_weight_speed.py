@@ -25,7 +25,8 @@ def test_token_shapes_are_the_models_own_linears():
 def timed(monkeypatch, tmp_path):
     """choose() with the times given, counting the measurements; its store in a temp dir."""
     monkeypatch.setattr(weight_speed, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(weight_speed, "candidates", lambda compiled: ["none", "int8"] if compiled else ["none"])
+    monkeypatch.setattr(weight_speed, "candidates", lambda compiled, four_bit=False: (
+        ["none", "int8"] + (["int4"] if four_bit else []) if compiled else ["none"]))
     monkeypatch.setattr(int8_rows, "built", True)
     import kvchat.engine.model.weights as weights
 
@@ -55,6 +56,26 @@ def test_auto_keeps_the_fastest_mode_and_says_why_once_measured(timed):
     assert weight_speed.choose(config(), compiled=True)[0] == "int8" and len(calls) == 2  # read, not timed again
     stored = json.loads((folder / "weight_speed.json").read_text())
     assert list(stored.values()) == [{"none": 0.020, "int8": 0.008}]
+
+
+def test_a_checkpoint_stored_in_four_bits_may_get_int4_when_it_is_fastest(timed):
+    calls, figures, _ = timed
+    figures.update(none=0.020, int8=0.008, int4=0.006)
+    assert weight_speed.choose(config(), compiled=True)[0] == "int8"  # not 4-bit: int4 is not offered
+    mode, why = weight_speed.choose(config(), compiled=True, four_bit=True)
+    assert mode == "int4" and why.startswith("int4: fastest here (products tok/s: int4 167, int8 125, fp32 50")
+
+
+def test_the_starter_is_stored_in_four_bits_and_a_float_gguf_is_not(tmp_path):
+    from tiny_models import write_tiny_gguf
+
+    from kvchat.core.model_source import resolve
+    from kvchat.engine.model.loading import _stored_in_four_bits
+
+    assert _stored_in_four_bits(resolve("starter"))  # Q4_1
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    assert not _stored_in_four_bits(resolve(str(path)))
 
 
 def test_auto_never_picks_a_mode_slower_than_the_checkpoints_own(timed):

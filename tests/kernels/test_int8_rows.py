@@ -221,3 +221,48 @@ def test_an_int8_load_builds_the_kernel_on_its_own_thread(built, monkeypatch):
         torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm.forward)(ids)
     ops = [n for n in graphs[0].graph.nodes if n.target is torch.ops.kvchat.int8_rows]
     assert len(ops) == 4 * model.config.num_hidden_layers + 1  # q/k/v, o, gate/up, down (fused_linears), the head
+
+
+def four_bit(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    zeros = (torch.randn(n, k // 32, generator=g) * 0.01).to(torch.bfloat16)
+    return codes, scales, zeros
+
+
+def test_pack4_and_unpack4_are_inverse_and_put_two_codes_a_byte():
+    codes, scales, zeros = four_bit(48, 96)
+    packed, s, z = int8_rows.pack4(codes, scales, zeros)
+    assert packed.shape == (3, 24, 16, 2) and packed.dtype == torch.uint8 and s.shape == z.shape == (3, 3, 16)
+    # tile 1, chunk 5 (k 20..23), output 3, t = 1: k 21 low, k 23 high
+    assert packed[1, 5, 3, 1] == codes[19, 21] | (codes[19, 23] << 4)
+    back = int8_rows.unpack4(packed, s, z)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], zeros)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 70])
+def test_the_4_bit_kernel_equals_its_twin_and_the_dequantized_product(kernel, rows):
+    codes, scales, zeros = four_bit(48, 160, seed=rows)
+    packed = int8_rows.pack4(codes, scales, zeros)
+    x = torch.randn(rows, 160) * 3
+    got = torch.ops.kvchat.int4_rows(x, *packed)
+    torch.testing.assert_close(got, int8_rows.twin4(x, *packed), atol=1e-5, rtol=1e-5)
+    w = ((codes - 8).float().view(48, -1, 32) * scales.float()[..., None] + zeros.float()[..., None]).view(48, 160)
+    torch.testing.assert_close(got, x @ w.T, atol=2e-3, rtol=1e-3)  # the rows' int16 rounding
+
+
+def test_the_4_bit_kernel_gives_the_same_bits_on_every_variant_and_for_each_row_alone(built):
+    codes, scales, zeros = four_bit(80, 352, seed=9)
+    packed = int8_rows.pack4(codes, scales, zeros)
+    x = torch.randn(13, 352) * 5
+    outs = {}
+    try:
+        for isa in ISAS:
+            int8_rows.use(isa)
+            outs[isa] = torch.ops.kvchat.int4_rows(x, *packed)
+            alone = torch.cat([torch.ops.kvchat.int4_rows(x[i:i + 1], *packed) for i in range(13)])
+            assert torch.equal(alone, outs[isa]), isa
+    finally:
+        int8_rows.use(built)
+    assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values())

@@ -27,18 +27,21 @@ def cpu_build(model=None) -> dict:
 
 
 def int8_products(model) -> str | None:
-    """What ran the int8 weights' products (None: no int8 weights)."""
-    from kvchat.engine.model.weights import Int8Linear, build_kernel
+    """What ran the int8 and 4-bit weights' products (None: no such weights)."""
+    from kvchat.engine.model.weights import Int4Linear, Int8Linear, build_kernel
     from kvchat.kernels import int8_rows
 
-    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     if not linears:
         return None
+    four = [m for m in linears if isinstance(m, Int4Linear)]
     if not any(m.packed for m in linears):
-        return "inductor's (no AVX2 kernel for this CPU, no compiler, or shapes the kernel does not take)"
+        return "inductor's and torch's (no AVX2 kernel for this CPU, no compiler, or shapes it does not take)"
     build_kernel()  # waits for the load's build: a --paths transformers run never warms up
-    return f"kvchat's int8_rows kernel ({int8_rows.isa})" if int8_rows.built else \
-        "inductor's (the int8 kernel did not build)"
+    if not int8_rows.built:
+        return "inductor's (the int8 kernel did not build)"
+    bits = "int8 and 4-bit" if four and all(m.packed for m in four) else "int8"
+    return f"kvchat's int8_rows kernel, {bits} ({int8_rows.isa})"
 
 
 def describe_cpu_build(info: dict) -> str:

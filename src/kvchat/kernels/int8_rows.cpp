@@ -12,9 +12,17 @@
 // ymm) and AVX2 (vpmaddwd + vpaddd on ymm), 8 outputs a register for the last two. Each function
 // carries its own target attribute, so one build holds all three whatever the build's flags.
 //
+// 4-bit weights (kvchat_int4_rows) run on the same rows and dot instructions: codes 0..15 in
+// groups of 32 with a bf16 scale and zero each, w = (q - 8) * scale + zero (torch's int4 layout,
+// into which a GGUF's Q4_1 blocks are found again), two codes a byte; a row's sum of each group,
+// times the zero, adds the zeros' part.
+//
 // Layouts (made by int8_rows.py's pack): codes [N/16][K/2][16][2], so one 32-byte load is 16
 // outputs by 2 k, which the dot instruction pairs with a broadcast of the row's 2 k (a ymm kernel
-// takes it as two 16-byte halves: outputs 0-7 and 8-15); scales [N/16][K/32][16].
+// takes it as two 16-byte halves: outputs 0-7 and 8-15); scales [N/16][K/32][16]. 4-bit codes
+// [N/16][K/4][16][2] bytes: byte (o, t) of chunk c holds k = 4c + t of output o in its low nibble
+// and k = 4c + 2 + t in its high one, so one 32-byte load widened to int16 and masked is the int8
+// layout's pair 2c, and shifted its pair 2c + 1.
 // The integer sums are exact and each lane's float steps are the same in every variant, so the
 // three give the same bits; and each row's sums run in the same order whatever rows share the
 // call: a batch's rows equal the rows computed alone, bit for bit.
@@ -31,6 +39,15 @@ static const int TILE = 16, GROUP = 32, ROWS_512 = 8, ROWS_256 = 4;
 
 // 32767 / top overflows below about 1e-34: a margin, as the twin's
 static inline float inverse(float top) { return top > 1e-30f ? 32767.0f / top : 0.0f; }
+
+// Each group's plain sum, for the 4-bit zeros: in one order whatever the ISA (the same bits).
+static void group_sums(const float* x, int64_t k, float* sums) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        float s = 0.0f;
+        for (int i = 0; i < GROUP; i++) s += x[g * GROUP + i];
+        sums[g] = s;
+    }
+}
 
 KVCHAT_AVX512_VNNI static void quantize_512(const float* x, int64_t k, int16_t* q, float* scale) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -106,6 +123,97 @@ KVCHAT_AVX512_VNNI static void tile_512(const int16_t* q, const float* qs, int64
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * n, acc[r]);
 }
 
+static inline float bf16(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    __builtin_memcpy(&f, &wide, 4);
+    return f;
+}
+
+template <int R>
+KVCHAT_AVX512_VNNI static void tile4_512(const int16_t* q, const float* qs, const float* xs, int64_t k,
+                                         const uint8_t* w, const uint16_t* ws, const uint16_t* wz, float* out,
+                                         int64_t n) {
+    const int64_t groups = k / GROUP;
+    const __m512i low = _mm512_set1_epi16(0x0F), eight = _mm512_set1_epi16(8);
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i sums[R][2];
+        for (int r = 0; r < R; r++) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+        const uint8_t* wg = w + g * GROUP * TILE / 2;
+        for (int c = 0; c < GROUP / 4; c++) {
+            __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + c * 2 * TILE)));
+            __m512i even = _mm512_sub_epi16(_mm512_and_si512(bytes, low), eight);
+            __m512i odd = _mm512_sub_epi16(_mm512_srli_epi16(bytes, 4), eight);
+            for (int r = 0; r < R; r++) {
+                int32_t x0, x1;
+                __builtin_memcpy(&x0, q + r * k + g * GROUP + 4 * c, 4);
+                __builtin_memcpy(&x1, q + r * k + g * GROUP + 4 * c + 2, 4);
+                sums[r][0] = _mm512_dpwssd_epi32(sums[r][0], even, _mm512_set1_epi32(x0));
+                sums[r][1] = _mm512_dpwssd_epi32(sums[r][1], odd, _mm512_set1_epi32(x1));
+            }
+        }
+        __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ws + g * TILE))), 16));
+        __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wz + g * TILE))), 16));
+        for (int r = 0; r < R; r++) {
+            __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dots, _mm512_set1_ps(qs[r * groups + g])), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * groups + g]), zero, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+
+#define TILE4_256(NAME, ISA, DOT)                                                                                 \
+    template <int R>                                                                                              \
+    ISA static void NAME(const int16_t* q, const float* qs, const float* xs, int64_t k, const uint8_t* w,          \
+                         const uint16_t* ws, const uint16_t* wz, float* out, int64_t n) {                         \
+        const int64_t groups = k / GROUP;                                                                         \
+        const __m256i low = _mm256_set1_epi16(0x0F), eight = _mm256_set1_epi16(8);                                \
+        __m256 acc[R][2];                                                                                         \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                  \
+        for (int64_t g = 0; g < groups; g++) {                                                                    \
+            __m256i sums[R][2][2];                                                                                \
+            for (int r = 0; r < R; r++)                                                                           \
+                sums[r][0][0] = sums[r][0][1] = sums[r][1][0] = sums[r][1][1] = _mm256_setzero_si256();           \
+            const uint8_t* wg = w + g * GROUP * TILE / 2;                                                         \
+            for (int c = 0; c < GROUP / 4; c++) {                                                                 \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    __m256i bytes = _mm256_cvtepu8_epi16(                                                         \
+                        _mm_loadu_si128((const __m128i*)(wg + c * 2 * TILE + h * TILE)));                         \
+                    __m256i even = _mm256_sub_epi16(_mm256_and_si256(bytes, low), eight);                         \
+                    __m256i odd = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight);                           \
+                    for (int r = 0; r < R; r++) {                                                                 \
+                        int32_t x0, x1;                                                                           \
+                        __builtin_memcpy(&x0, q + r * k + g * GROUP + 4 * c, 4);                                  \
+                        __builtin_memcpy(&x1, q + r * k + g * GROUP + 4 * c + 2, 4);                              \
+                        sums[r][h][0] = DOT(sums[r][h][0], even, _mm256_set1_epi32(x0));                          \
+                        sums[r][h][1] = DOT(sums[r][h][1], odd, _mm256_set1_epi32(x1));                           \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int h = 0; h < 2; h++) {                                                                         \
+                __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(                                             \
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(ws + g * TILE + 8 * h))), 16));        \
+                __m256 zero = _mm256_castsi256_ps(_mm256_slli_epi32(                                              \
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wz + g * TILE + 8 * h))), 16));        \
+                for (int r = 0; r < R; r++) {                                                                     \
+                    __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[r][h][0], sums[r][h][1]));             \
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(qs[r * groups + g])), scale,   \
+                                                acc[r][h]);                                                       \
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xs[r * groups + g]), zero, acc[r][h]);             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < R; r++) {                                                                             \
+            _mm256_storeu_ps(out + r * n, acc[r][0]);                                                             \
+            _mm256_storeu_ps(out + r * n + 8, acc[r][1]);                                                         \
+        }                                                                                                         \
+    }
+
 // The ymm kernels differ only in their dot instruction. vpmaddwd's pair sums cannot overflow here
 // (weights within +-127), so adding them equals vpdpwssd's fused sum.
 #define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(w, x))
@@ -154,20 +262,86 @@ KVCHAT_AVX512_VNNI static void tile_512(const int16_t* q, const float* qs, int64
 
 TILE_256(tile_avx2, KVCHAT_AVX2, DOT_AVX2)
 TILE_256(tile_avx_vnni, KVCHAT_AVX_VNNI, DOT_AVX_VNNI)
+TILE4_256(tile4_avx2, KVCHAT_AVX2, DOT_AVX2)
+TILE4_256(tile4_avx_vnni, KVCHAT_AVX_VNNI, DOT_AVX_VNNI)
 
 typedef void (*tile_fn)(const int16_t*, const float*, int64_t, const int8_t*, const uint16_t*, float*, int64_t);
+typedef void (*tile4_fn)(const int16_t*, const float*, const float*, int64_t, const uint8_t*, const uint16_t*,
+                         const uint16_t*, float*, int64_t);
 typedef void (*quantize_fn)(const float*, int64_t, int16_t*, float*);
 struct Isa {
     quantize_fn quantize;
     int rows;  // a register block: as many rows as leave the sums and a weight pair in registers
     tile_fn tiles[ROWS_512 + 1];
+    tile4_fn tiles4[ROWS_512 + 1];
 };
+#define FOUR(T) {0, T<1>, T<2>, T<3>, T<4>}
+#define EIGHT(T) {0, T<1>, T<2>, T<3>, T<4>, T<5>, T<6>, T<7>, T<8>}
 static const Isa ISAS[] = {
-    {quantize_256, ROWS_256, {0, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>}},
-    {quantize_256, ROWS_256, {0, tile_avx_vnni<1>, tile_avx_vnni<2>, tile_avx_vnni<3>, tile_avx_vnni<4>}},
-    {quantize_512, ROWS_512,
-     {0, tile_512<1>, tile_512<2>, tile_512<3>, tile_512<4>, tile_512<5>, tile_512<6>, tile_512<7>, tile_512<8>}},
+    {quantize_256, ROWS_256, FOUR(tile_avx2), FOUR(tile4_avx2)},
+    {quantize_256, ROWS_256, FOUR(tile_avx_vnni), FOUR(tile4_avx_vnni)},
+    {quantize_512, ROWS_512, EIGHT(tile_512), EIGHT(tile4_512)},
 };
+
+// The rows rounded to int16 per group (and, for 4-bit weights, each group's sum), then the tiles
+// of n outputs, a block of rows at a time. Returns 0, or 1 when the rows' copy could not be made.
+typedef void (*run_fn)(const Isa&, const int16_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                       float*, const void*);
+
+static int rows_against(const Isa& f, const float* x, int64_t m, int64_t k, int64_t n, bool sums, int threads,
+                        run_fn run, const void* weights, float* out) {
+    const int64_t groups = k / GROUP;
+    if (m == 0) return 0;  // malloc(0) may be NULL
+    int16_t* q = (int16_t*)malloc(sizeof(int16_t) * m * k);
+    float* qs = (float*)malloc(sizeof(float) * m * groups * 2);
+    if (!q || !qs) {  // out of memory: the caller raises
+        free(q);
+        free(qs);
+        return 1;
+    }
+    float* xs = qs + m * groups;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m >= 16)
+    for (int64_t r = 0; r < m; r++) {
+        f.quantize(x + r * k, k, q + r * k, qs + r * groups);
+        if (sums) group_sums(x + r * k, k, xs + r * groups);
+    }
+    const int64_t blocks = (m + f.rows - 1) / f.rows;
+    // tiles outer: a thread's row blocks of one tile find its weights in L1
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n / TILE; t++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r = b * f.rows, rows = m - r < f.rows ? m - r : f.rows;
+            run(f, q + r * k, qs + r * groups, xs + r * groups, k, n, t, rows, out + r * n + t * TILE, weights);
+        }
+    }
+    free(q);
+    free(qs);
+    return 0;
+}
+
+struct Int8Weights {
+    const int8_t* w;
+    const uint16_t* ws;
+};
+struct Int4Weights {
+    const uint8_t* w;
+    const uint16_t* ws;
+    const uint16_t* wz;
+};
+
+// tile t of the weights against a block of rows (q, qs, xs and out at the block's first row)
+static void run_int8(const Isa& f, const int16_t* q, const float* qs, const float*, int64_t k, int64_t n, int64_t t,
+                     int64_t rows, float* out, const void* weights) {
+    const Int8Weights& a = *(const Int8Weights*)weights;
+    f.tiles[rows](q, qs, k, a.w + t * k * TILE, a.ws + t * (k / GROUP) * TILE, out, n);
+}
+
+static void run_int4(const Isa& f, const int16_t* q, const float* qs, const float* xs, int64_t k, int64_t n,
+                     int64_t t, int64_t rows, float* out, const void* weights) {
+    const Int4Weights& a = *(const Int4Weights*)weights;
+    const int64_t groups = k / GROUP;
+    f.tiles4[rows](q, qs, xs, k, a.w + t * k * TILE / 2, a.ws + t * groups * TILE, a.wz + t * groups * TILE, out, n);
+}
 
 // x [m, k] fp32; w, ws packed as above for n outputs; out [m, n] fp32. k % 32 == 0, n % 16 == 0.
 // isa: ISA_AVX2, ISA_AVX_VNNI or ISA_AVX512_VNNI, which the caller checked this CPU runs.
@@ -175,29 +349,14 @@ static const Isa ISAS[] = {
 extern "C" int kvchat_int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const uint16_t* ws, int64_t n,
                                 float* out, int threads, int isa) {
     if (isa < ISA_AVX2 || isa > ISA_AVX512_VNNI) return 2;
-    const Isa& f = ISAS[isa];
-    const int64_t groups = k / GROUP;
-    if (m == 0) return 0;  // malloc(0) may be NULL
-    int16_t* q = (int16_t*)malloc(sizeof(int16_t) * m * k);
-    float* qs = (float*)malloc(sizeof(float) * m * groups);
-    if (!q || !qs) {  // out of memory: the caller raises
-        free(q);
-        free(qs);
-        return 1;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static) if (m >= 16)
-    for (int64_t r = 0; r < m; r++) f.quantize(x + r * k, k, q + r * k, qs + r * groups);
-    const int64_t blocks = (m + f.rows - 1) / f.rows;
-    // tiles outer: a thread's row blocks of one tile find its weights in L1
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n / TILE; t++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t r = b * f.rows, rows = m - r < f.rows ? m - r : f.rows;
-            f.tiles[rows](q + r * k, qs + r * groups, k, w + t * k * TILE, ws + t * groups * TILE,
-                          out + r * n + t * TILE, n);
-        }
-    }
-    free(q);
-    free(qs);
-    return 0;
+    Int8Weights a = {w, ws};
+    return rows_against(ISAS[isa], x, m, k, n, false, threads, run_int8, &a, out);
+}
+
+// The same for 4-bit codes w (packed as above), bf16 scales ws and zeros wz [N/16][K/32][16].
+extern "C" int kvchat_int4_rows(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint16_t* ws,
+                                const uint16_t* wz, int64_t n, float* out, int threads, int isa) {
+    if (isa < ISA_AVX2 || isa > ISA_AVX512_VNNI) return 2;
+    Int4Weights a = {w, ws, wz};
+    return rows_against(ISAS[isa], x, m, k, n, true, threads, run_int4, &a, out);
 }

@@ -8,6 +8,10 @@ loops ran 5x slower built by g++ than by clang. The kernel rounds each row to in
 (one build holds all three). It needs one of them and a C++ compiler (inductor's, set up by
 ``engine.toolchain``); without them the weights keep the row-major layout and inductor's product.
 
+4-bit weights run on the same rows and instructions (``int4_rows``): codes 0..15 in groups of 32,
+``w = (q - 8) * scale + zero`` with bf16 scale and zero (torch's int4 format, which a GGUF's Q4_1
+blocks are found in again), two codes a byte.
+
 ``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built
 (``build``, on a thread of the engine's from a model's load on), it runs the twin.
 """
@@ -72,7 +76,40 @@ def twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.T
     return (sums * qs.double()[:, None, :] * wscales.double()[None]).sum(-1).float()
 
 
+def pack4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Row-major 4-bit ``codes [n, k]`` (0..15, any int dtype) and bf16 ``scales``/``zeros``
+    ``[n, k/32]`` to the kernel's layouts: codes ``[n/16, k/4, 16, 2]`` uint8, byte ``(o, t)`` of
+    chunk ``c`` holding ``k = 4c + t`` low and ``4c + 2 + t`` high; scales and zeros
+    ``[n/16, k/32, 16]``."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // TILE, TILE, k // 4, 2, 2)  # [tiles, o, chunk, high, t]
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    tiled = [x.view(n // TILE, TILE, -1).transpose(1, 2).contiguous() for x in (scales, zeros)]
+    return packed, *tiled
+
+
+def unpack4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``pack4``'s inverse: codes ``[n, k]`` int32 (0..15), scales and zeros ``[n, k/32]``."""
+    tiles, chunks, _, _ = packed.shape
+    low, high = (packed & 0x0F).to(torch.int32), (packed >> 4).to(torch.int32)
+    codes = torch.stack([low, high], 3).permute(0, 2, 1, 3, 4).reshape(tiles * TILE, chunks * 4)
+    return codes, *(x.transpose(1, 2).reshape(tiles * TILE, -1) for x in (scales, zeros))
+
+
+def twin4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``int4_rows`` in torch: the rows' int16 rounding against ``q - 8`` in exact integer sums per
+    group, scaled, plus each group's plain sum times its zero (float64)."""
+    codes, s, z = unpack4(packed, scales, zeros)
+    q, qs = quantize_rows(x)
+    m, k = q.shape
+    n = codes.shape[0]
+    sums = torch.einsum("mgi,ngi->mng", q.double().view(m, -1, GROUP), (codes - 8).double().view(n, -1, GROUP))
+    xs = x.float().view(m, -1, GROUP).sum(-1).double()
+    return (sums * qs.double()[:, None, :] * s.double()[None] + xs[:, None, :] * z.double()[None]).sum(-1).float()
+
+
 _lib = None  # the kernel's entry point, once ``build`` succeeded
+_lib4 = None
 built = False  # a plain bool, which a compiled step's guard can check
 failed = False
 isa = None  # the variant every call runs: cpu_isa.chosen() at the build, or use()'s
@@ -91,7 +128,7 @@ def build() -> bool:
     """Compile and load the kernel once, with inductor's compiler and caches as the caller set them
     up (a few seconds, then from the disk cache), on a thread that may wait. False where it cannot
     run here."""
-    global _lib, built, failed
+    global _lib, _lib4, built, failed
     if built or failed:
         return built
     if not cpu_supported():
@@ -102,11 +139,12 @@ def build() -> bool:
         from torch._inductor.codecache import CppCodeCache
 
         lib = CppCodeCache.load(_SOURCE.read_text())
-        fn = lib.kvchat_int8_rows
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        _lib, built = fn, True
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn, fn4 = lib.kvchat_int8_rows, lib.kvchat_int4_rows
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32]
+        fn4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32, i32]
+        fn.restype = fn4.restype = ctypes.c_int
+        _lib, _lib4, built = fn, fn4, True
     except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
         log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
         failed = True
@@ -117,6 +155,7 @@ def build() -> bool:
 # on the starter, and custom_op's wrapper cost 2.5 us more a call (8.5 against 6 us, measured).
 _library = torch.library.Library("kvchat", "FRAGMENT")
 _library.define("int8_rows(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+_library.define("int4_rows(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor")
 
 
 def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -141,6 +180,45 @@ def int8_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
 
 
 _library.impl("int8_rows", int8_rows, "CPU")
+
+
+def int4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``x [m, k] @ W.T`` for 4-bit ``W`` packed by ``pack4``: fp32 ``[m, n]``, the kernel where it
+    is built, else its twin."""
+    rows = x.float().contiguous()
+    m, k = rows.shape
+    n = packed.shape[0] * TILE
+    if packed.shape[1] * 4 != k or scales.dtype != torch.bfloat16 or zeros.dtype != torch.bfloat16:
+        _check4(rows, packed, scales, zeros)
+    if _lib4 is None:
+        return twin4(rows, packed, scales, zeros)
+    out = torch.empty(m, n, dtype=torch.float32)
+    status = _lib4(rows.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
+                   out.data_ptr(), torch.get_num_threads(), _isa_index)
+    if status:
+        raise (MemoryError(f"int4_rows: no memory for {m} rows of {k} int16 values") if status == 1
+               else ValueError(f"int4_rows: no variant {isa!r}"))
+    return out
+
+
+_library.impl("int4_rows", int4_rows, "CPU")
+
+
+def _check4(x, packed, scales, zeros) -> None:
+    k = x.shape[-1]
+    if (x.dim() != 2 or packed.dtype != torch.uint8 or k % GROUP or packed.dim() != 4
+            or packed.shape[1:] != (k // 4, TILE, 2) or scales.dtype != torch.bfloat16
+            or zeros.dtype != torch.bfloat16 or scales.shape != (packed.shape[0], k // GROUP, TILE)
+            or zeros.shape != scales.shape
+            or not (packed.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
+        raise ValueError(f"int4_rows: rows of {k} against codes {tuple(packed.shape)} {packed.dtype}, scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, zeros {tuple(zeros.shape)}: not the layout of pack4()")
+
+
+@torch.library.register_fake("kvchat::int4_rows")
+def _(x, packed, scales, zeros):
+    _check4(x, packed, scales, zeros)
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE, dtype=torch.float32)
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Linears that read the same rows, run as one int8 product: a layer's q, k and v projections, and
+"""Linears that read the same rows, run as one int8 (or 4-bit) product: a layer's q, k and v projections, and
 its MLP's gate and up. The starter's token then calls the int8 kernel 121 times instead of 211,
 each call about 7 us of dispatch and Python and a fork and join of its threads.
 
@@ -53,10 +53,11 @@ class GroupPart(nn.Module):
         return self.fused.weight_as(dtype)[self.start:self.end]
 
 
-def fuse(module: nn.Module, names: tuple[str, ...], packed_fits) -> bool:
+def fuse(module: nn.Module, names: tuple[str, ...], packed_fits, make=Int8Linear) -> bool:
     """Replace ``module``'s linears ``names`` (plain ``nn.Linear`` of one input size) by the parts
-    of one fused int8 linear; False, untouched, where they are not such or the kernel would not
-    take the fused shape (``packed_fits(n, k)``)."""
+    of one fused linear that ``make`` quantizes (``Int8Linear`` or ``Int4Linear``, in the kernel's
+    layout); False, untouched, where they are not such or the kernel would not take the fused
+    shape (``packed_fits(n, k)``)."""
     linears = [getattr(module, name, None) for name in names]
     if not all(type(lin) is nn.Linear for lin in linears) or len({lin.in_features for lin in linears}) != 1:
         return False
@@ -70,7 +71,7 @@ def fuse(module: nn.Module, names: tuple[str, ...], packed_fits) -> bool:
         whole.bias = nn.Parameter(torch.cat([lin.bias.detach() if lin.bias is not None
                                              else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
                                              for lin in linears]), requires_grad=False)
-    fused = Int8Linear(whole, packed=True)
+    fused = make(whole, packed=True)
     pending, start = _Pending(), 0
     for index, (name, size) in enumerate(zip(names, sizes)):
         setattr(module, name, GroupPart(fused, start, start + size, index, sizes, pending))
@@ -78,10 +79,10 @@ def fuse(module: nn.Module, names: tuple[str, ...], packed_fits) -> bool:
     return True
 
 
-def fuse_groups(model: nn.Module, packed_fits) -> int:
+def fuse_groups(model: nn.Module, packed_fits, make=Int8Linear) -> int:
     """Every group of ``GROUPS`` found in ``model``'s modules fused; how many were."""
     done = 0
     for module in list(model.modules()):
         for names in GROUPS:
-            done += fuse(module, names, packed_fits)
+            done += fuse(module, names, packed_fits, make)
     return done

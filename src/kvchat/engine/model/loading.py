@@ -166,10 +166,26 @@ def _measured_weights(folder: Path, source, decode: str) -> tuple[str, str | Non
 
     try:
         config = AutoConfig.from_pretrained(folder)
-        return choose(config, _compiles(decode))
+        return choose(config, _compiles(decode), four_bit=_stored_in_four_bits(source))
     except (OSError, ValueError, AttributeError, TypeError) as e:
         log.warning("weights not timed for %s (%s): the default rule instead", source.label, first_line(e))
         return pick_weights("auto", torch.device("cpu"), decode), None
+
+
+# GGUF's general.file_type of checkpoints whose weights are 4-bit groups with a scale (and a
+# minimum): Q4_0, Q4_1, Q4_K_S, Q4_K_M
+FOUR_BIT_FILE_TYPES = {2, 3, 14, 15}
+
+
+def _stored_in_four_bits(source) -> bool:
+    if source.kind not in ("gguf", "starter"):
+        return False
+    from kvchat.core.gguf_header import read_header
+
+    try:
+        return read_header(Path(source.location)).metadata.get("general.file_type") in FOUR_BIT_FILE_TYPES
+    except (OSError, ValueError):
+        return False
 
 
 def gguf_to_folder(path: Path, digest: str, progress: Callable[[int, int, str], None] | None = None) -> Path:

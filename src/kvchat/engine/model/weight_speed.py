@@ -27,7 +27,7 @@ log = logging.getLogger("kvchat.weight_speed")
 
 STREAM_BYTES = 192 << 20  # fp32 matrices timed per mode: past every cache, so they stream from memory
 MARGIN = 1.05  # a quantized mode must be this much faster than the checkpoint's own weights to be picked
-LABELS = {"none": "fp32", "int8": "int8"}
+LABELS = {"none": "fp32", "int8": "int8", "int4": "int4"}
 
 
 def token_shapes(config) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
@@ -43,19 +43,26 @@ def token_shapes(config) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
     return layer, layers, (text.vocab_size, hidden)
 
 
-def candidates(compiled: bool) -> list[str]:
-    """The modes within their quality bar that may decode fast here: the checkpoint's own, and
-    int8 (+0.0 to +0.5 % perplexity on four kinds of text) where its kernel runs. int4 is left to
-    the user (on a checkpoint not stored in 4 bits it cost +5.5 %), and so is bf16, whose cost
-    this project has not measured."""
-    return ["none", "int8"] if compiled and int8_rows.cpu_supported() else ["none"]
+def candidates(compiled: bool, four_bit: bool = False) -> list[str]:
+    """The modes within their quality bar that may decode fast here: the checkpoint's own; int8
+    (+0.0 to +0.5 % perplexity on four kinds of text) where its kernel runs; and int4 there too
+    when the checkpoint is stored in 4 bits (a GGUF's Q4_0, Q4_1 or Q4_K: its codes are found
+    again). On other checkpoints 4 bits cost +5.5 %, and bf16's cost is not measured: both are
+    left to the user."""
+    if not (compiled and int8_rows.cpu_supported()):
+        return ["none"]
+    return ["none", "int8"] + (["int4"] if four_bit else [])
 
 
 def _matrices(mode: str, shapes: list[tuple[int, int]]) -> list:
     g = torch.Generator().manual_seed(0)
     out = []
     for n, k in shapes:
-        if mode == "int8":
+        if mode == "int4":
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+            scales = torch.full((n, k // 32), 1e-3).to(torch.bfloat16)
+            out.append(int8_rows.pack4(codes, scales, scales))
+        elif mode == "int8":
             codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
             scales = torch.full((n, k // 32), 1e-3).to(torch.bfloat16)
             out.append(int8_rows.pack(codes, scales))
@@ -65,6 +72,8 @@ def _matrices(mode: str, shapes: list[tuple[int, int]]) -> list:
 
 
 def _product(mode: str):
+    if mode == "int4":
+        return lambda x, w: torch.ops.kvchat.int4_rows(x, *w)
     if mode == "int8":
         return lambda x, w: torch.ops.kvchat.int8_rows(x, *w)
     return F.linear
@@ -75,13 +84,14 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
     """Seconds of one token's products in ``mode``: the layers timed (as many as stream from
     memory), scaled to the model's count, plus the head."""
     layer, layers, head = token_shapes(config)
-    if mode == "int8":  # as fused_linears runs them: q/k/v and gate/up one product each
+    if mode != "none":  # as fused_linears runs them: q/k/v and gate/up one product each
         q, k, v, o, gate, up, down = layer
         layer = [(q[0] + k[0] + v[0], q[1]), o, (gate[0] + up[0], gate[1]), down]
     layer_bytes = sum(n * k for n, k in layer) * 4
     timed = max(1, min(layers, math.ceil(STREAM_BYTES / layer_bytes)))
-    mats = _matrices(mode, layer * timed + [head])
-    product = _product(mode)
+    # the head stays int8 in int4 mode (weights.quantize_linears)
+    mats = _matrices(mode, layer * timed) + _matrices("int8" if mode == "int4" else mode, [head])
+    product, head_product = _product(mode), _product("int8" if mode == "int4" else mode)
     rows = {k: torch.randn(1, k) for _, k in layer + [head]}
     shapes = layer * timed + [head]
     best_layers = best_head = math.inf
@@ -90,7 +100,7 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
         for (_, k), w in zip(shapes[:-1], mats[:-1]):
             product(rows[k], w)
         middle = time.perf_counter()
-        product(rows[head[1]], mats[-1])
+        head_product(rows[head[1]], mats[-1])
         end = time.perf_counter()
         best_layers, best_head = min(best_layers, middle - start), min(best_head, end - middle)
     return best_layers * layers / timed + best_head
@@ -118,10 +128,11 @@ def _store():
     return cache_dir() / "weight_speed.json"
 
 
-def choose(config, compiled: bool) -> tuple[str, str]:
+def choose(config, compiled: bool, four_bit: bool = False) -> tuple[str, str]:
     """The fastest weight mode here for ``config``'s shapes, and why, in a few words ("int8: 112
-    tok/s of products here, fp32 48"). Measured once per machine and model shape, then read."""
-    modes = candidates(compiled)
+    tok/s of products here, fp32 48"). Measured once per machine and model shape, then read.
+    ``four_bit``: the checkpoint is stored in 4 bits (int4 is then within its quality bar)."""
+    modes = candidates(compiled, four_bit)
     if modes == ["none"]:
         return "none", "no faster mode runs here"
     if "int8" in modes:
@@ -129,7 +140,7 @@ def choose(config, compiled: bool) -> tuple[str, str]:
 
         build_kernel()  # from the disk cache after the first build
         if not int8_rows.built:
-            modes.remove("int8")
+            modes = ["none"]
     key = _key(config, modes)
     try:
         known = json.loads(_store().read_text())

@@ -268,23 +268,47 @@ class Int4Linear(nn.Module):
     Quantizing by each group's min and max instead moved many codes (+5.5% perplexity on the
     starter, with the Q8_0 head in int4 too)."""
 
-    def __init__(self, linear: nn.Linear, inner_k_tiles: int = 2):
+    def __init__(self, linear: nn.Linear, inner_k_tiles: int = 2, packed: bool | None = None):
+        """``packed``: kvchat's kernel (``kernels.int8_rows.int4_rows``: int16 rows, integer sums,
+        every row count) in its layout; by default where this CPU runs it and the shape fits.
+        Else torch's packed int4 kernel, which takes bf16 rows."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
         groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
         q = _codes(groups)
         scale, zero = _fit(groups, q - 8)
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.view(n, k).to(torch.int32), inner_k_tiles))
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
+        if packed is None:
+            packed = w.device.type == "cpu" and _kernel_can_run(n, k)
+        self.packed = packed
+        if packed:
+            codes, scales, zeros = int8_rows.pack4(q.view(n, k), scale, zero)
+            self.register_buffer("qweight", codes)
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
+        else:
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.view(n, k).to(torch.int32), inner_k_tiles))
+            self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
         self.bias = linear.bias
         self.in_features, self.out_features = k, n
 
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.packed:
+            raise NotImplementedError("torch's int4 layout is not read back")
+        codes, scales, zeros = int8_rows.unpack4(self.qweight, self.scales, self.zeros)
+        n, k = codes.shape
+        w = (codes - 8).view(n, -1, INT4_GROUP).float() * scales.float()[..., None] + zeros.float()[..., None]
+        return w.view(n, k).to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_ACT)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP, self.scales_and_zeros)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if self.packed:
+            out = torch.ops.kvchat.int4_rows(flat, self.qweight, self.scales, self.zeros).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(_ACT), self.qweight, INT4_GROUP,
+                                                             self.scales_and_zeros).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
 
@@ -327,10 +351,10 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"{mode} weights need input sizes divisible by {group}"
                          + (f" and output sizes by {rows}" if rows > 1 else "") + f": {bad[0]} is not")
     head = model.get_output_embeddings()
-    if mode == "int8" and head is not None and head.weight.device.type == "cpu":
+    if head is not None and head.weight.device.type == "cpu":
         from kvchat.engine.model.fused_linears import fuse_groups
 
-        fuse_groups(model, _kernel_can_run)  # q/k/v and gate/up as one kernel call each
+        fuse_groups(model, _kernel_can_run, make)  # q/k/v and gate/up as one kernel call each
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -338,6 +362,8 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
                 # starter's is Q8_0), and 4 bits there cost more than anywhere else
                 setattr(module, child_name, Int8Linear(child) if child is head else make(child))
     model.config.tie_word_embeddings = False  # the head is its own tensor now
+    if mode == "int4" and any(isinstance(m, Int4Linear) and m.packed for m in model.modules()):
+        build_kernel()  # now: packed 4-bit weights have no fast path without it (seconds once, then cached)
     build_kernel_soon(model)
     return model
 
