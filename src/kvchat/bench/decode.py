@@ -212,6 +212,8 @@ def bench_decode(model: str = "starter", random_weights: str | None = None, devi
                                     + mean_context * bytes_per_token(shape, Precision.FP16, kv_dtype(reference).itemsize))
         result["paths"][path] = {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": d,
                                  "roofline_fraction": d / roofline}
+    result["weights_chosen"] = getattr(lm.model.config, "kvchat_weights", weights)  # what auto picked
+    result["weights_why"] = getattr(lm.model.config, "kvchat_weights_why", None)
     if dev.type == "cpu":
         result["cpu_build"] = cpu_build(lm.model)
     ours = result["paths"]
@@ -232,7 +234,8 @@ def report(r: dict, as_json: bool) -> None:
         print(json.dumps(r, indent=2))
         return
     print(f"machine: {r['machine']}")
-    print(f"model: {r['model']} ({r['dtype']}, weights {r['weights']}), KV {r['kv_precision']}, "
+    chosen = f" -> {r['weights_chosen']}" if r.get("weights_chosen") not in (None, r["weights"]) else ""
+    print(f"model: {r['model']} ({r['dtype']}, weights {r['weights']}{chosen}), KV {r['kv_precision']}, "
           f"{r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens")
     print(f"bandwidth {r['bandwidth_gb_s']:.1f} GB/s; bytes/token {r['bytes_per_token'] / 1e6:.1f} MB "
           f"(weights {r['weight_bytes'] / 1e6:.1f}, KV {r['kv_bytes_per_token'] / 1e6:.1f}); "
@@ -247,6 +250,8 @@ def report(r: dict, as_json: bool) -> None:
             print(f"  {key.replace('_', ' ')}: {r[key]:.2f}x")
     if "compiled_tokens_equal_eager" in r:
         print(f"  compiled greedy tokens equal eager's: {r['compiled_tokens_equal_eager']}")
+    if r.get("weights_why"):
+        print(f"  auto weights: {r['weights_why']}")
     if r.get("cpu_build"):
         print(f"  {describe_cpu_build(r['cpu_build'])}")
     for note in r.get("notes", []):
