@@ -23,7 +23,7 @@ def quantized(arch, fuse: bool, monkeypatch):
     from tiny_models import tiny_model
 
     if not fuse:
-        monkeypatch.setattr(fused_linears, "fuse_groups", lambda *a: 0)
+        monkeypatch.setattr(weights, "fuse_groups", lambda *a: 0)
     model = weights.quantize_linears(tiny_model(arch), "int8")
     monkeypatch.undo()
     return model
@@ -54,18 +54,21 @@ def test_a_part_called_with_other_rows_computes_them(kernel):
         setattr(holder, name, torch.nn.Linear(96, n, bias=name != "k_proj"))
         getattr(holder, name).weight.data = torch.randn(n, 96, generator=g)
     alone = {name: weights.Int8Linear(getattr(holder, name), packed=True) for name in ("q_proj", "k_proj", "v_proj")}
-    assert fused_linears.fuse(holder, ("q_proj", "k_proj", "v_proj"), int8_rows.fits)
+    assert fused_linears.fuse(holder, ("q_proj", "k_proj", "v_proj"), int8_rows.fits, weights.Int8Linear)
     x, y = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
     assert torch.equal(holder.q_proj(x), alone["q_proj"](x))
     assert torch.equal(holder.k_proj(y), alone["k_proj"](y))  # other rows: not x's columns
     assert torch.equal(holder.v_proj(x), alone["v_proj"](x))
+    holder.q_proj(x)  # the group's product for x; then a sibling called with other rows (another thread's)
+    assert holder.k_proj.pending.state[0] is x
+    assert torch.equal(holder.v_proj(y), alone["v_proj"](y))
     assert torch.equal(holder.k_proj.weight_as(torch.float32), alone["k_proj"].weight_as(torch.float32))
 
 
 def test_linears_of_other_input_sizes_or_odd_outputs_stay_apart():
     holder = torch.nn.Module()
     holder.gate_proj, holder.up_proj = torch.nn.Linear(64, 48), torch.nn.Linear(96, 48)
-    assert not fused_linears.fuse(holder, ("gate_proj", "up_proj"), int8_rows.fits)
+    assert not fused_linears.fuse(holder, ("gate_proj", "up_proj"), int8_rows.fits, weights.Int8Linear)
     holder.up_proj = torch.nn.Linear(64, 40)  # not a multiple of the kernel's 16 outputs
-    assert not fused_linears.fuse(holder, ("gate_proj", "up_proj"), int8_rows.fits)
+    assert not fused_linears.fuse(holder, ("gate_proj", "up_proj"), int8_rows.fits, weights.Int8Linear)
     assert type(holder.gate_proj) is torch.nn.Linear

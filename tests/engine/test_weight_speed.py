@@ -120,3 +120,12 @@ def test_time_token_runs_each_modes_products():
         seconds = weight_speed.time_token(mode, config(), rounds=1)
         assert seconds > 0 and math.isfinite(seconds), (mode, seconds)
     assert weight_speed.candidates(compiled=False) == ["none"]
+
+
+def test_a_model_whose_head_the_kernel_cannot_take_keeps_its_own_weights(timed):
+    """A vocabulary of 32,001 (not a multiple of the kernel's 16 outputs): no mode is timed."""
+    calls, figures, _ = timed
+    odd = config()
+    odd.vocab_size = 32001
+    assert not weight_speed.fit_the_kernel(odd) and weight_speed.fit_the_kernel(config())
+    assert weight_speed.choose(odd, compiled=True)[0] == "none" and calls == []

@@ -31,8 +31,16 @@
 #include <stdlib.h>
 
 #define KVCHAT_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#define KVCHAT_AVX_VNNI __attribute__((target("avx2,fma,avxvnni")))
 #define KVCHAT_AVX2 __attribute__((target("avx2,fma")))
+// AVX-VNNI came with GCC 11 and clang 12: an older compiler fills its slot with the AVX2 tiles
+// (the same bits), rather than failing the whole build
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define KVCHAT_AVX_VNNI __attribute__((target("avx2,fma,avxvnni")))
+#define DOT_AVX_VNNI(sum, w, x) _mm256_dpwssd_avx_epi32(sum, w, x)
+#else
+#define KVCHAT_AVX_VNNI KVCHAT_AVX2
+#define DOT_AVX_VNNI(sum, w, x) DOT_AVX2(sum, w, x)
+#endif
 
 enum { ISA_AVX2 = 0, ISA_AVX_VNNI = 1, ISA_AVX512_VNNI = 2 };
 static const int TILE = 16, GROUP = 32, ROWS_512 = 8, ROWS_256 = 4;
@@ -217,7 +225,6 @@ KVCHAT_AVX512_VNNI static void tile4_512(const int16_t* q, const float* qs, cons
 // The ymm kernels differ only in their dot instruction. vpmaddwd's pair sums cannot overflow here
 // (weights within +-127), so adding them equals vpdpwssd's fused sum.
 #define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(w, x))
-#define DOT_AVX_VNNI(sum, w, x) _mm256_dpwssd_avx_epi32(sum, w, x)
 #define TILE_256(NAME, ISA, DOT)                                                                                  \
     template <int R>                                                                                              \
     ISA static void NAME(const int16_t* q, const float* qs, int64_t k, const int8_t* w, const uint16_t* ws,        \

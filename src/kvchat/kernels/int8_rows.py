@@ -132,6 +132,9 @@ def build() -> bool:
     if built or failed:
         return built
     if not cpu_supported():
+        problem = cpu_isa.override_problem()
+        if problem is not None:  # the command line refuses it; the app says so here
+            log.warning("%s: no int8 kernel", problem)
         failed = True
         return False
     use(cpu_isa.chosen())

@@ -11,24 +11,23 @@ its row and its codes alone, so a part's columns equal what its own layer gave, 
 import torch
 from torch import nn
 
-from kvchat.engine.model.weights import Int8Linear
-
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Pending:
-    """What the group's last fused product left for the parts not yet called."""
+    """The group's last fused product, ``(rows, outputs)``, for the parts after the first. One
+    tuple, read once into a local: the compile thread traces the same modules while the engine
+    thread steps, and a part must never see one thread's rows beside the other's outputs."""
 
     def __init__(self):
-        self.rows = self.outputs = None
-        self.left = 0
+        self.state = None
 
 
 class GroupPart(nn.Module):
-    """One linear of a group: its columns ``start:end`` of the group's fused ``Int8Linear``. Only the
+    """One linear of a group: its columns ``start:end`` of the group's fused int8 or 4-bit linear. Only the
     first part registers the fused module (the model's state holds it once)."""
 
-    def __init__(self, fused: Int8Linear, start: int, end: int, index: int, sizes: list[int], pending: _Pending):
+    def __init__(self, fused: nn.Module, start: int, end: int, index: int, sizes: list[int], pending: _Pending):
         super().__init__()
         if index == 0:
             self.fused = fused
@@ -38,22 +37,24 @@ class GroupPart(nn.Module):
         self.in_features, self.out_features = fused.in_features, end - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.pending
-        if p.outputs is not None and p.rows is x:
-            out = p.outputs[self.index]
-            p.left -= 1
-            if p.left == 0:  # every part took its columns: hold no activations between forwards
-                p.rows = p.outputs = None
-            return out
-        p.outputs = self.fused(x).split(self.sizes, -1)
-        p.rows, p.left = x, len(self.sizes) - 1
-        return p.outputs[self.index]
+        """The first part always runs the group's product (it reads nothing another call left, so
+        a compiled graph guards on no stash); the others take its columns when they get its rows,
+        and the last lets them go."""
+        if self.index > 0:
+            state = self.pending.state
+            if state is not None and state[0] is x:
+                if self.index == len(self.sizes) - 1:
+                    self.pending.state = None
+                return state[1][self.index]
+        outputs = self.fused(x).split(self.sizes, -1)
+        self.pending.state = (x, outputs) if len(self.sizes) > 1 else None
+        return outputs[self.index]
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         return self.fused.weight_as(dtype)[self.start:self.end]
 
 
-def fuse(module: nn.Module, names: tuple[str, ...], packed_fits, make=Int8Linear) -> bool:
+def fuse(module: nn.Module, names: tuple[str, ...], packed_fits, make) -> bool:
     """Replace ``module``'s linears ``names`` (plain ``nn.Linear`` of one input size) by the parts
     of one fused linear that ``make`` quantizes (``Int8Linear`` or ``Int4Linear``, in the kernel's
     layout); False, untouched, where they are not such or the kernel would not take the fused
@@ -79,7 +80,7 @@ def fuse(module: nn.Module, names: tuple[str, ...], packed_fits, make=Int8Linear
     return True
 
 
-def fuse_groups(model: nn.Module, packed_fits, make=Int8Linear) -> int:
+def fuse_groups(model: nn.Module, packed_fits, make) -> int:
     """Every group of ``GROUPS`` found in ``model``'s modules fused; how many were."""
     done = 0
     for module in list(model.modules()):

@@ -167,14 +167,14 @@ def _measured_weights(folder: Path, source, decode: str) -> tuple[str, str | Non
     try:
         config = AutoConfig.from_pretrained(folder)
         return choose(config, _compiles(decode), four_bit=_stored_in_four_bits(source))
-    except (OSError, ValueError, AttributeError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - timing is a refinement: the rule below always answers
         log.warning("weights not timed for %s (%s): the default rule instead", source.label, first_line(e))
         return pick_weights("auto", torch.device("cpu"), decode), None
 
 
-# GGUF's general.file_type of checkpoints whose weights are 4-bit groups with a scale (and a
-# minimum): Q4_0, Q4_1, Q4_K_S, Q4_K_M
-FOUR_BIT_FILE_TYPES = {2, 3, 14, 15}
+# GGUF's general.file_type of checkpoints whose weights are all 4-bit groups of 32 with a scale (and
+# a minimum): Q4_0, Q4_1. Q4_K files keep some tensors at 5 or 6 bits, which int4 would round.
+FOUR_BIT_FILE_TYPES = {2, 3}
 
 
 def _stored_in_four_bits(source) -> bool:

@@ -25,7 +25,8 @@ from kvchat.kernels import cpu_isa, int8_rows
 
 log = logging.getLogger("kvchat.weight_speed")
 
-STREAM_BYTES = 192 << 20  # fp32 matrices timed per mode: past every cache, so they stream from memory
+STREAM_BYTES = 192 << 20  # weights timed per mode: past every cache, so they stream from memory
+BYTES_PER_WEIGHT = {"none": 4, "int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}
 MARGIN = 1.05  # a quantized mode must be this much faster than the checkpoint's own weights to be picked
 LABELS = {"none": "fp32", "int8": "int8", "int4": "int4"}
 
@@ -43,10 +44,19 @@ def token_shapes(config) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
     return layer, layers, (text.vocab_size, hidden)
 
 
+def fit_the_kernel(config) -> bool:
+    """Whether every matrix of a token, fused or not, has the kernel's shape (a vocabulary of 32001
+    does not): a mode whose products would partly run elsewhere is not offered."""
+    layer, _, head = token_shapes(config)
+    q, k, v, o, gate, up, down = layer
+    fused = [(q[0] + k[0] + v[0], q[1]), (gate[0] + up[0], gate[1])]
+    return all(int8_rows.fits(n, k) for n, k in layer + fused + [head])
+
+
 def candidates(compiled: bool, four_bit: bool = False) -> list[str]:
     """The modes within their quality bar that may decode fast here: the checkpoint's own; int8
     (+0.0 to +0.5 % perplexity on four kinds of text) where its kernel runs; and int4 there too
-    when the checkpoint is stored in 4 bits (a GGUF's Q4_0, Q4_1 or Q4_K: its codes are found
+    when the checkpoint is stored in 4 bits (a GGUF's Q4_0 or Q4_1: its codes are found
     again). On other checkpoints 4 bits cost +5.5 %, and bf16's cost is not measured: both are
     left to the user."""
     if not (compiled and int8_rows.cpu_supported()):
@@ -87,7 +97,8 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
     if mode != "none":  # as fused_linears runs them: q/k/v and gate/up one product each
         q, k, v, o, gate, up, down = layer
         layer = [(q[0] + k[0] + v[0], q[1]), o, (gate[0] + up[0], gate[1]), down]
-    layer_bytes = sum(n * k for n, k in layer) * 4
+    # each mode's own bytes past the caches: sized from fp32's, int4 would be timed from a large L3
+    layer_bytes = sum(n * k for n, k in layer) * BYTES_PER_WEIGHT[mode]
     timed = max(1, min(layers, math.ceil(STREAM_BYTES / layer_bytes)))
     # the head stays int8 in int4 mode (weights.quantize_linears)
     mats = _matrices(mode, layer * timed) + _matrices("int8" if mode == "int4" else mode, [head])
@@ -110,8 +121,9 @@ def _key(config, modes: list[str]) -> str:
     from kvchat.engine import toolchain
 
     layer, layers, head = token_shapes(config)
+    kernel = hashlib.sha256(int8_rows._SOURCE.read_bytes()).hexdigest()[:12]  # a changed kernel is timed again
     machine = [platform.machine(), _cpu_name(), cpu_isa.chosen() or "none", torch.backends.cpu.get_cpu_capability(),
-               toolchain.describe().get("compiler", ""), torch.__version__, str(torch.get_num_threads())]
+               toolchain.describe().get("compiler", ""), torch.__version__, str(torch.get_num_threads()), kernel]
     text = json.dumps([machine, layer, layers, head, modes])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -132,7 +144,7 @@ def choose(config, compiled: bool, four_bit: bool = False) -> tuple[str, str]:
     """The fastest weight mode here for ``config``'s shapes, and why, in a few words ("int8: 112
     tok/s of products here, fp32 48"). Measured once per machine and model shape, then read.
     ``four_bit``: the checkpoint is stored in 4 bits (int4 is then within its quality bar)."""
-    modes = candidates(compiled, four_bit)
+    modes = candidates(compiled, four_bit) if fit_the_kernel(config) else ["none"]
     if modes == ["none"]:
         return "none", "no faster mode runs here"
     if "int8" in modes:

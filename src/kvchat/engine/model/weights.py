@@ -2,7 +2,8 @@
 
 Decode on the CPU is bound by reading the weights: each token reads every linear layer once.
 int8 (groups of 32, a bf16 scale each) reads 0.27 of fp32's bytes, int4 (groups of 32 with a scale
-and a minimum, the layout of GGUF's Q4_1, through torch's packed kernel) about 0.16. The rest of
+and a minimum, the layout of GGUF's Q4_1) about 0.16, both through kvchat's kernel where it runs
+(``kernels/int8_rows.cpp``), else inductor's int8 loops and torch's packed int4 kernel. The rest of
 the model (norms, residual stream, KV) keeps the model's dtype. The tied input embedding stays as
 it is (a lookup reads one row); the output head gets its own quantized copy.
 """
@@ -16,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from kvchat.engine.model.fused_linears import fuse_groups
 from kvchat.kernels import int8_rows
 
 log = logging.getLogger("kvchat.weights")
@@ -278,8 +280,8 @@ class Int4Linear(nn.Module):
         groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
         q = _codes(groups)
         scale, zero = _fit(groups, q - 8)
-        if packed is None:
-            packed = w.device.type == "cpu" and _kernel_can_run(n, k)
+        if packed is None:  # built, not only buildable: without it packed 4-bit codes have no fast path
+            packed = w.device.type == "cpu" and _kernel_can_run(n, k) and int8_rows.built
         self.packed = packed
         if packed:
             codes, scales, zeros = int8_rows.pack4(q.view(n, k), scale, zero)
@@ -352,9 +354,10 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
                          + (f" and output sizes by {rows}" if rows > 1 else "") + f": {bad[0]} is not")
     head = model.get_output_embeddings()
     if head is not None and head.weight.device.type == "cpu":
-        from kvchat.engine.model.fused_linears import fuse_groups
-
-        fuse_groups(model, _kernel_can_run, make)  # q/k/v and gate/up as one kernel call each
+        if mode == "int4":
+            build_kernel()  # now (seconds once, then cached): 4-bit codes are packed only for a built kernel
+        fits = _kernel_can_run if mode == "int8" else (lambda n, k: _kernel_can_run(n, k) and int8_rows.built)
+        fuse_groups(model, fits, make)  # q/k/v and gate/up as one kernel call each
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -362,8 +365,6 @@ def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
                 # starter's is Q8_0), and 4 bits there cost more than anywhere else
                 setattr(module, child_name, Int8Linear(child) if child is head else make(child))
     model.config.tie_word_embeddings = False  # the head is its own tensor now
-    if mode == "int4" and any(isinstance(m, Int4Linear) and m.packed for m in model.modules()):
-        build_kernel()  # now: packed 4-bit weights have no fast path without it (seconds once, then cached)
     build_kernel_soon(model)
     return model
 
