@@ -77,8 +77,9 @@ def bench(app: list[str], env: dict, cwd: Path, log: Path) -> dict:
     notes = [n for n in out.get("notes", []) if EAGER_NOTICE in n]
     if notes or "compiled" not in out.get("paths", {}):
         raise CompileCheckFailed(f"bench decode did not compile the step: {notes or out.get('paths')}")
-    if "did not build" in (out.get("int8_products") or ""):  # the .cpp left out, or a compile error
-        raise CompileCheckFailed(f"bench decode: {out['int8_products']} ({log})")
+    products = (out.get("cpu_build") or {}).get("int8_products") or ""
+    if "did not build" in products:  # the .cpp left out, or a compile error
+        raise CompileCheckFailed(f"bench decode: {products} ({log})")
     return out
 
 
@@ -118,6 +119,7 @@ def table(results: dict) -> str:
     rows.append(("prepare (compile) s", *(str(results[n].get("prepare_s", {}).get("compiled", "?")) for n in names)))
     rows.append(("inductor's vector ISA", *(results[n].get("vector_isa", "?") for n in names)))
     rows.append(("weight bytes", *(f"{results[n]['weight_bytes'] / 1e6:.0f} MB" for n in names)))
+    rows.append(("products", *((results[n].get("cpu_build") or {}).get("int8_products") or "?" for n in names)))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["    " + "  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     if len(names) == 2:
