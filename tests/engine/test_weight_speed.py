@@ -31,6 +31,7 @@ def timed(monkeypatch, tmp_path):
     import kvchat.engine.model.weights as weights
 
     monkeypatch.setattr(weights, "build_kernel", lambda: None)
+    monkeypatch.setattr(weights, "kernel_built_before", lambda: True)
     calls, figures = [], {}
 
     def time_token(mode, config):
@@ -129,3 +130,13 @@ def test_a_model_whose_head_the_kernel_cannot_take_keeps_its_own_weights(timed):
     odd.vocab_size = 32001
     assert not weight_speed.fit_the_kernel(odd) and weight_speed.fit_the_kernel(config())
     assert weight_speed.choose(odd, compiled=True)[0] == "none" and calls == []
+
+
+def test_a_first_start_before_the_kernel_was_ever_built_takes_the_rule_and_times_nothing(timed, monkeypatch):
+    """A reply must not wait for the kernel's first build (a minute with the bundled clang)."""
+    import kvchat.engine.model.weights as weights
+
+    calls, figures, _ = timed
+    monkeypatch.setattr(weights, "kernel_built_before", lambda: False)
+    mode, why = weight_speed.choose(config(), compiled=True, four_bit=True)
+    assert mode == "int8" and "next start" in why and calls == []

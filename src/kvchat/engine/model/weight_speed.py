@@ -148,9 +148,14 @@ def choose(config, compiled: bool, four_bit: bool = False) -> tuple[str, str]:
     if modes == ["none"]:
         return "none", "no faster mode runs here"
     if "int8" in modes:
-        from kvchat.engine.model.weights import build_kernel
+        from kvchat.engine.model.weights import build_kernel, kernel_built_before
 
-        build_kernel()  # from the disk cache after the first build
+        if not kernel_built_before():
+            # a first start that `kvchat prepare` did not precede: a reply must not wait for the
+            # kernel's first build, so the rule answers now (int8, whose layers run inductor's
+            # products until the kernel, built in the background, takes over) and the next start times
+            return "int8", "int8: this machine is timed once the int8 kernel is built (next start)"
+        build_kernel()  # from the disk cache
         if not int8_rows.built:
             modes = ["none"]
     key = _key(config, modes)

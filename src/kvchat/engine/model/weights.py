@@ -218,6 +218,28 @@ def build_kernel() -> None:
         started = time.perf_counter()
         if int8_rows.build():
             log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
+            try:
+                _built_marker().touch()
+            except OSError:  # the next start builds it again before timing: slower, not wrong
+                pass
+
+
+def _built_marker():
+    """A file that says this kernel source was built with this toolchain in this cache before, so
+    that a build now comes from inductor's disk cache in well under a second."""
+    import hashlib
+
+    from kvchat.core.paths import cache_dir
+    from kvchat.engine import toolchain
+
+    text = int8_rows._SOURCE.read_text() + toolchain.describe().get("compiler", "") + torch.__version__
+    return cache_dir() / "inductor" / f"kvchat-int8-rows-{hashlib.sha256(text.encode()).hexdigest()[:16]}.built"
+
+
+def kernel_built_before() -> bool:
+    """Whether building the kernel now is quick: built in this process, or on this machine before
+    (a first build with the bundled clang also builds its C++ library: a minute)."""
+    return int8_rows.built or _built_marker().is_file()
 
 
 def _build_in_background() -> None:
