@@ -28,10 +28,10 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(weight_speed, "candidates", lambda compiled, four_bit=False: (
         ["none", "int8"] + (["int4"] if four_bit else []) if compiled else ["none"]))
     monkeypatch.setattr(int8_rows, "built", True)
-    import kvchat.engine.model.weights as weights
+    import kvchat.engine.model.kernel_build as kernel_build
 
-    monkeypatch.setattr(weights, "build_kernel", lambda: None)
-    monkeypatch.setattr(weights, "kernel_built_before", lambda: True)
+    monkeypatch.setattr(kernel_build, "build_kernel", lambda: None)
+    monkeypatch.setattr(kernel_build, "kernel_built_before", lambda: True)
     calls, figures = [], {}
 
     def time_token(mode, config):
@@ -111,7 +111,7 @@ def test_another_isa_is_measured_again(timed, monkeypatch):
 def test_time_token_runs_each_modes_products():
     """Real products of a tiny model's shapes (figures not asserted: they are this machine's)."""
     from kvchat.engine.compile_env import cpu_compile_missing
-    from kvchat.engine.model.weights import build_kernel
+    from kvchat.engine.model.kernel_build import build_kernel
 
     modes = ["none"]
     if int8_rows.cpu_supported() and cpu_compile_missing() is None:
@@ -134,9 +134,9 @@ def test_a_model_whose_head_the_kernel_cannot_take_keeps_its_own_weights(timed):
 
 def test_a_first_start_before_the_kernel_was_ever_built_takes_the_rule_and_times_nothing(timed, monkeypatch):
     """A reply must not wait for the kernel's first build (a minute with the bundled clang)."""
-    import kvchat.engine.model.weights as weights
+    import kvchat.engine.model.kernel_build as kernel_build
 
     calls, figures, _ = timed
-    monkeypatch.setattr(weights, "kernel_built_before", lambda: False)
+    monkeypatch.setattr(kernel_build, "kernel_built_before", lambda: False)
     mode, why = weight_speed.choose(config(), compiled=True, four_bit=True)
     assert mode == "int8" and "next start" in why and calls == []

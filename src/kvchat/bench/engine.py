@@ -28,7 +28,8 @@ def cpu_build(model=None) -> dict:
 
 def int8_products(model) -> str | None:
     """What ran the int8 and 4-bit weights' products (None: no such weights)."""
-    from kvchat.engine.model.weights import Int4Linear, Int8Linear, build_kernel
+    from kvchat.engine.model.kernel_build import build_kernel
+    from kvchat.engine.model.weights import Int4Linear, Int8Linear
     from kvchat.kernels import int8_rows
 
     linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]

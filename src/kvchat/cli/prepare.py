@@ -15,7 +15,7 @@ def prepare(model: str = "starter", out=sys.stdout) -> dict:
     """The graphs a first start of the app compiles (the app's defaults): seconds per stage. The
     int8 kernel is built first, so that Auto times the weight modes here (``weight_speed``) and
     every later start finds the answer."""
-    from kvchat.engine.model.weights import build_kernel
+    from kvchat.engine.model.kernel_build import build_kernel
     from kvchat.engine.precompile import compile_for
 
     build_kernel()

@@ -148,7 +148,7 @@ def choose(config, compiled: bool, four_bit: bool = False) -> tuple[str, str]:
     if modes == ["none"]:
         return "none", "no faster mode runs here"
     if "int8" in modes:
-        from kvchat.engine.model.weights import build_kernel, kernel_built_before
+        from kvchat.engine.model.kernel_build import build_kernel, kernel_built_before
 
         if not kernel_built_before():
             # a first start that `kvchat prepare` did not precede: a reply must not wait for the

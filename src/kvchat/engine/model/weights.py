@@ -9,15 +9,13 @@ it is (a lookup reads one row); the output head gets its own quantized copy.
 """
 import functools
 import logging
-import os
-import sys
 import threading
-import time
 
 import torch
 from torch import nn
 
 from kvchat.engine.model.fused_linears import fuse_groups
+from kvchat.engine.model.kernel_build import build_kernel, build_kernel_soon
 from kvchat.kernels import int8_rows
 
 log = logging.getLogger("kvchat.weights")
@@ -199,70 +197,6 @@ def _kernel_can_run(n: int, k: int) -> bool:
     from kvchat.engine.compile_env import cpu_compile_missing
 
     return int8_rows.fits(n, k) and int8_rows.cpu_supported() and cpu_compile_missing() is None
-
-
-_build_lock = threading.Lock()
-
-
-def build_kernel() -> None:
-    from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
-
-    with _build_lock:  # the load's thread and the compile thread: one builds, the other waits
-        if int8_rows.built or int8_rows.failed:
-            return
-        why = cpu_compile_missing()
-        if why is not None:
-            log.warning("int8 decode kernel not built (%s); inductor's product instead", why)
-            return
-        use_disk_cache()
-        started = time.perf_counter()
-        if int8_rows.build():
-            log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
-            try:
-                _built_marker().touch()
-            except OSError:  # the next start builds it again before timing: slower, not wrong
-                pass
-
-
-def _built_marker():
-    """A file that says this kernel source was built with this toolchain in this cache before, so
-    that a build now comes from inductor's disk cache in well under a second."""
-    import hashlib
-
-    from kvchat.core.paths import cache_dir
-    from kvchat.engine import toolchain
-
-    text = int8_rows._SOURCE.read_text() + toolchain.describe().get("compiler", "") + torch.__version__
-    return cache_dir() / "inductor" / f"kvchat-int8-rows-{hashlib.sha256(text.encode()).hexdigest()[:16]}.built"
-
-
-def kernel_built_before() -> bool:
-    """Whether building the kernel now is quick: built in this process, or on this machine before
-    (a first build with the bundled clang also builds its C++ library: a minute)."""
-    return int8_rows.built or _built_marker().is_file()
-
-
-def _build_in_background() -> None:
-    # niced as the compile child is: its compiler (which inherits this) shares two cores with a
-    # first prefill (a compile started before one made a first token 5.9 s, scheduler.py)
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
-    try:
-        build_kernel()
-    except Exception:  # noqa: BLE001 - the compile thread's warm-up tries again
-        if not sys.is_finalizing():
-            log.exception("building the int8 kernel failed")
-
-
-def build_kernel_soon(model: nn.Module) -> None:
-    """Build the int8 kernel on a thread of its own from a model's load on: with a compile child,
-    the compile thread's warm-up comes only once the child's graph is done (minutes on a first
-    start), and the eager steps until then ran inductor's product over unpacked copies."""
-    if not (int8_rows.built or int8_rows.failed) and any(isinstance(m, Int8Linear) and m.packed
-                                                          for m in model.modules()):
-        threading.Thread(target=_build_in_background, name="kvchat-int8-kernel", daemon=True).start()
 
 
 class _FirstCallGuard:
