@@ -1,7 +1,8 @@
 """``kvchat prepare``: compile now, into this user's cache, what a first start compiles in the
 background: the int8 kernel (then Auto times the weight modes), the int8 weights' fused paths,
-and the decode step's graph for the fp16 pool and the one shared by the quantized pools. `make run`'s set-up and the packaged app's install.sh run it
-once, so that a first start is what `bench startup` calls warm: full speed in seconds, not minutes.
+and the decode step's graph for the fp16 pool and the one shared by the quantized pools. `make
+run`'s set-up and the packaged app's install.sh run it once, so that a first start is what `bench
+startup` calls warm: full speed in seconds, not minutes.
 
 It compiles for this machine (its vector units, its compiler), which is why a package cannot
 carry the result. Nothing waits for it: a start before it ended compiles in the background as

@@ -175,6 +175,15 @@ KVCHAT_AVX512_VNNI static void tile4_512(const int16_t* q, const float* qs, cons
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * n, acc[r]);
 }
 
+// a ymm tile's R rows of 16 sums, two registers a row
+template <int R>
+KVCHAT_AVX2 static inline void store_256(const __m256 acc[][2], float* out, int64_t n) {
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * n, acc[r][0]);
+        _mm256_storeu_ps(out + r * n + 8, acc[r][1]);
+    }
+}
+
 #define TILE4_256(NAME, ISA, DOT)                                                                                 \
     template <int R>                                                                                              \
     ISA static void NAME(const int16_t* q, const float* qs, const float* xs, int64_t k, const uint8_t* w,          \
@@ -216,10 +225,7 @@ KVCHAT_AVX512_VNNI static void tile4_512(const int16_t* q, const float* qs, cons
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
-        for (int r = 0; r < R; r++) {                                                                             \
-            _mm256_storeu_ps(out + r * n, acc[r][0]);                                                             \
-            _mm256_storeu_ps(out + r * n + 8, acc[r][1]);                                                         \
-        }                                                                                                         \
+        store_256<R>(acc, out, n);                                                                                \
     }
 
 // The ymm kernels differ only in their dot instruction. vpmaddwd's pair sums cannot overflow here
@@ -261,10 +267,7 @@ KVCHAT_AVX512_VNNI static void tile4_512(const int16_t* q, const float* qs, cons
                         acc[r][h]);                                                                               \
             }                                                                                                     \
         }                                                                                                         \
-        for (int r = 0; r < R; r++) {                                                                             \
-            _mm256_storeu_ps(out + r * n, acc[r][0]);                                                             \
-            _mm256_storeu_ps(out + r * n + 8, acc[r][1]);                                                         \
-        }                                                                                                         \
+        store_256<R>(acc, out, n);                                                                                \
     }
 
 TILE_256(tile_avx2, KVCHAT_AVX2, DOT_AVX2)

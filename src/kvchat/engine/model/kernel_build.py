@@ -38,14 +38,21 @@ def build_kernel() -> None:
                 pass
 
 
-def _built_marker():
-    """A file that says this kernel source was built with this toolchain in this cache before, so
-    that a build now comes from inductor's disk cache in well under a second."""
-    from kvchat.core.paths import cache_dir
+def kernel_identity() -> str:
+    """The kernel's source, the compiler that builds it and torch, as one short hash: what a build
+    in inductor's cache, and Auto's timing of it, belong to."""
     from kvchat.engine import toolchain
 
     text = int8_rows._SOURCE.read_text() + toolchain.describe().get("compiler", "") + torch.__version__
-    return cache_dir() / "inductor" / f"kvchat-int8-rows-{hashlib.sha256(text.encode()).hexdigest()[:16]}.built"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _built_marker():
+    """A file that says this kernel was built in this cache before (``kernel_identity``), so that a
+    build now comes from inductor's disk cache in well under a second."""
+    from kvchat.core.paths import cache_dir
+
+    return cache_dir() / "inductor" / f"kvchat-int8-rows-{kernel_identity()}.built"
 
 
 def kernel_built_before() -> bool:

@@ -6,8 +6,8 @@ inductor's int8 loops built by g++ ran at half the speed of the checkpoint's own
 bf16 is fast only where the CPU multiplies bf16. A decode step reads every weight once, and its
 products are what the weight mode changes, so they are what is timed: each mode's matrices for a
 token (enough layers to stream from memory, not from cache, and the output head), one row each,
-as the decode step runs them. The answer is kept per machine, compiler and shapes in the cache
-dir, so a later start does not measure again.
+as the decode step runs them. The answer is kept per machine, kernel build and shapes in the
+cache dir, so a later start does not measure again.
 """
 import hashlib
 import json
@@ -44,13 +44,17 @@ def token_shapes(config) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
     return layer, layers, (text.vocab_size, hidden)
 
 
+def fused(layer: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A layer's products as fused_linears runs them: q/k/v and gate/up one each."""
+    q, k, v, o, gate, up, down = layer
+    return [(q[0] + k[0] + v[0], q[1]), o, (gate[0] + up[0], gate[1]), down]
+
+
 def fit_the_kernel(config) -> bool:
     """Whether every matrix of a token, fused or not, has the kernel's shape (a vocabulary of 32001
     does not): a mode whose products would partly run elsewhere is not offered."""
     layer, _, head = token_shapes(config)
-    q, k, v, o, gate, up, down = layer
-    fused = [(q[0] + k[0] + v[0], q[1]), (gate[0] + up[0], gate[1])]
-    return all(int8_rows.fits(n, k) for n, k in layer + fused + [head])
+    return all(int8_rows.fits(n, k) for n, k in layer + fused(layer) + [head])
 
 
 def candidates(compiled: bool, four_bit: bool = False) -> list[str]:
@@ -94,9 +98,8 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
     """Seconds of one token's products in ``mode``: the layers timed (as many as stream from
     memory), scaled to the model's count, plus the head."""
     layer, layers, head = token_shapes(config)
-    if mode != "none":  # as fused_linears runs them: q/k/v and gate/up one product each
-        q, k, v, o, gate, up, down = layer
-        layer = [(q[0] + k[0] + v[0], q[1]), o, (gate[0] + up[0], gate[1]), down]
+    if mode != "none":
+        layer = fused(layer)
     # each mode's own bytes past the caches: sized from fp32's, int4 would be timed from a large L3
     layer_bytes = sum(n * k for n, k in layer) * BYTES_PER_WEIGHT[mode]
     timed = max(1, min(layers, math.ceil(STREAM_BYTES / layer_bytes)))
@@ -118,12 +121,12 @@ def time_token(mode: str, config, rounds: int = 3) -> float:
 
 
 def _key(config, modes: list[str]) -> str:
-    from kvchat.engine import toolchain
+    from kvchat.engine.model.kernel_build import kernel_identity
 
     layer, layers, head = token_shapes(config)
-    kernel = hashlib.sha256(int8_rows._SOURCE.read_bytes()).hexdigest()[:12]  # a changed kernel is timed again
+    # the kernel's identity names its source, compiler and torch: a changed kernel is timed again
     machine = [platform.machine(), _cpu_name(), cpu_isa.chosen() or "none", torch.backends.cpu.get_cpu_capability(),
-               toolchain.describe().get("compiler", ""), torch.__version__, str(torch.get_num_threads()), kernel]
+               str(torch.get_num_threads()), kernel_identity()]
     text = json.dumps([machine, layer, layers, head, modes])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -141,8 +144,9 @@ def _store():
 
 
 def choose(config, compiled: bool, four_bit: bool = False) -> tuple[str, str]:
-    """The fastest weight mode here for ``config``'s shapes, and why, in a few words ("int8: 112
-    tok/s of products here, fp32 48"). Measured once per machine and model shape, then read.
+    """The fastest weight mode here for ``config``'s shapes, and why, in a few words ("int4:
+    fastest here (products tok/s: int4 167, int8 125, fp32 50)"). Measured once per machine and
+    model shape, then read.
     ``four_bit``: the checkpoint is stored in 4 bits (int4 is then within its quality bar)."""
     modes = candidates(compiled, four_bit) if fit_the_kernel(config) else ["none"]
     if modes == ["none"]:
