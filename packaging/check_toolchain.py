@@ -120,6 +120,7 @@ def table(results: dict) -> str:
     rows.append(("inductor's vector ISA", *(results[n].get("vector_isa", "?") for n in names)))
     rows.append(("weight bytes", *(f"{results[n]['weight_bytes'] / 1e6:.0f} MB" for n in names)))
     rows.append(("products", *((results[n].get("cpu_build") or {}).get("int8_products") or "?" for n in names)))
+    rows.append(("OpenMP", *((results[n].get("cpu_build") or {}).get("openmp") or "?" for n in names)))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["    " + "  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     if len(names) == 2:

@@ -103,6 +103,32 @@ def test_triton_launcher_builds_with_the_bundled_toolchain(bare_home, tmp_path):
     assert out == {"why": None, "bundled": True, "impl": True, "gcc": None, "answer": 42}
 
 
+LAUNCH = """
+    import json, os, sys
+    import kvchat.cli.main
+    seen = {}
+    def cli(argv):  # what the command line finds when it starts: torch not yet loaded
+        seen.update(spin=os.environ.get("GOMP_SPINCOUNT"), torch="torch" in sys.modules)
+        return 0
+    kvchat.cli.main.main = cli
+    from kvchat.cli.launcher import main
+    main(["generate"])
+    print(json.dumps(seen))
+"""
+
+
+def test_torch_openmp_sleeps_where_the_bundled_clang_builds(bare_home, tmp_path, monkeypatch):
+    """Beside the bundled clang's LLVM OpenMP, torch's libgomp threads must not spin: set by the
+    launcher before torch loads; with the system's g++ (one runtime) nothing is set."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert run_hidden(LAUNCH, bare_home, tmp_path) == {"spin": "1000", "torch": False}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LAUNCH)], capture_output=True, text=True)
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"spin": None, "torch": False}, proc.stderr[-2000:]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")  # a user's own setting stays
+    assert run_hidden(LAUNCH, bare_home, tmp_path) == {"spin": "50", "torch": False}
+
+
 def test_a_precompiled_header_outlives_a_reinstall_that_touched_its_header(bare_home, tmp_path):
     """Inductor keys its precompiled header by the header's text and keeps it in /tmp: a venv made
     again at the same path gives the same text newer file times, and clang refused the header (every

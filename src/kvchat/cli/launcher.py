@@ -62,6 +62,9 @@ def local_engine(config):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from kvchat.engine.toolchain import quiet_torch_openmp
+
+    quiet_torch_openmp()  # before anything imports torch
     if argv[:2] == ["bench", "ui"]:  # the GUI's own benchmark: the engine's CLI knows nothing of Qt
         from kvchat.bench.ui import main as bench_ui
 
