@@ -64,7 +64,7 @@ def log_says_eager(log: Path) -> str | None:
     return None
 
 
-def bench(app: list[str], env: dict, cwd: Path, log: Path) -> dict:
+def bench(app: list[str], env: dict, cwd: Path, log: Path, packaged: bool) -> dict:
     with open(log, "wb") as err:
         try:
             proc = subprocess.run(hidden(app) + BENCH_ARGS, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=err,
@@ -80,6 +80,9 @@ def bench(app: list[str], env: dict, cwd: Path, log: Path) -> dict:
     products = (out.get("cpu_build") or {}).get("int8_products") or ""
     if "did not build" in products:  # the .cpp left out, or a compile error
         raise CompileCheckFailed(f"bench decode: {products} ({log})")
+    if packaged and "int8_rows kernel" in products and "prebuilt" not in products:
+        raise CompileCheckFailed(f"bench decode: the packaged app built its kernel instead of loading the "
+                                 f"prebuilt one: {products} ({log})")
     return out
 
 
@@ -105,8 +108,9 @@ def compare(apps: dict[str, list[str]], fresh_env, root: Path) -> dict:
     for name, app in apps.items():
         env = fresh_env(root / f"bench-{name}")
         set_up_headers(app, env)
-        isa = None if (Path(app[0]).parent / "python").is_file() else vector_isa(app, env)  # a venv runs python
-        results[name] = bench(app, env, root / f"bench-{name}" / "home", root / f"bench-{name}.log")
+        packaged = not (Path(app[0]).parent / "python").is_file()  # a venv runs python
+        isa = vector_isa(app, env) if packaged else None
+        results[name] = bench(app, env, root / f"bench-{name}" / "home", root / f"bench-{name}.log", packaged)
         results[name]["vector_isa"] = isa or "(python's)"
     return results
 

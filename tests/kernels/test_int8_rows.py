@@ -266,3 +266,65 @@ def test_the_4_bit_kernel_gives_the_same_bits_on_every_variant_and_for_each_row_
     finally:
         int8_rows.use(built)
     assert all(torch.equal(out, outs[ISAS[0]]) for out in outs.values())
+
+
+PREBUILT_CHILD = """
+import json, shutil, sys
+from pathlib import Path
+import torch
+from kvchat.engine import compile_env
+from kvchat.engine.model import kernel_build
+from kvchat.kernels import cpu_isa, int8_rows
+
+folder = Path(sys.argv[1])
+int8_rows._SOURCE = folder / "int8_rows.cpp"  # the copy the library beside it was built from
+compile_env.cpu_compile_missing = lambda: "no compiler here"  # what the app's user may lack
+x, packed, packed4 = torch.load(folder / "inputs.pt")
+kernel_build.build_kernel()
+outs = {}
+for isa in cpu_isa.available():
+    int8_rows.use(isa)
+    outs[isa] = (torch.ops.kvchat.int8_rows(x, *packed), torch.ops.kvchat.int4_rows(x, *packed4),
+                 torch.cat([torch.ops.kvchat.int8_rows(x[i:i + 1], *packed) for i in range(len(x))]))
+torch.save(outs, folder / "outputs.pt")
+print(json.dumps({"origin": int8_rows.origin, "runs_here": kernel_build.kernel_runs_here()}))
+"""
+
+
+def test_the_prebuilt_kernel_runs_without_a_compiler_and_gives_the_built_kernels_bits(built, tmp_path):
+    """The packaged app's kernel (kernel_build.prebuild: the bundled clang, no -march) loads in a
+    process where nothing can compile, and every variant gives what the kernel built here gives."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from kvchat.engine.model import kernel_build
+
+    shutil.copy(int8_rows._SOURCE, tmp_path / "int8_rows.cpp")
+    original = int8_rows._SOURCE
+    int8_rows._SOURCE = tmp_path / "int8_rows.cpp"
+    try:
+        library = kernel_build.prebuild(tmp_path)
+    finally:
+        int8_rows._SOURCE = original
+    assert library.name == int8_rows.prebuilt_name()  # named after the source: same text, same name
+    codes, scales = codes_and_scales(80, 352, seed=11)
+    packed = int8_rows.pack(codes, scales)
+    packed4 = int8_rows.pack4(*four_bit(80, 352, seed=12))
+    x = torch.randn(13, 352) * 5
+    torch.save((x, packed, packed4), tmp_path / "inputs.pt")
+    proc = subprocess.run([sys.executable, "-c", PREBUILT_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"origin": "prebuilt", "runs_here": True}
+    outs = torch.load(tmp_path / "outputs.pt")
+    assert set(outs) == set(ISAS)
+    try:
+        for isa, (rows8, rows4, alone) in outs.items():
+            int8_rows.use(isa)
+            assert torch.equal(rows8, torch.ops.kvchat.int8_rows(x, *packed)), isa
+            assert torch.equal(rows4, torch.ops.kvchat.int4_rows(x, *packed4)), isa
+            assert torch.equal(alone, rows8), isa
+    finally:
+        int8_rows.use(built)

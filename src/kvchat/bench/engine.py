@@ -42,7 +42,7 @@ def int8_products(model) -> str | None:
     if not int8_rows.built:
         return "inductor's (the int8 kernel did not build)"
     bits = "int8 and 4-bit" if four and all(m.packed for m in four) else "int8"
-    return f"kvchat's int8_rows kernel, {bits} ({int8_rows.isa})"
+    return f"kvchat's int8_rows kernel, {bits} ({int8_rows.isa}, {int8_rows.origin})"
 
 
 def describe_cpu_build(info: dict) -> str:

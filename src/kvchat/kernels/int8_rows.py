@@ -13,9 +13,12 @@ loops ran 5x slower built by g++ than by clang. The kernel rounds each row to in
 blocks are found in again), two codes a byte.
 
 ``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built
-(``build``, on a thread of the engine's from a model's load on), it runs the twin.
+(``build``, on a thread of the engine's from a model's load on), it runs the twin. A packaged app
+carries it prebuilt (``prebuilt``: kernel_build.prebuild, by the bundled clang at packaging time),
+so it runs from the first token on a machine without a compiler.
 """
 import ctypes
+import hashlib
 import logging
 from pathlib import Path
 
@@ -28,6 +31,17 @@ log = logging.getLogger("kvchat.int8_rows")
 TILE = 16  # outputs a 512-bit lane set holds: the packed layout's unit along n
 GROUP = 32
 _SOURCE = Path(__file__).with_suffix(".cpp")
+
+
+def prebuilt_name() -> str:
+    """The prebuilt library's file name, after the source it was built from: a build of other
+    source beside it is never loaded."""
+    return f"int8_rows-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+
+
+def prebuilt() -> Path | None:
+    path = _SOURCE.with_name(prebuilt_name())
+    return path if path.is_file() else None
 
 
 def cpu_supported() -> bool:
@@ -112,6 +126,7 @@ _lib = None  # the kernel's entry point, once ``build`` succeeded
 _lib4 = None
 built = False  # a plain bool, which a compiled step's guard can check
 failed = False
+origin = None  # "prebuilt" or "built here", once built
 isa = None  # the variant every call runs: cpu_isa.chosen() at the build, or use()'s
 _isa_index = -1
 
@@ -124,11 +139,37 @@ def use(name: str) -> None:
     isa, _isa_index = name, cpu_isa.ISAS.index(name)
 
 
+def _bind(lib: ctypes.CDLL, where: str) -> None:
+    global _lib, _lib4, built, origin
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn, fn4 = lib.kvchat_int8_rows, lib.kvchat_int4_rows
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32]
+    fn4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32, i32]
+    fn.restype = fn4.restype = ctypes.c_int
+    _lib, _lib4, built, origin = fn, fn4, True, where
+
+
+def load_prebuilt(libomp: Path | None) -> bool:
+    """Load the prebuilt library, which needs LLVM's OpenMP (``libomp``, loaded first so that its
+    soname answers): False where there is none, or it does not load here."""
+    global failed
+    path = prebuilt()
+    if built or failed or path is None or libomp is None or not cpu_supported():
+        return built
+    use(cpu_isa.chosen())
+    try:
+        ctypes.CDLL(str(libomp), mode=ctypes.RTLD_GLOBAL)
+        _bind(ctypes.CDLL(str(path)), "prebuilt")
+    except OSError as error:  # e.g. an older glibc than the packaging machine's: build it here
+        log.warning("prebuilt int8 kernel %s does not load (%s)", path.name, error)
+    return built
+
+
 def build() -> bool:
     """Compile and load the kernel once, with inductor's compiler and caches as the caller set them
     up (a few seconds, then from the disk cache), on a thread that may wait. False where it cannot
     run here."""
-    global _lib, _lib4, built, failed
+    global failed
     if built or failed:
         return built
     if not cpu_supported():
@@ -141,13 +182,7 @@ def build() -> bool:
     try:
         from torch._inductor.codecache import CppCodeCache
 
-        lib = CppCodeCache.load(_SOURCE.read_text())
-        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn, fn4 = lib.kvchat_int8_rows, lib.kvchat_int4_rows
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32]
-        fn4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32, i32]
-        fn.restype = fn4.restype = ctypes.c_int
-        _lib, _lib4, built = fn, fn4, True
+        _bind(CppCodeCache.load(_SOURCE.read_text()), "built here")
     except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
         log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
         failed = True

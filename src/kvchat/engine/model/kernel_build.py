@@ -4,9 +4,11 @@ load's own thread, the compile thread's warm-up, Auto's timing), the others wait
 import hashlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,10 +21,14 @@ _build_lock = threading.Lock()
 
 
 def build_kernel() -> None:
+    from kvchat.engine import toolchain
     from kvchat.engine.compile_env import cpu_compile_missing, use_disk_cache
 
     with _build_lock:  # the load's thread and the compile thread: one builds, the other waits
         if int8_rows.built or int8_rows.failed:
+            return
+        if int8_rows.load_prebuilt(_libomp(toolchain)):
+            log.info("int8 kernel: the prebuilt one (%s)", int8_rows.prebuilt_name())
             return
         why = cpu_compile_missing()
         if why is not None:
@@ -38,12 +44,44 @@ def build_kernel() -> None:
                 pass
 
 
-def kernel_identity() -> str:
-    """The kernel's source, the compiler that builds it and torch, as one short hash: what a build
-    in inductor's cache, and Auto's timing of it, belong to."""
+def _libomp(toolchain):
+    prefix = toolchain.libomp_prefix()
+    return prefix / "lib" / "libomp.so" if prefix else None
+
+
+def kernel_runs_here() -> bool:
+    """Whether the kernel can be had here: prebuilt, or a compiler to build it."""
+    from kvchat.engine import toolchain
+    from kvchat.engine.compile_env import cpu_compile_missing
+
+    return (int8_rows.prebuilt() is not None and _libomp(toolchain) is not None) or cpu_compile_missing() is None
+
+
+def prebuild(folder: Path) -> Path:
+    """The kernel built for a packaged app, by the bundled clang on LLVM's OpenMP (which the app
+    carries, and which runs its compiled step): no -march (each variant has its target attribute),
+    no C++ library or exceptions, libomp found beside the app. Returns the library's path."""
     from kvchat.engine import toolchain
 
-    text = int8_rows._SOURCE.read_text() + toolchain.describe().get("compiler", "") + torch.__version__
+    zig, omp = toolchain.zig_binary(), toolchain.libomp_prefix()
+    if zig is None or omp is None:
+        raise RuntimeError("prebuilding the int8 kernel needs the bundled clang (ziglang) and cmeel-libomp")
+    out = folder / int8_rows.prebuilt_name()
+    subprocess.run([str(zig), "c++", "-O3", "-shared", "-fPIC", "-fopenmp", "-fno-exceptions", "-nostdlib++",
+                    "-isystem", str(omp / "include"), f"-L{omp / 'lib'}", "-lomp",
+                    # the app's layout: kvchat/kernels/ and cmeel.prefix/lib/ side by side
+                    "-Wl,-rpath,$ORIGIN/../../cmeel.prefix/lib", "-o", str(out), str(int8_rows._SOURCE)],
+                   check=True)
+    return out
+
+
+def kernel_identity() -> str:
+    """The kernel's source, the compiler that builds it (or "prebuilt") and torch, as one short
+    hash: what a build in inductor's cache, and Auto's timing of it, belong to."""
+    from kvchat.engine import toolchain
+
+    compiler = "prebuilt" if int8_rows.prebuilt() else toolchain.describe().get("compiler", "")
+    text = int8_rows._SOURCE.read_text() + compiler + torch.__version__
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -58,7 +96,7 @@ def _built_marker():
 def kernel_built_before() -> bool:
     """Whether building the kernel now is quick: built in this process, or on this machine before
     (a first build with the bundled clang also builds its C++ library: a minute)."""
-    return int8_rows.built or _built_marker().is_file()
+    return int8_rows.built or int8_rows.prebuilt() is not None or _built_marker().is_file()
 
 
 def _build_in_background() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvchat.engine.model.fused_linears import fuse_groups
-from kvchat.engine.model.kernel_build import build_kernel, build_kernel_soon
+from kvchat.engine.model.kernel_build import build_kernel, build_kernel_soon, kernel_runs_here
 from kvchat.kernels import int8_rows
 
 log = logging.getLogger("kvchat.weights")
@@ -194,9 +194,7 @@ def warm_up(model: nn.Module) -> None:
 
 
 def _kernel_can_run(n: int, k: int) -> bool:
-    from kvchat.engine.compile_env import cpu_compile_missing
-
-    return int8_rows.fits(n, k) and int8_rows.cpu_supported() and cpu_compile_missing() is None
+    return int8_rows.fits(n, k) and int8_rows.cpu_supported() and kernel_runs_here()
 
 
 class _FirstCallGuard:
