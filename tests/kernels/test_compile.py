@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -32,7 +33,8 @@ picked = {
                           or n in ("write int4 K", "dequantize int4", "decode int4 +window +band"),
     "qwen2.5-7b": lambda n: n in ("decode int8 +window", "decode int4 +window"),
     "d64": lambda n: n in ("decode fp16", "decode int4 +window"),
-    "gemma2-9b": lambda n: n in ("decode fp16 +band", "decode int4 +window +band"),
+    "gemma2-9b": lambda n: n in ("decode fp16 +band", "decode int4 +window +band", "dequantize int8",
+                                 "dequantize int4"),
 }
 part = (int(sys.argv[1]), int(sys.argv[2]))
 rows = []
@@ -70,17 +72,25 @@ def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_o
     assert not spilled, spilled
     assert ("llama-8b", "decode int4 +window +band", "sm_90") in seen
     assert ("gemma2-9b", "decode int4 +window +band", "sm_90") in seen
+    assert ("gemma2-9b", "dequantize int4", "sm_90") in seen  # head_dim 256's tiles spilled at 64 rows
+    judged = compile_check.judged()
+    print(f"Triton {judged['version']}: register budgets {judged['budgets']} (tuned on {judged['tuned_on']})")
+    over = []
     for r in rows:
         if r["shape"] == "gemma2-9b":
             # head_dim 256 in tiles of half the tokens: 101-106 (fp16), 126-134 registers (quantized,
             # with the window and the band); 3 programs an SM on sm_90 where 128 would allow 4
-            assert r["registers"] <= D256_REGISTER_BUDGET, r
-            assert r["programs_per_sm"] >= (3 if r["target"] == "sm_90" else 2), r
+            budget, programs = D256_REGISTER_BUDGET, (3 if r["target"] == "sm_90" else 2)
         elif r["variant"].startswith("decode"):
-            assert r["registers"] <= compile_check.REGISTER_BUDGET, r
-            assert r["programs_per_sm"] >= (4 if r["target"] == "sm_90" else 2), r
+            budget, programs = compile_check.REGISTER_BUDGET, (4 if r["target"] == "sm_90" else 2)
         else:  # one token (write), a prefill's rows (dequantize), a merge: none holds a pipeline
-            assert r["registers"] <= compile_check.OTHER_REGISTER_BUDGET, r
+            budget, programs = compile_check.OTHER_REGISTER_BUDGET, 1
+        if r["registers"] > budget or r["programs_per_sm"] < programs:
+            over.append(r)
+    if judged["budgets"] == "asserted":
+        assert not over, over
+    elif over:
+        warnings.warn(f"Triton {judged['version']}, not {judged['tuned_on']}: over the register budgets: {over}")
 
 
 def test_resource_use_is_read_from_cuobjdump_output():
@@ -91,3 +101,13 @@ def test_resource_use_is_read_from_cuobjdump_output():
     assert compile_check.parse_resources(text) == {"registers": 103, "stack": 16, "local": 8}
     with pytest.raises(ValueError, match="no register count"):
         compile_check.parse_resources("Fatbin elf code:\n")
+
+
+def test_another_triton_has_its_register_counts_reported_not_judged(monkeypatch):
+    """The budgets were tuned on one Triton; the device may carry another (it had 3.6)."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", compile_check.TUNED_ON + ".1")
+    assert compile_check.judged()["budgets"] == "asserted"
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert compile_check.judged() == {"version": "3.6.0", "tuned_on": compile_check.TUNED_ON, "budgets": "reported"}

@@ -221,6 +221,9 @@ def compile_table(full: bool = True) -> list[dict]:
 def main(as_json: bool, compile_kernels: bool = False) -> None:
     result = {}
     if compile_kernels:
+        from kvchat.kernels import compile_check
+
+        result["triton"] = compile_check.judged()
         result["compile"] = compile_table()
     cuda = torch.device("cuda") if torch.cuda.is_available() else None
     if cuda is not None:
@@ -241,6 +244,8 @@ def main(as_json: bool, compile_kernels: bool = False) -> None:
 
 def report(result: dict) -> None:
     if "compile" in result:
+        t = result["triton"]
+        print(f"Triton {t['version']} (budgets tuned on {t['tuned_on']}: {t['budgets']})")
         print("compiled without a GPU (triton.compile + GPUTarget), registers / spill bytes / shared bytes / s:")
         for r in result["compile"]:
             print(f"  {r['shape']:<11} {r['variant']:<20} {r['target']}  regs {r['registers']:>3}  "

@@ -297,8 +297,14 @@ def _to_bf16(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+def dequantize_rows_per_program(head_dim: int) -> int:
+    """64 positions a program up to head_dim 128; fewer above, so that a thread's share of the tile
+    stays 64 fp32 values: 64 rows at head_dim 256 spilled 48 (int8) and 72 B (int4) on sm_90."""
+    return min(64, 8192 // head_dim)
+
+
 def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.Tensor, first: int, n: int,
-                    out: torch.Tensor, rows: int = 64) -> None:
+                    out: torch.Tensor, rows: int | None = None) -> None:
     """K or V (``name``) of positions ``first .. first + n`` of one sequence into ``out``
     ``[n, kv_heads, D]`` in one pass: the prefill's past context without a gathered copy or an
     fp32 one. Still rotated, as the pool holds it; the window and fresh rows are the caller's."""
@@ -309,6 +315,7 @@ def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.
         return
     assert out.shape[0] == n and out.stride(-1) == 1, "out: [n, kv_heads, D], each row contiguous"
     bits = fmt.k_bits if name == "k" else fmt.v_bits
+    rows = rows or dequantize_rows_per_program(d)
     _dequantize_rows_kernel[(triton.cdiv(n, rows), kv_heads)](
         tensors[name], tensors.get(name + "_scale", tensors[name]), block_table, out, first, n,
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, D=d, BS=bs, BITS=bits, GROUP=quant.GROUP, ROWS=rows,
