@@ -77,7 +77,7 @@ def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_o
     print(f"Triton {judged['version']}: register budgets {judged['budgets']} (tuned on {judged['tuned_on']})")
     over = []
     for r in rows:
-        if r["shape"] == "gemma2-9b":
+        if r["shape"] == "gemma2-9b" and r["variant"].startswith("decode"):
             # head_dim 256 in tiles of half the tokens: 101-106 (fp16), 126-134 registers (quantized,
             # with the window and the band); 3 programs an SM on sm_90 where 128 would allow 4
             budget, programs = D256_REGISTER_BUDGET, (3 if r["target"] == "sm_90" else 2)
