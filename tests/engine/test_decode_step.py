@@ -305,3 +305,52 @@ def test_the_window_bounds_go_through_two_pinned_buffers_in_turn(monkeypatch):
     assert step.wmeta.tolist() == [3, 13, 23]
     assert buffers[0] is buffers[2] and buffers[1] is buffers[3] and buffers[0] is not buffers[1]
     assert len(events) == 2 and [e.synced for e in events] == [1, 1]  # steps 3 and 4 waited on 1 and 2
+
+
+class CaptureStub:
+    """``DecodeStep._capture`` as CUDA would run it: fails as often as told, then gives a graph."""
+
+    def __init__(self, failures: int):
+        self.failures, self.buckets = failures, []
+
+    def __call__(self, kv, window, position, bucket):
+        self.buckets.append(bucket)
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("CUDA error: out of memory\nmore lines")
+        return ("graph", bucket), torch.zeros(1, 8)
+
+
+def cuda_like_step(monkeypatch, failures: int) -> tuple[DecodeStep, CaptureStub]:
+    step = DecodeStep(tiny_model("llama"), "compiled")
+    step.fallback = None  # CUDA compiles nothing on the CPU's side: captured, as on a GPU
+    capture = CaptureStub(failures)
+    monkeypatch.setattr(step, "_capture", capture)
+    monkeypatch.setattr(step, "device", torch.device("cuda"))  # warm_up's guard; no tensor is made
+    return step, capture
+
+
+class NoWindowPool:
+    def new_window(self, take=True):
+        return None
+
+
+def test_a_failed_capture_decodes_eagerly_until_idle_then_is_tried_once_more(monkeypatch):
+    step, capture = cuda_like_step(monkeypatch, failures=1)
+    kv = NoWindowPool()
+    assert step._graph(kv, None, 20, 0) is None  # 20 blocks: the bucket of 32
+    assert step.capture_failed == "RuntimeError: CUDA error: out of memory" and step.fallback is None
+    assert step._graph(kv, None, 20, 0) is None and capture.buckets == [32]  # not again during the reply
+    assert step.retry_capture(kv) == "RuntimeError: CUDA error: out of memory"
+    assert capture.buckets == [32, 32]  # the bucket that failed, captured in the idle moment
+    assert step._graph(kv, None, 20, 0)[0] == ("graph", 32) and step.captured
+    assert step.retry_capture(kv) is None  # nothing left to retry
+
+
+def test_a_capture_that_fails_twice_falls_back_for_good_and_says_why(monkeypatch):
+    step, capture = cuda_like_step(monkeypatch, failures=2)
+    kv = NoWindowPool()
+    assert step._graph(kv, None, 100, 0) is None and step.captured  # the bucket of 128
+    step.retry_capture(kv)
+    assert not step.captured and "out of memory" in step.fallback  # the host tells it once
+    assert step.retry_capture(kv) is None and capture.buckets == [128, 128]

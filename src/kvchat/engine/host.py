@@ -233,6 +233,12 @@ class ModelHost:
             e.notice("warm-up", PREPARING)
         if not between_tokens and e.kvpool.runner.batch.prepare(kv):  # the batch sizes replies have run in
             log.info("compiling the batched decode step for %s sequences", sorted(e.kvpool.runner.batch.wanted))
+        if step.device.type == "cuda" and not between_tokens and step.capture_failed:
+            reason = step.capture_failed
+            e.notice("warm-up", f"capturing the decode step failed ({reason}); trying once more")
+            step.retry_capture(kv)
+            if step.captured and step.capture_failed is None:
+                e.notice("warm-up", "fast decoding ready (captured on the second try)")
         if step.device.type == "cuda" and step.captured and not self.warmed and not between_tokens:
             self.warmed = True
             e.notice("warm-up", "preparing fast decoding (capturing the decode step: seconds, a minute the first time)")

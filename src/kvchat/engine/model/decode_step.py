@@ -13,7 +13,9 @@ attention is one custom op (``attention.paged_attention``), and the forward is
   from tensors this step updates; the window's Python bookkeeping is done here around the replay.
   A graph reads the window's rows, which the pool owns and every new sequence takes over, so a
   new reply replays the graphs the last one captured.
-When compiling or capturing fails, the step falls back to eager and says why once (``fallback``).
+When compiling fails, the step falls back to eager and says why once (``fallback``); a failed
+capture decodes eagerly until the next idle moment, is tried once more then, and only a second
+failure falls back for good.
 """
 import inspect
 import logging
@@ -80,6 +82,11 @@ class DecodeStep:
         self._wmeta_copied: list = [None, None]
         self._wmeta_turn = 0
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
+        # a failed capture (an out-of-memory moment, a kernel's first compile) is tried again once,
+        # at the next idle moment (retry_capture); until then and after a second failure, eager
+        self.capture_failed: str | None = None
+        self._failed_bucket = 1
+        self._capture_retried = False
         self._graph_kv = None  # the pool the graphs were captured on
         self._graph_storage = None  # and the window's rows (every sequence's window uses the pool's in turn)
         self.replays = 0
@@ -182,16 +189,17 @@ class DecodeStep:
         kind = graph_kind(kv)
         return kind if self.captured and self.device.type == "cpu" and not self.background.known(kind) else None
 
-    def warm_up(self, kv) -> None:
-        """On CUDA, capture the smallest bucket now, so the first reply does not wait for it (the
-        quantized window variant's kernels took 35 s to compile for sm_89): on a step that writes
-        nowhere (slot -1, ring row -1), reads block 0, and borrows the pool's window rows."""
+    def warm_up(self, kv, blocks: int = 1) -> None:
+        """On CUDA, capture the bucket of ``blocks`` now (the smallest: so that the first reply does
+        not wait for it; the quantized window variant's kernels took 35 s to compile for sm_89): on
+        a step that writes nowhere (slot -1, ring row -1), reads block 0, and borrows the pool's
+        window rows."""
         if not self.captured or self.device.type != "cuda":
             return
         window = kv.new_window(take=False)
         with torch.inference_mode():
-            self._device_table([0])
-            self._graph(kv, window, 1, window.sinks if window is not None else 0)
+            self._device_table([0] * blocks)
+            self._graph(kv, window, blocks, window.sinks if window is not None else 0)
 
     def _fall_back(self, error: Exception) -> None:
         self.fallback = f"decoding without compilation ({type(error).__name__}: {first_line(error)})"
@@ -232,12 +240,28 @@ class DecodeStep:
         if bucket is None:
             return None
         if bucket not in self._graphs:
+            if self.capture_failed is not None:
+                return None
             try:
                 self._graphs[bucket] = self._capture(kv, window, position, bucket)
             except Exception as e:
-                self._fall_back(e)
+                if self._capture_retried:
+                    self._fall_back(e)
+                else:
+                    self.capture_failed, self._failed_bucket = f"{type(e).__name__}: {first_line(e)}", bucket
+                    log.warning("capturing the decode step failed (%s): eager until the next idle moment, "
+                                "then once more", self.capture_failed)
                 return None
         return self._graphs[bucket]
+
+    def retry_capture(self, kv) -> str | None:
+        """The one retry of a failed capture, in an idle moment: returns the first failure's reason
+        (None: nothing to retry). Failing again, the step decodes eagerly for good (``fallback``)."""
+        if self.capture_failed is None or self._capture_retried:
+            return None
+        reason, self.capture_failed, self._capture_retried = self.capture_failed, None, True
+        self.warm_up(kv, self._failed_bucket)
+        return reason
 
     def _copy_bounds(self, bounds: tuple) -> None:
         """``bounds`` into ``wmeta`` without waiting for the GPU: through a pinned buffer, the
