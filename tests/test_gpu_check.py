@@ -176,3 +176,37 @@ def test_third():
     assert [(x["step"], x["figure"]["test"], x["figure"]["outcome"]) for x in lines] == [
         ("kernel_tests", "test_two.py::test_first", "passed"), ("kernel_tests", "test_two.py::test_second", "passed"),
         ("kernel_tests", "test_two.py::test_third", "skipped")]
+
+
+SPECIALISATION_BAR = 60  # seconds each on the GPU, serial, within the kernel step's 240 s
+
+
+def test_the_gpu_kernel_step_compiles_at_most_60_specialisations_and_runs_every_engine_variant(tmp_path):
+    """The kernel step's tests (tools/gpu_kernel_tests.txt), run here under the interpreter with
+    every launch bound as Triton binds it for sm_90 (tools/triton_specialisations.py): the distinct
+    specialisations are what the step would compile, and their variants must be every one that the
+    engine runs on the 8B shape (compile_check's matrix)."""
+    from kvchat.kernels import compile_check
+
+    listed = [line for line in (ROOT / "tools" / "gpu_kernel_tests.txt").read_text().splitlines()
+              if line and not line.startswith("#")]
+    assert "gpu_kernel_tests.txt" in (ROOT / "tools" / "gpu_check.sh").read_text()
+    out = tmp_path / "specialisations.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCHAT_SPECIALISATIONS": str(out)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-p",
+                           "tools.triton_specialisations", *listed], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    launches = json.loads(out.read_text())
+    assert set(launches) == set(listed)  # each listed test ran and launched kernels
+    keys = {(kernel, key) for per_test in launches.values() for kernel, key, _ in per_test}
+    assert 20 <= len(keys) <= SPECIALISATION_BAR, len(keys)
+    ran = set()
+    for per_test in launches.values():
+        for kernel, _, named in per_test:
+            consts = json.loads(named)
+            ran.add(compile_check.variant_class(kernel, consts, bool(consts.get("FP8", 0))))
+    _, heads, kv_heads, head_dim = compile_check.SHAPES[0]
+    engine = {compile_check.variant_class(v.kernel, v.constexprs, v.fp8)
+              for v in compile_check.all_variants(heads, kv_heads, head_dim)}
+    assert engine - ran == set()

@@ -93,11 +93,12 @@ kv kv_fp16_long fp16 $LONG
 kv kv_int8_long int8 $LONG
 kv kv_int4_mid int4 $MID
 kv kv_fp16_mid fp16 $MID
-# Tests that need the starter model (not on the GPU machine) carry "starter" in their names; -k
-# matches names only. tools/gpu_check_tests.py files each test's outcome as it ends: a pytest killed
-# by the limit writes no JUnit XML.
-step kernel_tests $PY -m pytest -q -p no:cacheprovider -p tools.gpu_check_tests tests/kernels \
-    tests/engine/test_decode_step.py tests/engine/test_cuda_path.py -k "not starter and not falls_back" \
+# The tests of tools/gpu_kernel_tests.txt: every kernel variant the engine runs once, 38 Triton
+# specialisations (at most 60: tests/test_gpu_check.py), where all of tests/kernels compiled about
+# 167. tools/gpu_check_tests.py files each test's outcome as it ends: a pytest killed by the limit
+# writes no JUnit XML.
+mapfile -t KERNEL_TESTS < <(grep -v '^#' tools/gpu_kernel_tests.txt)
+step kernel_tests $PY -m pytest -q -p no:cacheprovider -p tools.gpu_check_tests "${KERNEL_TESTS[@]}" \
     --junitxml="$OUT/kernel_tests.xml"
 kv kv_fp8_long fp8 $LONG  # issue 30's bar: within 5% of int8's at 32k
 # a 24 GB RTX card on the big GPU: Auto's pool, a 16k and a 32k prompt, then the full pool to int8

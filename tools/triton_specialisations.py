@@ -5,7 +5,8 @@ serial, inside gpu-check's kernel step. Under TRITON_INTERPRET=1 nothing compile
 is bound here with Triton's own binder for sm_90 (``create_function_from_signature`` over the
 kernel's parameters, as ``JITFunction.run`` keys its cache: constexpr values, argument types,
 integers' ==1 and divisibility by 16, pointers' alignment) and the keys are kept per test. Written
-as JSON to $KVCHAT_SPECIALISATIONS when the session ends: ``{test: [[kernel, key], ...]}``."""
+as JSON to $KVCHAT_SPECIALISATIONS when the session ends: ``{test: [[kernel, key, constexprs], ...]}``
+(``constexprs``: a JSON object of the launch's constexpr arguments by name)."""
 import inspect
 import json
 import os
@@ -42,7 +43,9 @@ def pytest_configure(config):
         constexprs = {k: v for k, v in kwargs.items() if k not in launch}
         _, specialization, _ = _binder(self)(*args, **constexprs)
         key = repr((specialization, sorted(launch.items())))
-        _per_test.setdefault(_current[0], set()).add((self.fn.__name__, key))
+        named = json.dumps({k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                            for k, v in sorted(constexprs.items())})
+        _per_test.setdefault(_current[0], set()).add((self.fn.__name__, key, named))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = counted

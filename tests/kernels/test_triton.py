@@ -338,10 +338,12 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
     assert varying <= unspecialized
 
 
-def test_the_write_kernel_puts_a_decode_token_in_the_window_ring_or_nowhere():
+@pytest.mark.parametrize("precision", ["int4", "int8", "fp8"])
+def test_the_write_kernel_puts_a_decode_token_in_the_window_ring_or_nowhere(precision):
     """Row ``wmeta[2]`` of the ring gets the token's transformed row as it was before rounding;
-    -1 (a captured step's warm-up) writes no row."""
-    fmt = quant.FORMATS["int4"]
+    -1 (a captured step's warm-up) writes no row. Each stored width's variant (int4's clipped keys,
+    int8's, fp8's)."""
+    fmt = quant.FORMATS[precision]
     pool, _, rot, center, cscale, g = scene(fmt, 4, 2, 64, [20], seed=3)
     key, value = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)
     for row in (-1, 9):

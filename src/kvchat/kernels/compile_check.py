@@ -146,6 +146,20 @@ def dequantize_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> li
     return out
 
 
+def variant_class(kernel: str, consts: dict, fp8: bool) -> tuple:
+    """What makes a launch another variant of the engine's kernels, whatever the shape or dtype:
+    the precision's bits (and fp8 or not), the window, a layer's band; for the write its centring,
+    clipping and ring. The GPU's kernel step must run each class the engine runs once."""
+    if kernel == "_paged_decode_kernel":
+        return (kernel, consts["K_BITS"], consts["V_BITS"], fp8, bool(consts["WINDOW"]),
+                bool(consts["SLIDE"] or consts["CAP"]))
+    if kernel == "_quantize_write_kernel":
+        return kernel, consts["BITS"], bool(consts["HAS_CENTER"]), bool(consts["CLIP"]), bool(consts["RING"]), fp8
+    if kernel == "_dequantize_rows_kernel":
+        return kernel, consts["BITS"], fp8
+    return (kernel,)
+
+
 def all_variants(heads: int, kv_heads: int, head_dim: int) -> list[Variant]:
     return (decode_variants(heads, kv_heads, head_dim) + write_variants(kv_heads, head_dim)
             + dequantize_variants(kv_heads, head_dim))
