@@ -9,7 +9,7 @@ import torch
 from kvchat.engine.model.attention import StepMeta, running
 from kvchat.bench.decode import IdTokenizer
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
-from kvchat.engine.model.decode_step import DecodeStep
+from kvchat.engine.model.decode_step import DecodeStep, PinnedCopy
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Notice, Request, TokenDelta
 from kvchat.engine.kv.manager import Sequence
@@ -295,14 +295,16 @@ def test_the_window_bounds_go_through_two_pinned_buffers_in_turn(monkeypatch):
             self.synced += 1
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    step = DecodeStep(tiny_model("llama"), "eager")
+    target = torch.full((3,), -1, dtype=torch.int32)
     buffers = []
-    real = step.wmeta.copy_
-    with mock.patch.object(step, "wmeta", mock.Mock(wraps=step.wmeta)) as wmeta:
-        wmeta.copy_.side_effect = lambda src, non_blocking=False: (buffers.append(src), real(src))[1]
-        for n in range(4):
-            step._copy_bounds((n, 10 + n, 20 + n))
-    assert step.wmeta.tolist() == [3, 13, 23]
+    real = target.copy_
+    wrapped = mock.Mock(wraps=target)
+    wrapped.copy_.side_effect = lambda src, non_blocking=False: (buffers.append(src), real(src))[1]
+    bounds = PinnedCopy(target)
+    bounds.target = wrapped
+    for n in range(4):
+        bounds.copy((n, 10 + n, 20 + n))
+    assert target.tolist() == [3, 13, 23]
     assert buffers[0] is buffers[2] and buffers[1] is buffers[3] and buffers[0] is not buffers[1]
     assert len(events) == 2 and [e.synced for e in events] == [1, 1]  # steps 3 and 4 waited on 1 and 2
 

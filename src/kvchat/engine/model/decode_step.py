@@ -76,11 +76,7 @@ class DecodeStep:
         self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
         # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
         self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
-        # two pinned buffers for the window's bounds, taken in turn: a buffer is rewritten only once
-        # the copy that read it two steps ago has left (its event), not while it may be pending
-        self._wmeta_host = [torch.empty(3, dtype=torch.int32, pin_memory=dev.type == "cuda") for _ in range(2)]
-        self._wmeta_copied: list = [None, None]
-        self._wmeta_turn = 0
+        self._bounds = PinnedCopy(self.wmeta)
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
         # a failed capture (an out-of-memory moment, a kernel's first compile) is tried again once,
         # at the next idle moment (retry_capture); until then and after a second failure, eager
@@ -224,7 +220,7 @@ class DecodeStep:
             for layer in range(len(window.end)):
                 window.note(layer, position, 1)
             bounds = (*window.bounds(0, position + 1), window.ring_row(position))
-            self._copy_bounds(bounds)
+            self._bounds.copy(bounds)
         graph.replay()
         self.replays += 1
         return logits[0].clone()
@@ -262,19 +258,6 @@ class DecodeStep:
         reason, self.capture_failed, self._capture_retried = self.capture_failed, None, True
         self.warm_up(kv, self._failed_bucket)
         return reason
-
-    def _copy_bounds(self, bounds: tuple) -> None:
-        """``bounds`` into ``wmeta`` without waiting for the GPU: through a pinned buffer, the
-        other one of the two than last step's."""
-        turn = self._wmeta_turn = 1 - self._wmeta_turn
-        if self._wmeta_copied[turn] is not None:
-            self._wmeta_copied[turn].synchronize()  # the copy of two steps ago: long gone, in practice
-        host = self._wmeta_host[turn]
-        host.copy_(torch.tensor(bounds, dtype=torch.int32))
-        self.wmeta.copy_(host, non_blocking=True)  # pinned: the host goes on
-        event = self._wmeta_copied[turn] or torch.cuda.Event()
-        event.record()
-        self._wmeta_copied[turn] = event
 
     def _capture(self, kv, window, position: int, bucket: int) -> tuple:
         """Record the step for block tables up to ``bucket`` blocks (a view of the step's table
@@ -351,3 +334,27 @@ class IdBuffer:
                 self.buffer[same:n].copy_(torch.tensor(block_ids[same:], dtype=self.dtype))
         self.ids = list(block_ids)
         return made
+
+
+class PinnedCopy:
+    """Host values into a CUDA tensor without waiting for the GPU: through two pinned buffers taken
+    in turn. A buffer is rewritten only once the copy that read it two calls ago has left (its
+    event), never while the copy just queued may be pending."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+        pinned = target.device.type == "cuda"
+        self._host = [torch.empty(target.shape, dtype=target.dtype, pin_memory=pinned) for _ in range(2)]
+        self._copied: list = [None, None]
+        self._turn = 0
+
+    def copy(self, values: tuple) -> None:
+        turn = self._turn = 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # the copy of two calls ago: long gone, in practice
+        host = self._host[turn]
+        host.copy_(torch.tensor(values, dtype=host.dtype))
+        self.target.copy_(host, non_blocking=True)
+        event = self._copied[turn] or torch.cuda.Event()
+        event.record()
+        self._copied[turn] = event
