@@ -127,3 +127,38 @@ def test_a_reconfigure_waits_for_the_running_replies_and_a_later_request_for_it(
     assert after.result().stats.kv_precision == "int8"
     e.close()
     assert ended == ["reply", "reply", "reconfigure"]
+
+
+def test_each_step_is_a_plan_the_runner_executes_with_its_blocks_reserved_before(short_starter, monkeypatch):
+    """schedule -> execute -> postprocess: what the runner gets is plain data (a chunk, a batch of
+    sequences one token short), every block it writes already reserved, even where the pool is
+    tight enough to preempt; a request's prefill chunk and the others' batch share steps."""
+    from kvchat.engine.model.runner import ModelRunner
+    from kvchat.engine.model.step_plan import StepPlan
+
+    seen = []
+    real = ModelRunner.execute
+
+    def checked(self, plan):
+        assert isinstance(plan, StepPlan) and not plan.empty
+        writes = ([(plan.chunk.seq, plan.chunk.end)] if plan.chunk else []) + [(s, len(s)) for s in plan.decode]
+        seen.append((plan.chunk is not None, len(plan.decode),
+                     all(len(seq.blocks) >= self.manager.blocks_needed(end) for seq, end in writes),
+                     all(len(seq) == seq.num_computed + 1 for seq in plan.decode),
+                     plan.chunk is None or plan.chunk.seq not in plan.decode))
+        return real(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute", checked)
+    n = 96
+    alone = one_by_one(short_starter, QUESTIONS[:3], n)
+    seen.clear()
+    per_token = 2 * 4 * 3 * 64 * 4
+    tight = engine(short_starter, kv_budget_bytes=16 * 12 * per_token, ram_cache_bytes=0)
+    handles = [tight.submit(Request(messages=ask(q), sampling=greedy(n))) for q in QUESTIONS[:3]]
+    done = [h.result() for h in handles]
+    tight.close()
+    assert [d.token_ids for d in done] == [d.token_ids for d in alone]
+    assert tight.scheduler.preempted >= 1
+    assert all(reserved and one_token and apart for _, _, reserved, one_token, apart in seen)
+    assert any(chunk and batch for chunk, batch, *_ in seen)  # a chunk and a batch in one step
+    assert max(batch for _, batch, *_ in seen) >= 2

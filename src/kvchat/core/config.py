@@ -65,6 +65,9 @@ class EngineConfig:
     # disk, in kvchat's cache dir (0: off)
     ram_cache_bytes: int | None = None
     disk_cache_bytes: int = DISK_CACHE_BYTES
+    # tokens proposed from the conversation (and an API client's prediction), checked several at
+    # a time in one forward pass (engine/lookup.py); off: one token a step
+    speculate: bool = True
 
     def __post_init__(self):
         try:

@@ -28,6 +28,8 @@ class Stats:
     trimmed_messages: int = 0  # oldest messages left out so the conversation fits the context
     ram_tokens: int = 0  # of cached_tokens, those restored from the host-RAM tier
     disk_tokens: int = 0  # and from the disk tier; the rest were in the pool
+    accepted_prediction_tokens: int = 0  # proposed (lookup or the client's prediction) and kept
+    rejected_prediction_tokens: int = 0  # proposed and not kept
 
     @property
     def pool_tokens(self) -> int:
@@ -126,6 +128,7 @@ class Request:
     messages: list[dict] | None = None
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    prediction: str | None = None  # the reply's expected text (OpenAI's Predicted Outputs): proposed first
 
 
 class RequestHandle:

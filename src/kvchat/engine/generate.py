@@ -1,7 +1,7 @@
 """One request's life on the engine thread, a step at a time as the scheduler runs it: its prompt
-fitted to the context, its cached prefix matched, the rest prefilled in chunks, then a token per
-decode step, sampled and streamed until a stop. Every request ends with exactly one Finished or
-Error, after its blocks went back (``Scheduler.retire``)."""
+fitted to the context; the scheduler plans its chunks and decode tokens (its cached prefix matched
+first), the runner computes them, and the job samples and streams each token until a stop. Every
+request ends with exactly one Finished or Error, after its blocks went back (``Scheduler.retire``)."""
 import time
 
 from kvchat.core.events import Error, Finished, PrefillProgress, RequestHandle, Stats, TokenDelta
@@ -9,6 +9,7 @@ from kvchat.engine.chat import Stopped
 from kvchat.engine.detok import StopChecker, StreamDetokenizer
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.sampler import Sampler
+from kvchat.engine.speculation import Speculator
 
 NEW, PREFILL, DECODE, DONE = "new", "prefill", "decode", "done"
 
@@ -22,6 +23,7 @@ class Job:
         self.seq: Sequence | None = None
         self.prompt_len = self.persona_len = self.target = self.limit = 0  # target: computed before a sample
         self.matched = False  # the cached prefix attached (at the first chunk: an earlier job's persona counts)
+        self.persona_end = 0  # where the planned chunk's windowed persona ends (0: none in it)
         self.stats = Stats()
         self.sampler = self.detok = self.stops = None
         self.text: list[str] = []
@@ -31,6 +33,7 @@ class Job:
         self.requeued = False  # preempted at least once: its first match's figures stand
         self.wait_free: int | None = None  # gave its blocks back to wait: free blocks then
         self.evicted = 0  # cached blocks evicted while it ran, told when it ends
+        self.spec: Speculator | None = None  # where speculation is on
 
     def start(self) -> None:
         """Tokenize the prompt (no blocks yet). A request cancelled while it waited, or taken
@@ -50,62 +53,36 @@ class Job:
         sampling = self.handle.request.sampling
         self.sampler = Sampler(sampling, device=e.loaded.device)
         self.detok, self.stops = StreamDetokenizer(e.loaded.tokenizer), StopChecker(sampling.stop)
+        if e.config.speculate:
+            text = self.handle.request.prediction
+            self.spec = Speculator(e.loaded.tokenizer.encode(text, add_special_tokens=False) if text else None)
         self.phase = PREFILL
 
-    def prefill(self, budget: int) -> int:
-        """Compute the next chunk, at most ``budget`` tokens; at the prompt's end, sample the first
-        token. Returns the tokens computed; 0 when the job gave its blocks back to wait."""
-        e, seq = self.engine, self.seq
-        if not self.matched:
-            self.matched = True
-            ram, disk = e.kvpool.match(seq, self.persona_len)  # pool, RAM, disk
-            if not self.requeued:
-                self.stats.ram_tokens, self.stats.disk_tokens = ram, disk
-                self.stats.cached_tokens = seq.num_computed
-        start = seq.num_computed
-        if start >= self.target:  # a preempted job whose context is all cached again
-            self.phase = DECODE
-            return 0
-        first = not self.generated
-        if first:
-            self.handle.put(PrefillProgress(start, self.prompt_len))
-        end = min(start + budget, self.target)
-        persona = e.kvpool.ring_prefix.persona_end(seq, self.persona_len) if first else 0
-        if start < persona < end:
-            end = persona  # a windowed model's persona: its ring is copied there
-        if not e.scheduler.reserve(self, end):  # may step the pool down: its runner is read after
-            return 0
-        logits = e.kvpool.runner.forward(seq, end, want_logits=first and end == self.target)
-        e.kvpool.manager.commit(seq)
-        if end == persona:
-            e.kvpool.ring_prefix.persona_done(seq)
-        if end == self.target:
-            self.phase = DECODE
-            if first:
-                e.kvpool.ring_prefix.prompt_done(seq)
-                self.handle.put(PrefillProgress(self.prompt_len, self.prompt_len))
-                self.take(logits)
-        return end - start
+    def progress(self, computed: int) -> None:
+        self.handle.put(PrefillProgress(computed, self.prompt_len))
 
-    def take(self, logits) -> None:
-        """Sample the next token from ``logits`` and stream it; end the job at a stop."""
+    def take(self, logits, proposed: int | None = None) -> int:
+        """Sample the next token from ``logits`` (``proposed``: the token proposed for this place)
+        and stream it; end the job at a stop. Returns the token."""
         seq, sampling = self.seq, self.handle.request.sampling
-        token = self.sampler(logits, seq.token_ids)
+        token = self.sampler(logits, seq.token_ids, proposed)
         if self.first_at is None:
             self.first_at = time.perf_counter()
         seq.token_ids.append(token)
         self.generated.append(token)
         if token in self.engine.eos_ids and not sampling.ignore_eos:
-            return self.finish("stop")
+            self.finish("stop")
+            return token
         delta = self.stops.feed(self.detok.add(token))
         self.text.append(delta)
         self.handle.put(TokenDelta(delta, token))
         if self.stops.stopped:
-            return self.finish("stop")
-        if len(self.generated) >= sampling.max_new_tokens or len(seq) >= self.limit:
-            return self.finish("length")
-        if self.handle.cancelled:
+            self.finish("stop")
+        elif len(self.generated) >= sampling.max_new_tokens or len(seq) >= self.limit:
+            self.finish("length")
+        elif self.handle.cancelled:
             self.finish("cancelled")
+        return token
 
     def requeue(self) -> None:
         """Preempted: its blocks went back (their full ones stay findable in the prefix cache); it

@@ -12,10 +12,14 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self._seen, self._taken = None, 0  # the penalty's mask over the vocabulary, and how many ids it holds
 
-    def __call__(self, logits: torch.Tensor, seen_ids: list[int] | torch.Tensor | None = None) -> int:
+    def __call__(self, logits: torch.Tensor, seen_ids: list[int] | torch.Tensor | None = None,
+                 proposed: int | None = None) -> int:
         """``seen_ids``: the tokens the repetition penalty applies to. A list is the sequence's own
         token list, growing between calls: only its new ids are added to the mask, so a step does
-        not copy the whole context to the device."""
+        not copy the whole context to the device. ``proposed``: a token proposed for this place
+        (speculation): sampled, it is kept with its probability, else a token is drawn from the
+        others renormalised (Leviathan et al. and Chen et al., 2023, for a proposer sure of its
+        token), so the token's distribution is the sampler's own; greedy, the argmax either way."""
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and seen_ids is not None and len(seen_ids):
@@ -27,6 +31,12 @@ class Sampler:
             # a temperature or penalty so close to 0 that a logit overflowed: the limit is greedy
             return int(torch.argmax(logits))
         probs = filtered_probs(scaled, p.top_k, p.top_p, p.min_p)
+        if proposed is not None:
+            if float(torch.rand((), generator=self.generator, device=probs.device)) < float(probs[proposed]):
+                return proposed
+            probs = probs.clone()
+            probs[proposed] = 0.0
+            probs = probs / probs.sum()  # > 0: the proposal's probability was under 1
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def _mask(self, seen_ids, logits: torch.Tensor) -> torch.Tensor:

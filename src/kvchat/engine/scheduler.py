@@ -5,8 +5,9 @@ prefilling, then decodes one token of every running request in one batched forwa
 ``max_running`` requests run; the rest wait in order. A request that cannot get blocks while
 others run gives its blocks back and waits (a prefill), or the newest other one is preempted (a
 decode): its full blocks stay in the prefix cache, and it computes what they lost when it runs
-again. Cancelled requests end at the next step. Nothing here survives a model switch: the engine
-runs a switch, a reconfigure or a query only once no request runs."""
+again. A reply decoding alone checks the tokens proposed after its own in the same step
+(``speculation``). Cancelled requests end at the next step. Nothing here survives a model
+switch: the engine runs a switch, a reconfigure or a query only once no request runs."""
 import logging
 import threading
 import weakref
@@ -18,6 +19,8 @@ from kvchat.engine.chat import ChatError
 from kvchat.engine.generate import DECODE, DONE, NEW, PREFILL, Job
 from kvchat.engine.kv.block_pool import PoolExhausted
 from kvchat.engine.kv.rings import RingsExhausted
+from kvchat.engine.model.step_plan import StepOutput, StepPlan
+from kvchat.engine import prefill, speculation
 
 log = logging.getLogger("kvchat.engine")
 
@@ -66,6 +69,23 @@ class Scheduler:
 
     def _step(self) -> None:
         e = self.engine
+        plan = self.schedule()
+        if not plan.empty:
+            self.postprocess(plan, e.kvpool.runner.execute(plan))
+        if plan.decode or any(job.phase == DECODE for job in self.running):  # a token came this step
+            e.governor.tick(self.live())
+            # after a first token, not before it: a compile shares the GIL with the prefill
+            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
+            e.host.prepare_decode(between_tokens=True)
+
+    def schedule(self) -> StepPlan:
+        """What this step computes, decided before anything runs: admissions, cancellations and
+        every block the step writes (a full pool steps Auto down, preempts a newer reply or makes a
+        prefill wait). The batch's blocks first, so a prefill that finds the pool full waits; the
+        prefill's chunk runs before the batch's token: a request that comes while others decode
+        waits for one forward less for its first token (bench api, 7 decoding: 2.10x an idle TTFT
+        with the chunk after, 1.37x with it before), and the others still get a token a step."""
+        e = self.engine
         self._end_cancelled_waiting()
         self._admit()
         for job in self.running:
@@ -73,24 +93,54 @@ class Scheduler:
                 self._guard(job, job.finish, "cancelled")
         self.retire()  # a reply that ended gives its blocks back before anyone asks for some
         decoding = [job for job in self.running if job.phase == DECODE]
-        self._reserve_tokens(decoding)  # the batch's blocks first: a prefill that finds the pool full waits
+        self._reserve_tokens(decoding)
         self.retire()  # one that could not fit even alone gives its blocks back before the prefill
-        # the prefill chunk before the batch's token: a request that comes while others decode
-        # waits for one forward less for its first token (bench api, 7 decoding: 2.10x an idle
-        # TTFT with the chunk after, 1.37x with it before), and the others still get a token a step
+        chunk = None
         prefilling = next((job for job in self.running if job.phase == PREFILL), None)
         if prefilling is not None:
-            self._guard(prefilling, prefilling.prefill, e.config.prefill_chunk)
+            planned = []
+            self._guard(prefilling, lambda: planned.append(
+                prefill.plan_chunk(e.kvpool, prefilling, e.config.prefill_chunk, self.reserve)))
+            chunk = planned[0] if planned else None
             self.retire()
+            self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        if decoding:
-            self._decode(decoding)
+        job = decoding[0] if len(decoding) == 1 else None
+        if chunk is None and job is not None and job.spec and speculation.fits(e.precision, e.kvpool.manager):
+            chunk = speculation.plan_check(e.kvpool.manager, job)
+            if chunk is not None:  # the check computes the job's own token too
+                decoding = []
+        return StepPlan(chunk, tuple(job.seq for job in decoding))
+
+    def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
+        """The blocks the step filled become findable, a windowed persona's or prompt's ring is
+        kept, and each job samples and streams its token; a failure ends its own job."""
+        e = self.engine
+        owner = {id(job.seq): job for job in self.running if job.seq is not None}
+        if plan.chunk is not None:
+            job = owner[id(plan.chunk.seq)]
+            checking = job.spec is not None and job.spec.proposed
+            if out.chunk_error is not None:
+                if checking:
+                    speculation.drop(job)
+                job.end(_error(out.chunk_error))
+            elif checking:
+                self._guard(job, speculation.take_checked, e.kvpool.manager, job, out.chunk_logits)
+            else:
+                self._guard(job, prefill.prefilled, e.kvpool, job, plan.chunk, out.chunk_logits)
+            self.retire()
+        jobs = [owner[id(seq)] for seq in plan.decode]
+        if out.decode_error is not None:
+            if len(jobs) == 1:
+                jobs[0].end(_error(out.decode_error))
+            else:  # one row's failure (a window the op refuses) must not end the others
+                for job in jobs:
+                    self._guard(job, self._decode_alone, job)
+        elif jobs:
+            for job, row in zip(jobs, out.decode_logits):
+                e.kvpool.manager.commit(job.seq)  # a block it filled is findable by the next request
+                self._guard(job, job.take, row)
         self.retire()
-        if decoding or any(job.phase == DECODE for job in self.running):  # a token came this step
-            e.governor.tick(self.live())
-            # after a first token, not before it: a compile shares the GIL with the prefill
-            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
-            e.host.prepare_decode(between_tokens=True)
 
     def _end_cancelled_waiting(self) -> None:
         for job in [job for job in self.waiting if job.handle.cancelled]:
@@ -118,29 +168,13 @@ class Scheduler:
             if job.phase == DECODE:  # not preempted for one before it
                 self._guard(job, self.reserve, job, len(job.seq))
 
-    def _decode(self, jobs: list[Job]) -> None:
-        e = self.engine
-        self._reserve_tokens(jobs)  # a no-op where still reserved; the prefill may have rebuilt the pool
-        jobs = [job for job in jobs if job.phase == DECODE]  # not ended, nor preempted for one after it
-        if not jobs:
-            return
-        try:
-            logits = e.kvpool.runner.decode([job.seq for job in jobs])
-        except Exception as error:
-            if len(jobs) == 1:
-                return jobs[0].end(_error(error))
-            for job in jobs:  # one row's failure (a window the op refuses) must not end the others
-                self._guard(job, self._decode_alone, job)
-            return
-        for job, row in zip(jobs, logits):
-            e.kvpool.manager.commit(job.seq)  # a block it filled is findable by the next request
-            self._guard(job, job.take, row)
-
     def _decode_alone(self, job: Job) -> None:
         e = self.engine
-        logits = e.kvpool.runner.decode([job.seq])
+        out = e.kvpool.runner.execute(StepPlan(decode=(job.seq,)))
+        if out.decode_error is not None:
+            raise out.decode_error
         e.kvpool.manager.commit(job.seq)
-        job.take(logits[0])
+        job.take(out.decode_logits[0])
 
     def reserve(self, job: Job, tokens: int) -> bool:
         """Blocks for ``job`` up to ``tokens``. When the pool is full (unreferenced cached blocks
@@ -186,7 +220,7 @@ class Scheduler:
             self.running.remove(job)
             try:
                 if job.seq is not None and job.seq.blocks:
-                    self.release(job)
+                    e.kvpool.release(job.seq, job.persona_len)
             except Exception as error:  # its last event still goes out
                 job.end(_error(error))
             finally:
@@ -220,18 +254,6 @@ class Scheduler:
             with self._lock:
                 self._handles.discard(job.handle)
             job.handle.refuse(reason)
-
-    def release(self, job: Job) -> None:
-        """After the reply (never before the first token): pin the persona, persist, free blocks."""
-        kvpool = self.engine.kvpool
-        persona_blocks = 0
-        try:
-            persona_blocks = kvpool.personas.remember(job.seq, job.persona_len)
-        except Exception:
-            log.exception("could not remember the persona")
-        kvpool.tiers.persist(job.seq, persona_blocks)  # the turn's new full blocks on disk: a restart resumes
-        kvpool.ring_prefix.persist()  # a windowed model's new persona ring beside them
-        kvpool.manager.free(job.seq, keep_tail=True)  # the next turn goes on from the last computed token
 
     def _guard(self, job: Job, fn, *args) -> bool:
         """``fn(*args)`` for one job; a failure ends that job only. True when it ran through. The

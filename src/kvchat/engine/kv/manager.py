@@ -131,6 +131,14 @@ class KVCacheManager:
         if rings is not None and missing > 0:
             rings.extend(seq, first)
 
+    def shrink(self, seq: Sequence) -> None:
+        """Blocks past the sequence's tokens go back: a speculative check reserved them for tokens
+        it did not keep. Never a published block, nor a windowed model's (its rings follow them)."""
+        keep = max(self.blocks_needed(len(seq)), len(seq.hashes))
+        if self.rings is None and len(seq.blocks) > keep:
+            self.pool.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
     def commit(self, seq: Sequence) -> None:
         """Publish every block that the computed tokens have filled, so later requests find it."""
         bs = self.block_size

@@ -213,6 +213,19 @@ class KVPool:
         seq.ring_clean = True
         return ram, disk
 
+    def release(self, seq: Sequence, persona_len: int = 0) -> None:
+        """A reply's end (never before its first token), ``match``'s other half: the persona
+        pinned, the turn's new full blocks persisted (a restart resumes), the blocks freed but the
+        last computed token's, where the next turn goes on."""
+        persona_blocks = 0
+        try:
+            persona_blocks = self.personas.remember(seq, persona_len)
+        except Exception:
+            log.exception("could not remember the persona")
+        self.tiers.persist(seq, persona_blocks)
+        self.ring_prefix.persist()  # a windowed model's new persona ring beside them
+        self.manager.free(seq, keep_tail=True)
+
     def downshift(self, live: list[Sequence]) -> Precision | None:
         """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom, or where no
         layer keeps the whole context (its block ids hold no bytes: a lower precision adds none)."""

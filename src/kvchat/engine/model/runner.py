@@ -1,4 +1,5 @@
-"""One forward step of one sequence through the model, with its K/V in our pool."""
+"""The model's forward steps, with the K/V in our pool: a step's plan (``step_plan``), one
+sequence's chunk, a batch's decode token."""
 import torch
 
 from kvchat.kernels.reference import consecutive_start
@@ -8,6 +9,7 @@ from kvchat.engine.model.batch_step import batch_step_for
 from kvchat.engine.model.decode_step import decode_step_for, lm_logits
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
+from kvchat.engine.model.step_plan import StepOutput, StepPlan
 
 
 class ModelRunner:
@@ -18,6 +20,22 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.step = decode_step_for(model, decode)
         self.batch = batch_step_for(self.step)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """The plan's chunk, then its batch's token; each part's failure is its own."""
+        out = StepOutput()
+        if plan.chunk is not None:
+            chunk = plan.chunk
+            try:
+                out.chunk_logits = self.forward(chunk.seq, chunk.end, chunk.want_logits)
+            except Exception as error:  # noqa: BLE001 - the scheduler ends that request with it
+                out.chunk_error = error
+        if plan.decode:
+            try:
+                out.decode_logits = self.decode(list(plan.decode))
+            except Exception as error:  # noqa: BLE001 - the scheduler tries each sequence alone
+                out.decode_error = error
+        return out
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:

@@ -1,0 +1,53 @@
+"""Tokens proposed from the conversation itself (prompt lookup decoding): where the last few tokens
+of a reply occurred before (in the prompt, an earlier turn, the reply so far, or a prediction the
+API client sent), the tokens that followed them then are proposed to come next now. The model then
+checks them all in one forward pass, as a short prefill, and keeps the ones it would have chosen.
+
+An index from each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens) to where it last ended, filled as
+the tokens come: a lookup is a few dict reads, not a scan of the context."""
+MIN_NGRAM, MAX_NGRAM = 2, 4
+
+
+class NgramIndex:
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = []
+        self.ends: dict[tuple, int] = {}  # n-gram -> the position just after its latest occurrence
+        self.extend(tokens or [])
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                self.ends[tuple(self.tokens[end - n:end])] = end
+
+    def follow(self, suffix: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest n-gram ending ``suffix`` where it last
+        occurred."""
+        for n in range(min(MAX_NGRAM, len(suffix)), MIN_NGRAM - 1, -1):
+            end = self.ends.get(tuple(suffix[-n:]))
+            if end is not None:
+                return self.tokens[end:end + k]
+        return []
+
+
+class Lookup:
+    """The proposals of one reply: from the client's prediction first (OpenAI's Predicted
+    Outputs: a reply starts as its prediction does), else from the sequence's own tokens, the
+    prompt and the reply so far."""
+
+    def __init__(self, prediction: list[int] | None = None):
+        self.prediction = NgramIndex(prediction) if prediction else None
+        self.own = NgramIndex()
+
+    def propose(self, token_ids: list[int], generated: int, k: int) -> list[int]:
+        # all but the last token: the live suffix must match an earlier occurrence, not itself
+        self.own.extend(token_ids[len(self.own.tokens):len(token_ids) - 1])
+        if self.prediction is not None:
+            predicted = self.prediction.tokens
+            if generated < len(predicted) and predicted[:generated] == token_ids[len(token_ids) - generated:]:
+                return predicted[generated:generated + k]  # the reply so far is the prediction's start
+            found = self.prediction.follow(token_ids[-MAX_NGRAM:], k)
+            if found:
+                return found
+        return self.own.follow(token_ids[-MAX_NGRAM:], k)

@@ -1,0 +1,37 @@
+"""What one engine step computes, as plain data between its three parts (nano-vllm's
+``LLMEngine.step``, vLLM v1's ``SchedulerOutput``): the scheduler decides it (``StepPlan``), the
+model runner executes it (``StepOutput``), and the scheduler's jobs sample and stream from that.
+Every block the plan's sequences write was reserved before the plan was made."""
+from dataclasses import dataclass
+
+import torch
+
+from kvchat.engine.kv.manager import Sequence
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Compute ``seq``'s tokens ``seq.num_computed .. end``; the last one's logits when wanted (the
+    prompt's last chunk, whose first token is sampled)."""
+    seq: Sequence
+    end: int
+    want_logits: bool | str  # "all": every row's (a speculative check)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunk: Chunk | None = None  # at most one prefill chunk, before the batch's token
+    decode: tuple[Sequence, ...] = ()  # one token each, in one batched forward
+
+    @property
+    def empty(self) -> bool:
+        return self.chunk is None and not self.decode
+
+
+@dataclass
+class StepOutput:
+    """Each part's logits, or the exception it raised: a failed chunk must not stop the batch."""
+    chunk_logits: torch.Tensor | None = None
+    chunk_error: Exception | None = None
+    decode_logits: torch.Tensor | None = None  # [len(plan.decode), vocab]
+    decode_error: Exception | None = None

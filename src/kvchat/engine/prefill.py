@@ -1,0 +1,48 @@
+"""A reply's prompt as the scheduler plans it, chunk by chunk: the cached prefix matched at the
+first chunk (pool, RAM, disk; an earlier reply's persona counts), the rest in chunks of at most
+the step's budget, a windowed model's persona ending a chunk (its ring is copied there), and the
+first token sampled from the last chunk's logits."""
+from kvchat.engine.generate import DECODE
+from kvchat.engine.model.step_plan import Chunk
+
+
+def plan_chunk(kvpool, job, budget: int, reserve) -> Chunk | None:
+    """The next chunk of ``job``'s prompt, its blocks reserved by ``reserve(job, end)`` (the
+    scheduler's: it may step the pool down, preempt, or make ``job`` wait: False); None when
+    there is nothing to compute or it went back to wait."""
+    seq = job.seq
+    if not job.matched:
+        job.matched = True
+        ram, disk = kvpool.match(seq, job.persona_len)
+        if not job.requeued:
+            job.stats.ram_tokens, job.stats.disk_tokens = ram, disk
+            job.stats.cached_tokens = seq.num_computed
+    start = seq.num_computed
+    if start >= job.target:  # a preempted job whose context is all cached again
+        job.phase = DECODE
+        return None
+    first = not job.generated
+    if first:
+        job.progress(start)
+    end = min(start + budget, job.target)
+    job.persona_end = kvpool.ring_prefix.persona_end(seq, job.persona_len) if first else 0
+    if start < job.persona_end < end:
+        end = job.persona_end
+    if not reserve(job, end):
+        return None
+    return Chunk(seq, end, want_logits=first and end == job.target)
+
+
+def prefilled(kvpool, job, chunk: Chunk, logits) -> None:
+    """The chunk was computed: its full blocks findable, a persona's or prompt's ring kept, and
+    at the prompt's end the first token."""
+    seq = job.seq
+    kvpool.manager.commit(seq)
+    if chunk.end == job.persona_end:
+        kvpool.ring_prefix.persona_done(seq)
+    if chunk.end == job.target:
+        job.phase = DECODE
+        if chunk.want_logits:
+            kvpool.ring_prefix.prompt_done(seq)
+            job.progress(job.prompt_len)
+            job.take(logits)
