@@ -109,6 +109,35 @@ def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, engine_p
     assert last_stats(win)[-1].endswith("KV int4")  # the engine's own stats say the new precision
 
 
+CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i}" for i in range(6))
+
+
+def test_speculation_shows_in_the_stats_and_the_settings_checkbox_turns_it_off(qtbot, engine_parts):
+    """A reply that repeats the chat's code keeps proposed tokens, and its stats say how many; the
+    box, clicked off, reaches the next reply (no reload) and the saved settings."""
+    win, store, bridge, _ = engine_parts
+    win.sampling = SamplingParams(max_new_tokens=48, temperature=0)
+    send(qtbot, win, f"Copy this code exactly, then stop.\n\n{CODE}")
+    first = store.messages(win.conversation_id)[-1]
+    assert first.stats["accepted_prediction_tokens"] > 0
+    assert "proposed tokens kept" in last_stats(win)[-1] and "tok/s effective" in last_stats(win)[-1]
+    dialog = win.models.settings_dialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    dialog.max_new.setValue(48)
+    dialog.temperature.setValue(0.0)
+    assert dialog.speculate.isChecked()  # on by default
+    qtbot.mouseClick(dialog.speculate, Qt.LeftButton)
+    assert not dialog.speculate.isChecked()
+    win.models.apply_settings(dialog)
+    assert store.setting("sampling")["speculate"] is False and not win.sampling.speculate
+    send(qtbot, win, f"Copy this code exactly, then stop.\n\n{CODE}")
+    second = store.messages(win.conversation_id)[-1]
+    assert second.stats["accepted_prediction_tokens"] == second.stats["rejected_prediction_tokens"] == 0
+    assert "proposed" not in last_stats(win)[-1]
+
+
 def test_the_model_chip_counts_the_parameters_as_the_library_does(qtbot, tmp_path):
     """int8 weights (the CPU's 'auto') give the tied head its own copy and untie the config, which
     then counted the embedding twice: the chip read 163M, the library 135M for the same starter."""

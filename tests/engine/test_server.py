@@ -103,6 +103,27 @@ def test_completion_streamed_equals_not_streamed(client):
     assert chunks[-1].usage.completion_tokens > 0
 
 
+def test_a_prediction_of_the_reply_is_accepted_and_the_reply_is_the_same(client, base_url):
+    """OpenAI's Predicted Outputs through its own client, both endpoints: the usage says how many
+    predicted tokens were kept; a greedy reply is what it is without the prediction."""
+    kw = dict(model="starter", messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=24,
+              temperature=0)
+    plain = client.chat.completions.create(**kw)
+    text = plain.choices[0].message.content
+    predicted = client.chat.completions.create(prediction={"type": "content", "content": text}, **kw)
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 20 and details.rejected_prediction_tokens <= 2
+    parts = {"type": "content", "content": [{"type": "text", "text": text[:10]}, {"type": "text", "text": text[10:]}]}
+    assert client.chat.completions.create(prediction=parts, **kw).choices[0].message.content == text
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    whole = post(f"{base_url}/completions", body).json()
+    again = post(f"{base_url}/completions", {**body, "prediction": {"type": "content",
+                                                                     "content": whole["choices"][0]["text"]}}).json()
+    assert again["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 8
+
+
 def test_second_conversation_with_the_same_persona_is_cached(client):
     def ask_(question):
         return client.chat.completions.create(
@@ -167,6 +188,12 @@ def test_a_tiny_temperature_is_greedy_not_a_500(base_url):
     (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", '
      b'"j", "k", "l", "m", "n", "o", "p", "q"]}', "stop"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stop": "' + b"x" * 2000 + b'"}', "stop"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "diff", "content": "x"}}', "prediction"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prediction": "x"}', "prediction"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", '
+     b'"content": [{"type": "image_url"}]}}', "text parts"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", "content": "\\udc00"}}',
+     "surrogate"),
 ])
 def test_bad_requests_get_4xx_with_an_openai_error_body(base_url, body, fragment):
     r = post(f"{base_url}/chat/completions", body)

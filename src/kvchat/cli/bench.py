@@ -12,6 +12,7 @@ READS = {
     "api": {"model", "remote", "api_key", "clients", "max_tokens"},
     "capped": {"random_weights", "device", "dtype", "memory", "prompts"},
     "startup": {"model"}, "resume": {"model", "kv_precision"}, "prefix": {"model"}, "window": {"random_weights"},
+    "speculate": {"model", "clients", "max_tokens", "repeats"},
     "memory": {"model"}, "switch": {"model"}, "kv": {"model"}, "kernels": {"compile"},
 }
 
@@ -19,13 +20,14 @@ READS = {
 def bench_args(sub) -> None:
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
     bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
-                                         "resume", "window"],
+                                         "resume", "window", "speculate"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
                             "startup: what a new user waits for, from fresh and from warm dirs; "
                             "resume: a long chat answered again after eviction and after a restart (KV tiers); "
-                            "window: a windowed model's chat past 2,000 tokens, its windowed layers in rings")
+                            "window: a windowed model's chat past 2,000 tokens, its windowed layers in rings; "
+                            "speculate: replies with speculation off and on (edit, rewrite, open, clients)")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compile", action="store_true",
@@ -34,7 +36,7 @@ def bench_args(sub) -> None:
     api.add_argument("--remote", default=None, metavar="URL", help="measure this server instead of kvchat serve")
     api.add_argument("--api-key", default=os.environ.get("KVCHAT_REMOTE_API_KEY"))
     api.add_argument("--clients", type=int, default=8, help="the most clients at once (and max running)")
-    api.add_argument("--max-tokens", type=int, default=64)
+    api.add_argument("--max-tokens", type=int, default=None, help="a reply's most tokens (api: 64, speculate: 256)")
     decode = bench.add_argument_group("decode")
     decode.add_argument("--random-weights", metavar="CONFIG", default=None,
                         help="a config.json (or folder) of the shape to measure, with random weights")
@@ -87,6 +89,7 @@ def cmd_bench(args) -> int:
     elif args.which == "api":
         from kvchat.bench import api as bench_api
 
+        args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
         if not 1 <= args.clients <= MAX_RUNNING or args.max_tokens < 1:
             raise ConfigError(f"--clients must be in 1..{MAX_RUNNING} and --max-tokens positive")
         bench_api.report(bench_api.bench_api(args.model, args.remote, args.api_key, None, args.clients,
@@ -121,6 +124,14 @@ def cmd_bench(args) -> int:
         from kvchat.bench import window as bench_window
 
         bench_window.report(bench_window.bench_window(args.random_weights), args.json)
+    elif args.which == "speculate":
+        from kvchat.bench import speculate as bench_speculate
+
+        args.max_tokens = 256 if args.max_tokens is None else args.max_tokens
+        if not 1 <= args.clients <= MAX_RUNNING or args.max_tokens < 1 or args.repeats < 1:
+            raise ConfigError(f"--clients must be in 1..{MAX_RUNNING}, --max-tokens and --repeats positive")
+        bench_speculate.report(bench_speculate.bench_speculate(args.model, args.max_tokens, args.clients,
+                                                               args.repeats), args.json)
     elif args.which == "memory":
         bench.report_memory(bench.bench_memory(args.model), args.json)
     elif args.which == "switch":

@@ -71,4 +71,10 @@ def format_stats(stats) -> str:
     return (f"prompt {stats.prompt_tokens} tokens ({cached}), "
             f"generated {stats.generated_tokens}, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
             f"KV {stats.kv_precision}"
-            + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else ""))
+            + (f", {stats.trimmed_messages} oldest message(s) outside the context" if stats.trimmed_messages else "")
+            + _speculation(stats))
+
+
+def _speculation(stats) -> str:
+    kept, dropped = getattr(stats, "accepted_prediction_tokens", 0), getattr(stats, "rejected_prediction_tokens", 0)
+    return f", {kept} of {kept + dropped} proposed tokens kept" if kept + dropped else ""

@@ -32,6 +32,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --context pass the model's trained length (answers get worse past it)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--speculate", default="auto", choices=["auto", "off"],
+                   help="auto: check tokens proposed from the conversation (and an API client's prediction) "
+                        "several at a time, where it pays; off: one token a step")
 
 
 def remote_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +112,7 @@ def make_config(args) -> EngineConfig:
     decode = args.decode or os.environ.get("KVCHAT_DECODE") or ("eager" if args.command == "generate" else "auto")
     return EngineConfig(model=args.model or "starter", device=args.device, weights=args.weights, decode=decode,
                         kv_precision=args.kv_precision, max_context=args.context, threads=args.threads,
-                        allow_long_context=args.allow_long_context)
+                        allow_long_context=args.allow_long_context, speculate=args.speculate == "auto")
 
 
 def make_sampling(args) -> SamplingParams:

@@ -105,6 +105,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    # check tokens proposed from the conversation several at a time where the engine allows it
+    # (EngineConfig.speculate): the same reply, only sooner
+    speculate: bool = True
 
     def __post_init__(self):
         checks = [

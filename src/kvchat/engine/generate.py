@@ -53,9 +53,10 @@ class Job:
         sampling = self.handle.request.sampling
         self.sampler = Sampler(sampling, device=e.loaded.device)
         self.detok, self.stops = StreamDetokenizer(e.loaded.tokenizer), StopChecker(sampling.stop)
-        if e.config.speculate:
+        if e.config.speculate and sampling.speculate:
             text = self.handle.request.prediction
-            self.spec = Speculator(e.loaded.tokenizer.encode(text, add_special_tokens=False) if text else None)
+            predicted = e.loaded.tokenizer.encode(text, add_special_tokens=False) if text else None
+            self.spec = Speculator(predicted[:sampling.max_new_tokens] if predicted else None)
         self.phase = PREFILL
 
     def progress(self, computed: int) -> None:

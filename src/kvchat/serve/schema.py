@@ -13,6 +13,9 @@ MAX_BODY_BYTES = 8 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 128  # every stop string is matched against every token's text
 PENALTY_RANGE = (0.01, 100.0)  # outside it a seen token's logit overflows or vanishes
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes
+# a prediction past what the reply can use is cut before the engine tokenizes it: no token of the
+# tokenizers kvchat runs is this long, so every token the reply could keep stays
+PREDICTION_CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -66,6 +69,30 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the text the reply is expected to be, e.g. the file being edited."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["content"]
+    content: str | list[Part]
+
+    @field_validator("content")
+    @classmethod
+    def unicode(cls, v):
+        for text in [v] if isinstance(v, str) else [p.text for p in v if p.text]:
+            _utf8(text, "prediction")
+        return v
+
+    def text(self, max_tokens: int) -> str:
+        if isinstance(self.content, list):
+            other = [p.type for p in self.content if p.type != "text" or p.text is None]
+            if other:
+                raise ApiError(f"prediction: only text parts are supported, not {other[0]!r}", param="prediction")
+            text = "".join(p.text for p in self.content)
+        else:
+            text = self.content
+        return text[:max_tokens * PREDICTION_CHARS_PER_TOKEN]
+
+
 class Sampling(BaseModel):
     """The fields both endpoints share. Fields kvchat cannot honour are declared so that a request
     using them is refused, not silently served without them."""
@@ -89,6 +116,7 @@ class Sampling(BaseModel):
     logit_bias: dict | None = None
     best_of: int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    prediction: Prediction | None = None
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")
@@ -142,6 +170,9 @@ class Sampling(BaseModel):
                 stop=list(self.stop or []), ignore_eos=self.ignore_eos)
         except ConfigError as e:
             raise ApiError(str(e)) from None
+
+    def prediction_text(self, sampling: SamplingParams) -> str | None:
+        return self.prediction.text(sampling.max_new_tokens) if self.prediction is not None else None
 
     @property
     def include_usage(self) -> bool:

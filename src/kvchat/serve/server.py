@@ -98,6 +98,10 @@ def usage(stats) -> dict:
         "completion_tokens": stats.generated_tokens,
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        # OpenAI's: tokens proposed (a prediction's, or kvchat's own from the conversation) and kept or not
+        "completion_tokens_details": {"reasoning_tokens": 0,
+                                      "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+                                      "rejected_prediction_tokens": stats.rejected_prediction_tokens},
         "kvchat": {"trimmed_messages": stats.trimmed_messages, "kv_precision": stats.kv_precision,
                    "ram_tokens": stats.ram_tokens, "disk_tokens": stats.disk_tokens,
                    "ttft_ms": round(stats.ttft_ms, 2), "decode_tok_s": round(stats.decode_tok_s, 2)},
@@ -320,7 +324,9 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         async def build(body: ChatBody) -> Request:
-            return Request(messages=[m.plain() for m in body.messages], sampling=body.sampling())
+            sampling = body.sampling()
+            return Request(messages=[m.plain() for m in body.messages], sampling=sampling,
+                           prediction=body.prediction_text(sampling))
 
         body, request = await accept(http, ChatBody, build)
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -340,7 +346,7 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
             prompt, sampling = body.one_prompt(), body.sampling(16)
             if isinstance(prompt, str):
                 prompt = await tokenized(prompt)
-            return Request(prompt_ids=list(prompt), sampling=sampling)
+            return Request(prompt_ids=list(prompt), sampling=sampling, prediction=body.prediction_text(sampling))
 
         body, request = await accept(http, CompletionBody, build)
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())

@@ -84,7 +84,11 @@ def stats_line(s: dict) -> str:
     else:  # a server that gives no cached-token count: zero would be a guess
         cache = f"{s['prompt_tokens']} prompt tokens, cached: not reported"
     where = "on the server" if s["kv_precision"] == "server" else f"KV {s['kv_precision']}"
-    line = f"TTFT {s['ttft_ms']:.0f} ms · {s['decode_tok_s']:.1f} tok/s · {cache} · {where}"
+    speed = f"{s['decode_tok_s']:.1f} tok/s"
+    kept, dropped = s.get("accepted_prediction_tokens", 0), s.get("rejected_prediction_tokens", 0)
+    if kept + dropped:  # faster than a token a step by the proposed tokens kept: say so
+        speed += f" effective ({kept} of {kept + dropped} proposed tokens kept)"
+    line = f"TTFT {s['ttft_ms']:.0f} ms · {speed} · {cache} · {where}"
     if s.get("trimmed_messages"):
         line += f" · {s['trimmed_messages']} oldest messages outside the context"
     if s.get("finish_reason") == "loop":

@@ -3,7 +3,7 @@ planner's estimate updated as the values change, capped at the context the model
 Context and precision apply without a reload. On a connection, only sampling is ours to set: the
 model, context and KV precision are the server's."""
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.core.memory import GiB, plan
@@ -21,6 +21,8 @@ HELP = {  # a line under the settings whose names alone say too little
                      "fit, at a small cost in quality. Automatic saves only as much as needed.",
     "Model weights": "Fewer bits per weight: less memory and faster replies. Automatic picks what runs fastest here.",
     "Memory kept free": "Room kvchat leaves for the rest of the computer (KV: headroom).",
+    "Speculation": "Text the reply repeats from the chat (code being edited, a quoted paragraph) is checked "
+                   "several words at a time: the same reply, sooner. It turns itself off where it does not pay.",
 }
 
 
@@ -81,6 +83,7 @@ class SettingsDialog(QDialog):
                                          value=sampling.get("repetition_penalty", FALLBACK["repetition_penalty"]))
         self.max_new = QSpinBox(minimum=1, maximum=32768, value=sampling.get("max_new_tokens", FALLBACK["max_new_tokens"]))
         self.seed = QSpinBox(minimum=-1, maximum=2 ** 31 - 1, value=sampling.get("seed") or -1, specialValueText="random")
+        self.speculate = QCheckBox("Propose tokens from the conversation", checked=sampling.get("speculate", True))
         self.estimate = QLabel()
         self.estimate.setWordWrap(True)
         self.warning = QLabel()
@@ -91,7 +94,7 @@ class SettingsDialog(QDialog):
                 ("Disk cache", self.disk_cache), ("", self.clear_button),
                 ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
                 ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
-                ("Seed", self.seed), ("Estimate", self.estimate), ("", self.warning)]
+                ("Seed", self.seed), ("Speculation", self.speculate), ("Estimate", self.estimate), ("", self.warning)]
         for label, widget in rows:
             form.addRow(label, widget)
             if label in HELP:
@@ -167,4 +170,5 @@ class SettingsDialog(QDialog):
     def sampling(self) -> dict:
         return {"temperature": self.temperature.value(), "top_p": self.top_p.value(), "top_k": self.top_k.value(),
                 "min_p": self.min_p.value(), "repetition_penalty": self.repetition.value(),
-                "max_new_tokens": self.max_new.value(), "seed": None if self.seed.value() < 0 else self.seed.value()}
+                "max_new_tokens": self.max_new.value(), "seed": None if self.seed.value() < 0 else self.seed.value(),
+                "speculate": self.speculate.isChecked()}
