@@ -16,22 +16,24 @@ OPEN = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
 def test_the_longest_earlier_ngram_proposes_what_followed_it():
-    index = NgramIndex([5, 1, 2, 9, 1, 2, 3, 7, 8])
-    assert index.follow([1, 2, 3], 3) == [7, 8]  # the 3-gram, not the later 2-gram "1 2" alone
-    assert index.follow([4, 1, 2], 2) == [3, 7]  # "1 2" last ended before 3
-    assert index.follow([6, 6], 2) == []
+    index = NgramIndex([5, 1, 2, 3, 9, 4, 1, 2, 3, 6, 7, 8])
+    assert index.follow([4, 1, 2, 3], 3) == [6, 7, 8]  # the 4-gram, where it ended
+    assert index.follow([0, 1, 2, 3], 2) == [6, 7]  # "1 2 3" last ended before 6
+    assert index.follow([5, 1, 2], 2) == [3, 9]  # "5 1 2" once
+    assert index.follow([0, 1, 2], 2) == []  # "1 2" alone is too short a match to propose from
+    assert index.follow([6, 6, 6], 2) == []
 
 
 def test_a_reply_is_proposed_its_own_earlier_text_and_a_prediction_first():
     lookup = Lookup()
-    tokens = [10, 11, 12, 13, 14, 20, 11, 12]
-    assert lookup.propose(tokens, 3, 4) == [13, 14, 20, 11]
+    tokens = [10, 11, 12, 13, 14, 20, 11, 12, 13]
+    assert lookup.propose(tokens, 3, 4) == [14, 20, 11, 12]
     assert lookup.propose([1, 2, 3], 1, 4) == []  # its own suffix is no match
     predicted = Lookup([40, 41, 42, 43])
     assert predicted.propose([1, 2, 3], 0, 2) == [40, 41]  # the reply starts as its prediction
     assert predicted.propose([1, 2, 3, 40], 1, 2) == [41, 42]  # on track: no n-gram needed yet
     assert predicted.propose([1, 2, 3, 40, 41, 42, 43], 4, 2) == []  # past its end, nothing before
-    assert predicted.propose([1, 2, 40, 41], 2, 3) == [42, 43]
+    assert predicted.propose([1, 2, 7, 40, 41, 42], 3, 2) == [43]  # off track: its n-grams still
 
 
 def test_a_sampled_token_checked_against_a_proposal_keeps_the_samplers_distribution():
@@ -100,3 +102,57 @@ def test_a_quantized_pool_does_not_speculate_and_replies_as_before(short_starter
     same, leaked = run(config(kv_precision="int8"), short_starter, EDIT, n=24)
     assert same.token_ids == plain.token_ids and not leaked
     assert same.stats.accepted_prediction_tokens == same.stats.rejected_prediction_tokens == 0
+
+
+def test_random_replies_with_proposals_leak_no_block_over_a_thousand_steps(short_starter):
+    """Hypothesis draws batches of replies that repeat text (so proposals are made and some
+    kept), greedy and sampled, some cancelled mid-reply, through a pool small enough to preempt;
+    after each batch every block is free and unreferenced, and the engine goes on. Runs until
+    the engine has taken 1,000 steps."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    engine = Engine(config(max_running=4, kv_budget_bytes=16 * 40 * 2 * 4 * 3 * 64 * 4, ram_cache_bytes=0),
+                    loaded=short_starter, disk_tier=None)
+    engine.wait_ready(60)
+    steps = {"n": 0, "kept": 0, "dropped": 0}
+    real = engine.scheduler.step
+
+    def counted():
+        steps["n"] += 1
+        real()
+
+    engine.scheduler.step = counted
+    reply = st.fixed_dictionaries({
+        "words": st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta", "x = x + 1", "return x"]),
+                          min_size=3, max_size=12),
+        "repeat": st.integers(1, 4), "n": st.integers(1, 40), "temperature": st.sampled_from([0.0, 0.8]),
+        "seed": st.integers(0, 1000), "cancel": st.booleans()})
+
+    @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.lists(reply, min_size=1, max_size=5))
+    def batch(replies):
+        if steps["n"] >= 1000:
+            return
+        handles = []
+        for r in replies:
+            text = " ".join(r["words"] * r["repeat"])
+            params = SamplingParams(max_new_tokens=r["n"], temperature=r["temperature"], seed=r["seed"])
+            handles.append((engine.submit(Request(messages=[{"role": "user", "content": f"Repeat: {text}"}],
+                                                  sampling=params)), r["cancel"]))
+        for handle, cancel in handles:
+            if cancel:
+                handle.cancel()
+        for handle, _ in handles:
+            stats = handle.result().stats
+            steps["kept"] += stats.accepted_prediction_tokens
+            steps["dropped"] += stats.rejected_prediction_tokens
+        pool = engine.kvpool.pool
+        assert pool.num_free == pool.num_blocks and not any(b.ref_cnt for b in pool.blocks)
+
+    try:
+        batch()
+        assert steps["n"] >= 1000 and engine.alive
+        assert steps["kept"] > 0 and steps["dropped"] > 0  # checks kept some proposals and dropped others
+    finally:
+        engine.close()

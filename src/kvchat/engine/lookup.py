@@ -5,7 +5,7 @@ checks them all in one forward pass, as a short prefill, and keeps the ones it w
 
 An index from each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens) to where it last ended, filled as
 the tokens come: a lookup is a few dict reads, not a scan of the context."""
-MIN_NGRAM, MAX_NGRAM = 2, 4
+MIN_NGRAM, MAX_NGRAM = 3, 4
 
 
 class NgramIndex:

@@ -5,9 +5,9 @@ prefilling, then decodes one token of every running request in one batched forwa
 ``max_running`` requests run; the rest wait in order. A request that cannot get blocks while
 others run gives its blocks back and waits (a prefill), or the newest other one is preempted (a
 decode): its full blocks stay in the prefix cache, and it computes what they lost when it runs
-again. A reply decoding alone checks the tokens proposed after its own in the same step
-(``speculation``). Cancelled requests end at the next step. Nothing here survives a model
-switch: the engine runs a switch, a reconfigure or a query only once no request runs."""
+again. A decoding reply's proposed tokens ride in the batch after its own (``speculation``).
+Cancelled requests end at the next step. Nothing here survives a model switch: the engine runs a
+switch, a reconfigure or a query only once no request runs."""
 import logging
 import threading
 import weakref
@@ -105,11 +105,11 @@ class Scheduler:
             self.retire()
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        job = decoding[0] if len(decoding) == 1 else None
-        if chunk is None and job is not None and job.spec and speculation.fits(e.precision, e.kvpool.manager):
-            chunk = speculation.plan_check(e.kvpool.manager, job)
-            if chunk is not None:  # the check computes the job's own token too
-                decoding = []
+        if speculation.fits(e.precision, e.kvpool.manager):
+            rows = e.kvpool.runner.batch.compiled_rows(e.kvpool.kv) - len(decoding)  # a row each is taken
+            for job in decoding:
+                if job.spec is not None and rows > 0:
+                    rows -= speculation.plan_check(e.kvpool.manager, job, rows)
         return StepPlan(chunk, tuple(job.seq for job in decoding))
 
     def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
@@ -119,27 +119,31 @@ class Scheduler:
         owner = {id(job.seq): job for job in self.running if job.seq is not None}
         if plan.chunk is not None:
             job = owner[id(plan.chunk.seq)]
-            checking = job.spec is not None and job.spec.proposed
             if out.chunk_error is not None:
-                if checking:
-                    speculation.drop(job)
                 job.end(_error(out.chunk_error))
-            elif checking:
-                self._guard(job, speculation.take_checked, e.kvpool.manager, job, out.chunk_logits)
             else:
                 self._guard(job, prefill.prefilled, e.kvpool, job, plan.chunk, out.chunk_logits)
             self.retire()
         jobs = [owner[id(seq)] for seq in plan.decode]
+        manager = e.kvpool.manager
         if out.decode_error is not None:
+            for job in jobs:
+                speculation.drop(manager, job)
             if len(jobs) == 1:
                 jobs[0].end(_error(out.decode_error))
             else:  # one row's failure (a window the op refuses) must not end the others
                 for job in jobs:
                     self._guard(job, self._decode_alone, job)
         elif jobs:
-            for job, row in zip(jobs, out.decode_logits):
-                e.kvpool.manager.commit(job.seq)  # a block it filled is findable by the next request
-                self._guard(job, job.take, row)
+            at = 0
+            for job in jobs:
+                n = speculation.rows(job)
+                logits, at = out.decode_logits[at:at + n], at + n
+                if n > 1:
+                    self._guard(job, speculation.take_checked, manager, job, logits)
+                else:
+                    manager.commit(job.seq)  # a block it filled is findable by the next request
+                    self._guard(job, job.take, logits[0])
         self.retire()
 
     def _end_cancelled_waiting(self) -> None:

@@ -1,17 +1,20 @@
-"""Speculation for one reply decoding alone: tokens proposed after its own (``lookup``) are checked
-in one forward pass, a chunk whose every row keeps its logits, and each row samples the reply's
-next token with the proposal for its place (``Sampler``'s rejection rule); the first token that
-differs from its proposal is the reply's own and ends the run. The sequence then ends at its last
-kept token and the blocks reserved past it go back, which is exact only where a row's K/V is all
-the pool keeps of it: a full-precision pool without rings (``fits``)."""
+"""Speculation: the tokens proposed to follow a reply's own (``lookup``) ride in the step's decode
+batch as rows of their own after it (``ModelRunner.decode``: each row reads the K/V the rows before
+it wrote), so one forward pass checks them all for the price of about one token: the weights are
+read once. Each row samples the reply's next token with the proposal for its place (``Sampler``'s
+rejection rule); the first token that differs from its proposal is the reply's own and ends the
+run. The sequence then ends at its last kept token and the blocks reserved past it go back, which
+is exact only where a row's K/V is all the pool keeps of it: a full-precision pool without rings
+(``fits``)."""
 from kvchat.core.config import Precision
 from kvchat.engine.kv.block_pool import PoolExhausted
 from kvchat.engine.lookup import Lookup
-from kvchat.engine.model.step_plan import Chunk
 
-# tokens proposed a check: from K, doubled after a full match, down to what was kept + 1; after a
-# check that kept none, no proposal for WAIT decode steps, doubling to WAIT_MAX
-K, K_MIN, K_MAX = 4, 2, 16
+# tokens proposed a check: with the reply's own, 2, 4, 8 or 16 rows, a compiled batch bucket filled
+# (a check of 3 cost 1.6 single steps, of 7: 2.7, of 15: 4; starter, depth 700, AVX-512). From 3,
+# a step up after a check that kept all, down to the least that holds what was kept after one that
+# kept some; after one that kept none, no proposal for WAIT decode steps, doubling to WAIT_MAX
+STEPS = (1, 3, 7, 15)
 WAIT, WAIT_MAX = 4, 64
 
 
@@ -28,7 +31,7 @@ class Speculator:
         self.lookup = Lookup(prediction)
         self.proposed: list[int] = []  # what the planned check holds past the reply's own token
         # a client's own prediction is meant to be kept: the longest checks from the start
-        self.k = K_MAX if prediction else K
+        self.k = STEPS[-1] if prediction else STEPS[1]
         self.wait = self.backoff = 0  # decode steps before the next proposal, after checks that paid nothing
 
     def propose(self, token_ids: list[int], generated: int, room: int) -> list[int]:
@@ -44,34 +47,44 @@ class Speculator:
         stats.rejected_prediction_tokens += proposed - kept
         if kept == 0:
             self.backoff = min(max(2 * self.backoff, WAIT), WAIT_MAX)
-            self.wait, self.k = self.backoff, max(K_MIN, self.k // 2)
+            self.wait, self.k = self.backoff, STEPS[max(0, STEPS.index(self.k) - 1)]
+        elif kept == proposed:
+            self.backoff, self.k = 0, STEPS[min(len(STEPS) - 1, STEPS.index(self.k) + 1)]
         else:
-            self.backoff = 0
-            self.k = min(K_MAX, 2 * self.k) if kept == proposed else max(K_MIN, kept + 1)
+            self.backoff, self.k = 0, next(k for k in STEPS if k > kept)
 
 
-def plan_check(manager, job) -> Chunk | None:
-    """``job``'s own token and its proposals in one chunk, their blocks reserved; None where
-    nothing is proposed or the pool has no room (a proposal never steps the pool down or preempts)."""
+def plan_check(manager, job, rows: int) -> int:
+    """Up to ``rows`` tokens proposed after ``job``'s own, appended to its sequence and their
+    blocks reserved; returns how many (0 where nothing is proposed or the pool has no room: a
+    proposal never steps the pool down or preempts)."""
     seq, spec = job.seq, job.spec
     room = min(job.handle.request.sampling.max_new_tokens - len(job.generated), job.limit - len(seq)) - 1
-    proposed = spec.propose(seq.token_ids, len(job.generated), room)
+    proposed = spec.propose(seq.token_ids, len(job.generated), min(room, rows))
     if not proposed:
-        return None
+        return 0
     seq.token_ids.extend(proposed)
     try:
         manager.reserve(seq, len(seq))
     except PoolExhausted:
         del seq.token_ids[-len(proposed):]
-        return None
+        manager.shrink(seq)
+        return 0
     spec.proposed = proposed
-    return Chunk(seq, len(seq), want_logits="all")
+    return len(proposed)
 
 
-def drop(job) -> None:
-    """The check failed: the sequence ends at its own token again."""
-    proposed, job.spec.proposed = job.spec.proposed, []
-    del job.seq.token_ids[len(job.seq) - len(proposed):]
+def rows(job) -> int:
+    """The rows ``job`` has in the step's decode batch."""
+    return 1 + (len(job.spec.proposed) if job.spec is not None else 0)
+
+
+def drop(manager, job) -> None:
+    """The check failed: the sequence ends at its own token again, its blocks with it."""
+    if job.spec is not None and job.spec.proposed:
+        proposed, job.spec.proposed = job.spec.proposed, []
+        del job.seq.token_ids[len(job.seq) - len(proposed):]
+        manager.shrink(job.seq)
 
 
 def take_checked(manager, job, logits) -> None:

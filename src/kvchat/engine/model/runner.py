@@ -72,22 +72,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step of each sequence (its last token, all before it computed; blocks
-        reserved): fp32 logits ``[len(seqs), vocab]``. One sequence runs the single step, which
-        may be captured; several run as one batch (``batch_step``)."""
-        if len(seqs) == 1:
+        """Every token not yet computed of each sequence (blocks reserved), one row each: fp32
+        logits ``[rows, vocab]``, each sequence's rows in turn. One row runs the single step,
+        which may be captured; more run as one batch (``batch_step``), where a row of a sequence
+        reads the K/V its rows before it wrote in the same layer: a speculative check is exact."""
+        if len(seqs) == 1 and len(seqs[0]) == seqs[0].num_computed + 1:
             return self.forward(seqs[0], len(seqs[0]), want_logits=True)[None]
         rows = []
         for seq in seqs:
             start = seq.num_computed
-            if len(seq) != start + 1:
-                raise ValueError(f"a decode step computes one token, not {len(seq) - start}")
-            block_ids = self._ready(seq, start, start + 1)
+            if len(seq) <= start:
+                raise ValueError("a decode step computes at least one token")
+            block_ids = self._ready(seq, start, len(seq))
             seq.ring_clean = False
-            rows.append((seq.window, seq.token_ids[start], start, self.manager.slot(seq, start), block_ids))
+            rows += [(seq.window, seq.token_ids[p], p, self.manager.slot(seq, p),
+                      block_ids[:self.manager.blocks_needed(p + 1)]) for p in range(start, len(seq))]
         logits = self.batch(self.kv, rows)
         for seq in seqs:
-            self._computed(seq, seq.num_computed, seq.num_computed + 1)
+            self._computed(seq, seq.num_computed, len(seq))
         return logits
 
     def _ready(self, seq: Sequence, start: int, end: int) -> list[int]:

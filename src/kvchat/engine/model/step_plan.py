@@ -15,13 +15,15 @@ class Chunk:
     prompt's last chunk, whose first token is sampled)."""
     seq: Sequence
     end: int
-    want_logits: bool | str  # "all": every row's (a speculative check)
+    want_logits: bool | str  # "all": every row's (evaluation)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     chunk: Chunk | None = None  # at most one prefill chunk, before the batch's token
-    decode: tuple[Sequence, ...] = ()  # one token each, in one batched forward
+    # every token of each not yet computed, in one batched forward: its own last token, and after
+    # it the tokens proposed to follow (a speculative check), each a row of its own
+    decode: tuple[Sequence, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -33,5 +35,5 @@ class StepOutput:
     """Each part's logits, or the exception it raised: a failed chunk must not stop the batch."""
     chunk_logits: torch.Tensor | None = None
     chunk_error: Exception | None = None
-    decode_logits: torch.Tensor | None = None  # [len(plan.decode), vocab]
+    decode_logits: torch.Tensor | None = None  # [rows, vocab], each sequence's rows in turn
     decode_error: Exception | None = None
