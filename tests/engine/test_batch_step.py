@@ -90,3 +90,31 @@ def test_a_compiled_batch_padded_to_its_bucket_decodes_as_eager(tiny, precision)
     assert batch.replays - replays == STEPS  # every step ran the compiled graph
     assert (got - want).abs().max() < TOL
     assert bucket_for(3) == 4 and BUCKETS == (2, 4, 8, 16)
+
+
+def test_a_check_is_one_compiled_batch_whose_rows_are_the_tokens_decoded_one_by_one(tiny):
+    """A sequence's own token and 3 proposed after it (a speculative check) run as the rows of one
+    compiled batch of 4, each reading what the rows before it wrote: every row has the logits of
+    decoding the tokens one at a time. A check is offered only the buckets already compiled."""
+    pool = fresh_pool(tiny, "fp16", "compiled")
+    batch = pool.runner.batch
+    assert batch.compiled_rows(pool.kv, 4) == 1 and 4 in batch.wanted  # nothing compiled yet: no room
+    pool.runner.step.prepare(pool.kv)
+    assert pool.runner.step.background.wait(900)
+    assert batch.prepare(pool.kv) and pool.runner.step.background.wait(900)
+    assert batch.compiled_rows(pool.kv, 16) == 4 and 16 in batch.wanted
+    tokens = [7, 8, 9, 10]
+    seq, _ = prefill(pool, PROMPTS[0])
+    seq.token_ids += tokens
+    pool.manager.reserve(seq, len(seq))
+    replays = batch.replays
+    got = pool.runner.decode([seq])
+    assert batch.replays == replays + 1 and seq.num_computed == len(seq)
+    ref = fresh_pool(tiny, "fp16", "eager")
+    one, _ = prefill(ref, PROMPTS[0])
+    want = []
+    for token in tokens:
+        one.token_ids.append(token)
+        ref.manager.reserve(one, len(one))
+        want.append(ref.runner.decode([one])[0])
+    assert got.shape == (4, want[0].shape[0]) and (got - torch.stack(want)).abs().max() < TOL

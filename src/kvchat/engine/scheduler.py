@@ -106,7 +106,8 @@ class Scheduler:
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
         if speculation.fits(e.precision, e.kvpool.manager):
-            rows = e.kvpool.runner.batch.compiled_rows(e.kvpool.kv) - len(decoding)  # a row each is taken
+            want = len(decoding) + sum(job.spec.k for job in decoding if job.spec is not None)
+            rows = e.kvpool.runner.batch.compiled_rows(e.kvpool.kv, want) - len(decoding)  # a row each is taken
             for job in decoding:
                 if job.spec is not None and rows > 0:
                     rows -= speculation.plan_check(e.kvpool.manager, job, rows)

@@ -103,13 +103,15 @@ class BatchStep:
         torch._dynamo.maybe_mark_dynamic(table, 1)
         return forward(ids, positions, {"layers": kv.layers, "slot": slots, "table": table, "length": lengths})
 
-    def compiled_rows(self, kv) -> int:
+    def compiled_rows(self, kv, want: int) -> int:
         """The most rows a batch runs compiled now on the CPU (an eager batch of 16 rows cost
-        several compiled single steps: a speculative check there lost more than it kept); every
-        bucket is wanted, compiled in the next idle moments. Where nothing compiles, the largest."""
+        several compiled single steps: a speculative check there lost more than it kept); the
+        bucket of ``want`` rows is wanted, compiled in a next idle moment. Where nothing
+        compiles, the largest."""
         if self.device.type != "cpu" or not self.single.captured:
             return MAX_RUNNING
-        self.wanted.update(BUCKETS)
+        if want > 1:
+            self.wanted.add(bucket_for(min(want, MAX_RUNNING)))
         return max((b for b in BUCKETS if self.kind(kv, b) in self.single.background.ready), default=1)
 
     def kind(self, kv, bucket: int) -> str:
