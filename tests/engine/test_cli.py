@@ -176,8 +176,20 @@ def test_a_bench_refuses_options_it_does_not_read_and_says_which_it_reads(capsys
 
     for args in (["bench", "decode", "--weights", "int4", "--kv-precision", "int8", "--json"],  # what it reads
                  ["bench", "api", "--weights", "none", "--clients", "4"],  # at the default: not given
-                 ["bench", "capped", "--random-weights", "x.json", "--memory", "2GiB", "--device", "cpu"]):
+                 ["bench", "capped", "--random-weights", "x.json", "--memory", "2GiB", "--device", "cpu"],
+                 ["bench", "speculate", "--clients", "4", "--max-tokens", "64", "--repeats", "2"]):
         assert unread_options(parser().parse_args(args)) == []
+    assert main(["bench", "speculate", "--weights", "int4"]) == 1
+    assert ("bench speculate does not read --weights; it reads --clients, --max-tokens, --model, --repeats and "
+            "--json") in capsys.readouterr().err
+
+
+def test_speculate_auto_or_off_reaches_the_engine_config_of_every_engine_command():
+    from kvchat.cli.main import make_config, parser
+
+    for command in (["serve"], ["chat"], ["generate", "--prompt", "hi"]):
+        assert make_config(parser().parse_args(command)).speculate is True
+        assert make_config(parser().parse_args([*command, "--speculate", "off"])).speculate is False
 
 
 def test_generate_says_what_it_capped_and_takes_a_tiny_top_p(greedy_answer):

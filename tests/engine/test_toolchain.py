@@ -264,3 +264,22 @@ def test_every_compile_gets_the_headers_folder_even_a_step_compiled_by_name(monk
     toolchain.configure.cache_clear()
     compile_env.use_disk_cache()
     assert codecache._HEADER_DIR.startswith(str(cache_dir() / "inductor-headers" / ""))
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_inductor_caches_each_aten_instruction_set_apart(tmp_path, capability):
+    """A step compiled with ATen on AVX-512 and loaded again with ``ATEN_CPU_CAPABILITY=avx2`` (the
+    ISA override) decoded token 0 for ever: each capability's compiled code lives in its own folder."""
+    env = {**os.environ, "KVCHAT_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if capability == "default":
+        env.pop("ATEN_CPU_CAPABILITY", None)
+    else:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    code = ("import os, torch; from kvchat.engine.compile_env import use_disk_cache; use_disk_cache(); "
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], torch.backends.cpu.get_cpu_capability())")
+    folder, running = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.split()
+    assert Path(folder) == tmp_path / "cache" / "inductor" / running.lower()
+    if capability != "default":
+        assert running.lower() == capability

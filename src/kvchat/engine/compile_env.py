@@ -21,8 +21,17 @@ def use_disk_cache() -> None:
     expects kvchat's files and a second start finds them. Set, not defaulted: inductor writes its
     own default into the environment the first time anything asks it for its cache dir. Every
     compile comes here first."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache())
     use_own_headers()
+
+
+def inductor_cache():
+    """A folder per instruction set ATen runs (``ATEN_CPU_CAPABILITY`` picks one): inductor's
+    cache keys leave it out, and a step compiled for AVX-512 and then loaded with the override
+    set to avx2 decoded token 0 for ever (fp32 weights; a fresh cache was right)."""
+    import torch
+
+    return cache_dir() / "inductor" / torch.backends.cpu.get_cpu_capability().lower()
 
 
 def use_own_headers() -> None:
