@@ -36,6 +36,24 @@ def _utf8(value: str, where: str) -> str:
     return value
 
 
+def _text_parts(content, where: str):
+    """The texts of ``content`` (a string or text parts), checked as Unicode."""
+    for text in [content] if isinstance(content, str) else [p.text for p in content or [] if p.text]:
+        _utf8(text, where)
+    return content
+
+
+def _joined(content, sep: str, param: str) -> str:
+    """``content`` as one text: its text parts joined with ``sep``; another kind of part refused."""
+    if isinstance(content, str):
+        return content
+    other = [p.type for p in content if p.type != "text" or p.text is None]
+    if other:
+        raise ApiError(f"{param if param != 'messages' else 'content'}: only text parts are supported, "
+                       f"not {other[0]!r}", param=param)
+    return sep.join(p.text for p in content)
+
+
 class Part(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
@@ -50,22 +68,14 @@ class Message(BaseModel):
     @field_validator("content")
     @classmethod
     def unicode(cls, v):
-        for text in [v] if isinstance(v, str) else [p.text for p in v or [] if p.text]:
-            _utf8(text, "content")
-        return v
+        return _text_parts(v, "content")
 
     def plain(self) -> dict:
         """The engine's message: developer is system (OpenAI's newer name for it); text parts joined
         with newlines, as vLLM joins them, so a persona sent either way is the same bytes."""
         if self.content is None:
             raise ApiError("content: null content (tool calls) is not supported", param="messages")
-        if isinstance(self.content, list):
-            other = [p.type for p in self.content if p.type != "text" or p.text is None]
-            if other:
-                raise ApiError(f"content: only text parts are supported, not {other[0]!r}", param="messages")
-            text = "\n".join(p.text for p in self.content)
-        else:
-            text = self.content
+        text = _joined(self.content, "\n", "messages")
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -78,19 +88,10 @@ class Prediction(BaseModel):
     @field_validator("content")
     @classmethod
     def unicode(cls, v):
-        for text in [v] if isinstance(v, str) else [p.text for p in v if p.text]:
-            _utf8(text, "prediction")
-        return v
+        return _text_parts(v, "prediction")
 
     def text(self, max_tokens: int) -> str:
-        if isinstance(self.content, list):
-            other = [p.type for p in self.content if p.type != "text" or p.text is None]
-            if other:
-                raise ApiError(f"prediction: only text parts are supported, not {other[0]!r}", param="prediction")
-            text = "".join(p.text for p in self.content)
-        else:
-            text = self.content
-        return text[:max_tokens * PREDICTION_CHARS_PER_TOKEN]
+        return _joined(self.content, "", "prediction")[:max_tokens * PREDICTION_CHARS_PER_TOKEN]
 
 
 class Sampling(BaseModel):
