@@ -23,5 +23,17 @@ def icon(name: str, colour: str, size: int = 20) -> QIcon:
     return out
 
 
+def tinted_file(name: str, colour: str) -> str:
+    """The icon in ``colour`` as a file, for a style sheet's ``image: url(...)`` (which reads files,
+    not bytes), written once per colour beside kvchat's other cached files."""
+    from kvchat.core.paths import cache_dir
+
+    path = cache_dir() / "icons" / f"{name}-{colour.lstrip('#')}.svg"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes((ICONS / f"{name}.svg").read_bytes().replace(b"currentColor", colour.encode()))
+    return path.as_posix()
+
+
 def icon_url(name: str) -> QUrl:
     return QUrl.fromLocalFile(str(ICONS / f"{name}.svg"))

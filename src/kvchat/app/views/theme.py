@@ -3,6 +3,8 @@ feeds both the widgets (a Fusion palette and a small style sheet) and the QML ch
 from PySide6.QtCore import QObject, Qt, Property, Signal, Slot
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 
+from kvchat.app.views.icons import tinted_file
+
 MODES = ("system", "light", "dark")
 
 COLOURS = {
@@ -47,6 +49,10 @@ QDialog QLineEdit, QInputDialog QLineEdit {{ border: 1px solid {border}; border-
 QDialog QLineEdit:focus {{ border-color: {accent}; }}
 QDialogButtonBox {{ dialogbuttonbox-buttons-have-icons: 0; }}
 QComboBox {{ combobox-popup: 0; }}
+QDialog QCheckBox::indicator {{ width: 14px; height: 14px; border: 1px solid {muted}; border-radius: 4px;
+                               background: {panel}; }}
+QDialog QCheckBox::indicator:hover {{ border-color: {accent}; }}
+QDialog QCheckBox::indicator:checked {{ background: {accent}; border-color: {accent}; image: url({check}); }}
 QComboBox QAbstractItemView {{ background: {panel}; color: {text}; border: 1px solid {border};
                                selection-background-color: {hover}; selection-color: {text}; outline: none; }}
 QFrame#attachmentChip {{ background: {chip}; border: 1px solid {border}; border-radius: 10px; }}
@@ -115,7 +121,8 @@ class Theme(QObject):
         app = QGuiApplication.instance()
         app.setPalette(palette(self._dark))
         if hasattr(app, "setStyleSheet"):
-            app.setStyleSheet(STYLE_SHEET.format(**COLOURS[self._dark]))
+            colours = COLOURS[self._dark]
+            app.setStyleSheet(STYLE_SHEET.format(**colours, check=tinted_file("check", colours["accentText"])))
 
     def _get_dark(self) -> bool:
         return self._dark
