@@ -165,3 +165,26 @@ def test_each_step_is_a_plan_the_runner_executes_with_its_blocks_reserved_before
     assert all(reserved and rows and apart for _, _, reserved, rows, apart in seen)
     assert any(chunk and batch for chunk, batch, *_ in seen)  # a chunk and a batch in one step
     assert max(batch for _, batch, *_ in seen) >= 2
+
+
+def test_a_short_request_does_not_wait_for_a_long_prompts_every_chunk(short_starter, monkeypatch):
+    """Prompts take turns a chunk at a time, a new one first: a short question sent with a long
+    prompt gets its first token after a chunk or two, before the long prompt's 16 chunks are done
+    (it waited for all of them when the oldest prompt was prefilled to its end first)."""
+    from kvchat.engine.generate import Job
+
+    firsts, real = [], Job.take
+
+    def take(job, *args):
+        if not job.generated:
+            firsts.append(job.handle)
+        return real(job, *args)
+
+    monkeypatch.setattr(Job, "take", take)
+    e = engine(short_starter, max_context=2048, prefill_chunk=32)
+    long = e.submit(Request(messages=ask("Summarise: " + "the cat sat on the mat. " * 80), sampling=greedy(1)))
+    short = e.submit(Request(messages=ask(QUESTIONS[1]), sampling=greedy(1)))
+    long_done, short_done = long.result(), short.result()
+    e.close()
+    assert long_done.stats.prompt_tokens > 16 * 32 and short_done.stats.prompt_tokens <= 2 * 32
+    assert firsts == [short, long]

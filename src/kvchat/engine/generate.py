@@ -24,6 +24,7 @@ class Job:
         self.prompt_len = self.persona_len = self.target = self.limit = 0  # target: computed before a sample
         self.matched = False  # the cached prefix attached (at the first chunk: an earlier job's persona counts)
         self.persona_end = 0  # where the planned chunk's windowed persona ends (0: none in it)
+        self.chunked_at = 0  # the scheduler's step when its prompt's last chunk was planned (prefill.next_prompt)
         self.stats = Stats()
         self.sampler = self.detok = self.stops = None
         self.text: list[str] = []

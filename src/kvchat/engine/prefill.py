@@ -1,9 +1,19 @@
 """A reply's prompt as the scheduler plans it, chunk by chunk: the cached prefix matched at the
 first chunk (pool, RAM, disk; an earlier reply's persona counts), the rest in chunks of at most
 the step's budget, a windowed model's persona ending a chunk (its ring is copied there), and the
-first token sampled from the last chunk's logits."""
-from kvchat.engine.generate import DECODE
+first token sampled from the last chunk's logits. Prompts take turns a chunk a step."""
+from kvchat.engine.generate import DECODE, PREFILL
 from kvchat.engine.model.step_plan import Chunk
+
+
+def next_prompt(running: list, step: int):
+    """The job whose prompt gets this step's chunk: the one whose last chunk ran longest ago, a new
+    one before all. Prefilled oldest first to its end, a 6,400-token prompt held a short question
+    back for all of its chunks: 13.4 s against 40 ms idle (starter, AVX-512)."""
+    job = min((j for j in running if j.phase == PREFILL), key=lambda j: (j.chunked_at, j.order), default=None)
+    if job is not None:
+        job.chunked_at = step
+    return job
 
 
 def plan_chunk(kvpool, job, budget: int, reserve) -> Chunk | None:

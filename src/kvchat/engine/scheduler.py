@@ -1,7 +1,8 @@
 """Which requests run in this engine step (vLLM v1's and nano-vllm's shape).
 
-A step spends a budget of ``prefill_chunk`` tokens on the prompt of the oldest request still
-prefilling, then decodes one token of every running request in one batched forward. Up to
+A step spends a budget of ``prefill_chunk`` tokens on one prompt still prefilling (the prompts
+take turns: ``prefill.next_prompt``), then decodes one token of every running request in one
+batched forward. Up to
 ``max_running`` requests run; the rest wait in order. A request that cannot get blocks while
 others run gives its blocks back and waits (a prefill), or the newest other one is preempted (a
 decode): its full blocks stay in the prefix cache, and it computes what they lost when it runs
@@ -31,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self._admitted = 0
+        self._steps = 0
         self.preempted = 0  # jobs sent back to wait for blocks
         self._lock = threading.Lock()  # the handles, which other threads cancel
         self._handles: set = set()
@@ -96,7 +98,8 @@ class Scheduler:
         self._reserve_tokens(decoding)
         self.retire()  # one that could not fit even alone gives its blocks back before the prefill
         chunk = None
-        prefilling = next((job for job in self.running if job.phase == PREFILL), None)
+        self._steps += 1
+        prefilling = prefill.next_prompt(self.running, self._steps)
         if prefilling is not None:
             planned = []
             self._guard(prefilling, lambda: planned.append(
