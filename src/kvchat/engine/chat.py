@@ -3,8 +3,11 @@
 Each message's tokens are the tokenization of the text that the chat template adds for it: the
 difference between the rendering of the conversation up to it and up to the one before. An
 assistant message that carries ``token_ids`` (what the engine generated) keeps them verbatim:
-only the template's text around its content is tokenized.
+only the template's text around its content is tokenized. A message whose text holds one of the
+tokenizer's control tokens (``<|im_start|>`` pasted into a message) has it tokenized as text: as
+the real token it could close its turn and open a system turn of its own.
 """
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -56,6 +59,10 @@ class ChatFormatter:
         self._segments: OrderedDict[tuple, tuple[str, list[int]]] = OrderedDict()
         self._sizes: dict[tuple, int] = {}
         self.cached_bytes = 0
+        # the texts the tokenizer makes one token of wherever they occur, longest first
+        added = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                        if getattr(t, "content", "")), key=len, reverse=True)
+        self._control = re.compile("|".join(map(re.escape, added))) if added else None
         # No token spans more characters than the longest one in the vocabulary (special tokens
         # included), so a text of more than ``limit * longest_token`` characters is more than
         # ``limit`` tokens: it can be refused without being tokenized.
@@ -125,8 +132,12 @@ class ChatFormatter:
         return next((i for i, (a, b) in enumerate(zip(alone.token_ids, encoded.token_ids)) if a != b),
                     len(alone.token_ids))
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    def tokenize(self, text: str, plain: bool = False) -> list[int]:
+        """``plain``: control tokens written in ``text`` are tokenized as the text they are."""
+        if not text:
+            return []
+        kw = {"split_special_tokens": True} if plain else {}
+        return self.tokenizer(text, add_special_tokens=False, **kw)["input_ids"]
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True, stop=None) -> Encoded:
         """``stop()``, asked before each message's render: True raises ``Stopped`` (a client that
@@ -213,7 +224,18 @@ class ChatFormatter:
                 while body and tail_ids and body[-1] == tail_ids[0]:
                     body.pop()
                 return self.tokenize(head) + body + tail_ids
-        return self.tokenize(_delta(before, after))
+        text = _delta(before, after)
+        content = message.get("content") or ""
+        if self._control is None or not self._control.search(content):
+            return self.tokenize(text)
+        marked = _delta(before, self.render(history + [{**message, "content": _SENTINEL}]))
+        if marked.count(_SENTINEL) == 1:
+            head, tail = marked.split(_SENTINEL)
+            for body in (content, content.strip()):  # a template may strip a message's text
+                if head + body + tail == text:
+                    return self.tokenize(head) + self.tokenize(body, plain=True) + self.tokenize(tail)
+        raise ChatError("a message contains the model's control tokens, and this model's chat template "
+                        "changes message text, so they cannot be kept as plain text")
 
 
 def _never() -> bool:
