@@ -23,9 +23,7 @@ TEXTS = Path(__file__).parent / "texts"
 NAMES = ("count", "total", "seen", "tally", "kept", "valid", "number", "done")
 
 
-def tasks() -> dict[str, list[dict]]:
-    code = (TEXTS / "speculate_function.py.txt").read_text()
-    paragraph = (TEXTS / "speculate_paragraph.txt").read_text()
+def tasks(code: str, paragraph: str) -> dict[str, list[dict]]:
     return {
         "edit": edit(code, NAMES[0]),
         "rewrite": [{"role": "user", "content": f"Rewrite this paragraph more formally:\n\n{paragraph}"}],
@@ -67,7 +65,8 @@ def _engine(lm, model: str, speculate: bool, clients: int) -> Engine:
 def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int = 8, repeats: int = 2) -> dict:
     lm = None
     code = (TEXTS / "speculate_function.py.txt").read_text()
-    runs = {name: {"off": [], "on": []} for name in (*tasks(), "clients")}
+    work = tasks(code, (TEXTS / "speculate_paragraph.txt").read_text())
+    runs = {name: {"off": [], "on": []} for name in (*work, "clients")}
     replies: dict = {}
     accepted: dict = {}
     for _ in range(repeats):
@@ -75,7 +74,7 @@ def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int 
             engine = _engine(lm, model, mode == "on", clients)
             lm = engine.loaded
             try:
-                for name, messages in tasks().items():
+                for name, messages in work.items():
                     done = _reply(engine, messages, max_tokens)
                     runs[name][mode].append(done.stats.decode_tok_s)
                     replies[name, mode] = done.token_ids
@@ -88,7 +87,7 @@ def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int 
                                              sum(d.stats.rejected_prediction_tokens for d in done))
                 if mode == "on":
                     expected = engine.loaded.tokenizer.decode(replies["edit", "off"], skip_special_tokens=True)
-                    predicted = _reply(engine, tasks()["edit"], max_tokens, prediction=expected)
+                    predicted = _reply(engine, work["edit"], max_tokens, prediction=expected)
             finally:
                 engine.close()
     rows = {}

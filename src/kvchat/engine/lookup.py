@@ -1,7 +1,7 @@
 """Tokens proposed from the conversation itself (prompt lookup decoding): where the last few tokens
 of a reply occurred before (in the prompt, an earlier turn, the reply so far, or a prediction the
 API client sent), the tokens that followed them then are proposed to come next now. The model then
-checks them all in one forward pass, as a short prefill, and keeps the ones it would have chosen.
+checks them all in one forward pass (``speculation``) and keeps the ones it would have chosen.
 
 An index from each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens) to where it last ended, filled as
 the tokens come: a lookup is a few dict reads, not a scan of the context."""
@@ -39,15 +39,28 @@ class Lookup:
     def __init__(self, prediction: list[int] | None = None):
         self.prediction = NgramIndex(prediction) if prediction else None
         self.own = NgramIndex()
+        self.on_track = 0  # the reply's first tokens known to be the prediction's (None: it left it)
 
     def propose(self, token_ids: list[int], generated: int, k: int) -> list[int]:
         # all but the last token: the live suffix must match an earlier occurrence, not itself
         self.own.extend(token_ids[len(self.own.tokens):len(token_ids) - 1])
         if self.prediction is not None:
             predicted = self.prediction.tokens
-            if generated < len(predicted) and predicted[:generated] == token_ids[len(token_ids) - generated:]:
+            if self._follows(predicted, token_ids, generated) and generated < len(predicted):
                 return predicted[generated:generated + k]  # the reply so far is the prediction's start
             found = self.prediction.follow(token_ids[-MAX_NGRAM:], k)
             if found:
                 return found
         return self.own.follow(token_ids[-MAX_NGRAM:], k)
+
+    def _follows(self, predicted: list[int], token_ids: list[int], generated: int) -> bool:
+        """Is the reply so far the prediction's start? Only its tokens since the last call are
+        compared: a step does not compare the whole reply again."""
+        if self.on_track is None:
+            return False
+        reply = token_ids[len(token_ids) - generated:]
+        if reply[self.on_track:] != predicted[self.on_track:generated]:
+            self.on_track = None
+            return False
+        self.on_track = generated
+        return True

@@ -108,12 +108,7 @@ class Scheduler:
             self.retire()
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        if speculation.fits(e.precision, e.kvpool.manager):
-            want = len(decoding) + sum(job.spec.k for job in decoding if job.spec is not None)
-            rows = e.kvpool.runner.batch.compiled_rows(e.kvpool.kv, want) - len(decoding)  # a row each is taken
-            for job in decoding:
-                if job.spec is not None and rows > 0:
-                    rows -= speculation.plan_check(e.kvpool.manager, job, rows)
+        speculation.plan_checks(e.precision, e.kvpool.manager, e.kvpool.runner, decoding)
         return StepPlan(chunk, tuple(job.seq for job in decoding))
 
     def postprocess(self, plan: StepPlan, out: StepOutput) -> None:

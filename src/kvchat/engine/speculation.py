@@ -54,6 +54,17 @@ class Speculator:
             self.backoff, self.k = 0, next(k for k in STEPS if k > kept)
 
 
+def plan_checks(precision: Precision, manager, runner, jobs: list) -> None:
+    """Proposals for the decoding ``jobs``, in turn, within the rows the batch runs compiled."""
+    if not fits(precision, manager):
+        return
+    want = len(jobs) + sum(job.spec.k for job in jobs if job.spec is not None)
+    rows = runner.check_rows(want) - len(jobs)  # a row each is taken
+    for job in jobs:
+        if job.spec is not None and rows > 0:
+            rows -= plan_check(manager, job, rows)
+
+
 def plan_check(manager, job, rows: int) -> int:
     """Up to ``rows`` tokens proposed after ``job``'s own, appended to its sequence and their
     blocks reserved; returns how many (0 where nothing is proposed or the pool has no room: a

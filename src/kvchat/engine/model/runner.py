@@ -37,6 +37,10 @@ class ModelRunner:
                 out.decode_error = error
         return out
 
+    def check_rows(self, want: int) -> int:
+        """The most rows a decode batch runs at full speed now (``BatchStep.compiled_rows``)."""
+        return self.batch.compiled_rows(self.kv, want)
+
     @torch.inference_mode()
     def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
         """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
