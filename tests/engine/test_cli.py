@@ -235,11 +235,15 @@ def test_eval_ppl_scores_several_texts_and_precisions_in_one_json_document(tmp_p
 
 
 def test_the_shipped_eval_texts_hold_the_windows_their_readme_promises(starter):
-    """Two windows of 4,096 tokens each (the chat transcript one), in the starter's tokenizer."""
-    from kvchat.bench.evaluate import KINDS, read_texts
+    """Two windows of 4,096 tokens each (the chat transcript one), in the starter's tokenizer; the
+    held-out set after the shipped one, each set alone on asking."""
+    from kvchat.bench.evaluate import HELD_OUT, KINDS, read_texts
 
     texts = read_texts(None)
-    assert [kind for kind, _, _ in texts] == list(KINDS)
-    for kind, _, text in texts:
+    assert [(group, kind) for group, kind, _, _ in texts] == [("shipped", k) for k in KINDS] + [
+        ("held-out", k) for k in HELD_OUT]
+    assert [kind for _, kind, _, _ in read_texts(None, "held-out")] == list(HELD_OUT)
+    assert [kind for _, kind, _, _ in read_texts(None, "shipped")] == list(KINDS)
+    for _, kind, _, text in texts:
         tokens = len(starter.tokenizer(text, add_special_tokens=False)["input_ids"])
         assert tokens >= (4096 if kind == "chat" else 8192), (kind, tokens)

@@ -98,11 +98,12 @@ def test_fp8_stores_values_over_their_head_scale_and_gives_them_back():
 
 
 def test_sinks_carry_over_between_pools_of_one_transform_only():
-    """The int modes transform keys alike, so their cached sink rows serve one another; fp8's rows
-    are scaled otherwise."""
+    """int8 and k8v4 transform keys alike, so their cached sink rows serve one another; int4's keys
+    are only rotated (their statistics are per block) and fp8's rows are scaled otherwise."""
     kv = filled("int8", 8)
     kv.sink_cache[(1, 2, 3, 4)] = (torch.zeros(2, 4, 8, 128), torch.zeros(2, 4, 8, 128))
-    assert list(converted(kv, "int4", 8, *STATS).sink_cache) == [(1, 2, 3, 4)]
+    assert list(converted(kv, "k8v4", 8, *STATS).sink_cache) == [(1, 2, 3, 4)]
+    assert not converted(kv, "int4", 8, *STATS).sink_cache
     assert not converted(kv, "fp8", 8, *STATS).sink_cache
     fp8 = filled("fp8", 8)
     fp8.sink_cache[(5, 6, 7, 8)] = (torch.zeros(2, 4, 8, 128), torch.zeros(2, 4, 8, 128))

@@ -23,7 +23,9 @@ FP16_PER_TOKEN = {
     "qwen2.5-32b": 2 * 64 * 8 * 128 * 2,    # 262,144
 }
 # bytes per element with one fp16 scale per 32: int8 1 + 1/16, int4 0.5 + 1/16; fp8 1 (its scale per head)
-FRACTION = {"fp16": 1.0, "int8": 1.0625 / 2, "fp8": 0.5, "k8v4": (1.0625 + 0.5625) / 4, "int4": 0.5625 / 2}
+# int4's keys: besides their codes, a step code and an fp16 minimum per channel and block of 16
+FRACTION = {"fp16": 1.0, "int8": 1.0625 / 2, "fp8": 0.5, "k8v4": (1.0625 + 0.5625) / 4,
+            "int4": (0.5 + 3 / 16 + 0.5625) / 4}
 # parameter counts, by hand: embeddings (x2 when untied) + layers x (attention + MLP + 2 norms) + norm
 PARAMS = {
     "llama-3.1-8b": 128256 * 4096 * 2 + 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336 + 2 * 4096) + 4096,

@@ -139,9 +139,11 @@ def test_a_prefix_hit_takes_its_sinks_from_the_sink_cache(engine_model):
     torch.testing.assert_close(k[:4], sinks[0][0])
 
 
-def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(engine_model):
-    """fp16 -> int4 with a sequence in flight: its window (sinks and newest tokens) is filled from the
-    fp16 pool, so a short sequence goes on exactly as if nothing had changed; int4 -> int8 keeps it."""
+@pytest.mark.parametrize("first, then", [("int4", None), ("int8", "k8v4")])
+def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(engine_model, first, then):
+    """fp16 -> int4 or int8 with a sequence in flight: its window (sinks and newest tokens) is filled
+    from the fp16 pool, so a short sequence goes on exactly as if nothing had changed; int8 -> k8v4
+    (keys transformed alike) keeps that window."""
     from kvchat.engine.kv.manager import Sequence
     from kvchat.engine.kv.pool import KVPool
 
@@ -156,9 +158,10 @@ def test_a_downshift_keeps_the_sinks_and_newest_tokens_of_a_live_sequence_exact(
     reference.manager.reserve(ref_seq, len(ids))
     reference.runner.forward(ref_seq, len(ids) - 1, want_logits=False)
     want = reference.runner.forward(ref_seq, len(ids), want_logits=True)
-    assert pool.rebuild("int4", pool.budget, [seq]) and seq.window.rows(0, len(ids) - 1)[:2] == (4, 4)
+    assert pool.rebuild(first, pool.budget, [seq]) and seq.window.rows(0, len(ids) - 1)[:2] == (4, 4)
     window = seq.window
-    assert pool.rebuild("int8", pool.budget, [seq]) and seq.window is window
+    if then:
+        assert pool.rebuild(then, pool.budget, [seq]) and seq.window is window
     torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want, atol=2e-3, rtol=1e-3)
 
 

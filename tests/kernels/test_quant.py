@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvchat.kernels import quant, reference
+from kvchat.kernels import int4, quant, reference
 
 from test_reference import naive
 
@@ -75,7 +75,8 @@ def test_bytes_per_token_fractions():
     assert fp16 == 2 * 30 * 3 * 64 * 2
     assert bytes_per_token(shape, "int8") / fp16 == (1 + 2 / 32) / 2
     assert bytes_per_token(shape, "k8v4") / fp16 == (1 + 0.5 + 4 / 32) / 4
-    assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 2 / 32) / 2
+    # int4: keys' per-block statistics (a step code and an fp16 minimum per channel, 16 tokens)
+    assert bytes_per_token(shape, "int4") / fp16 == (0.5 + 3 / 16 + 0.5 + 2 / 32) / 4 == 0.3125
     assert bytes_per_token(shape, "fp8") / fp16 == 0.5  # no per-token scale
 
 
@@ -128,3 +129,60 @@ def test_the_window_makes_its_rows_exact(name):
         if exact_expected:
             torch.testing.assert_close(held, exact, atol=1e-5, rtol=1e-5)
         assert (held - exact).norm() < (plain - exact).norm()
+
+
+def test_block_keys_by_hand():
+    """int4 keys: per block and channel, codes 0..15 from the block's minimum in steps exp2(c/8 - 20)."""
+    x = torch.zeros(16, 1, 2)
+    x[:, 0, 0] = 1 + 0.25 * torch.arange(16)  # span 3.75: a step of 0.25 = exp2(144/8 - 20), exact
+    x[:, 0, 1] = -2.5  # a constant channel: the smallest step, every code 0
+    data, code, zero = int4.quantize_blocks(x, torch.zeros(16, dtype=torch.long), 1)
+    assert code[0, 0].tolist() == [144, 0] and zero[0, 0].tolist() == [1.0, -2.5]
+    assert (quant.unpack_int4(data)[:, 0, 0] + 8).tolist() == list(range(16))
+    back = int4.dequantize_blocks(data, code[0].expand(16, 1, 2), zero[0].expand(16, 1, 2))
+    assert torch.equal(back, x)
+
+
+def test_block_keys_are_within_half_a_step_of_their_block():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 2, 64, generator=g) * torch.linspace(0.1, 20, 64) + 300  # outlier channels, a large mean
+    block = torch.arange(48) // 16
+    data, code, zero = int4.quantize_blocks(x, block, 3)
+    step = int4.step_of(code)
+    lo, hi = (x.unflatten(0, (3, 16)).amin(1), x.unflatten(0, (3, 16)).amax(1))
+    assert (zero.float() <= lo).all() and (step * 15 >= hi - zero.float()).all()
+    assert (step <= (hi - zero.float()) / 15 * 2 ** (1 / 8) * 1.0001).all()  # rounded up by one code at most
+    back = int4.dequantize_blocks(data, code[block], zero[block])
+    assert ((back - x).abs() <= step[block] / 2 * 1.0001).all()
+
+
+@pytest.mark.parametrize("with_window", [True, False])
+def test_a_block_written_token_by_token_is_the_block_written_at_once(with_window):
+    """A block's statistics change as it fills; each write quantizes it again from its first row,
+    taken from the window: written token by token (decode), each block holds exactly the codes and
+    statistics of its full-precision rows quantized at once. Without a window the earlier rows are
+    read back quantized, which costs at most one step more."""
+    from kvchat.core.kv_sizes import KVShape
+    from kvchat.engine.kv.cache import KVCache
+
+    shape, n = KVShape(num_layers=1, num_kv_heads=2, head_dim=64), 40
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(n, 2, 64, generator=g) * 3, torch.randn(n, 2, 64, generator=g)
+    k[..., 5] += 40  # an outlier channel
+    slots = torch.arange(16, 16 + n)  # blocks 1, 2 and half of 3
+    once, stepped = (KVCache(shape, 4, 16, torch.float32, "cpu", "int4") for _ in range(2))
+    once.write(0, k, v, slots)
+    window = quant.RecentWindow(1, 2, 64, torch.float32, "cpu") if with_window else None
+    for p in range(n):
+        stepped.write(0, k[p:p + 1], v[p:p + 1], slots[p:p + 1], window, p)
+    pool = stepped.layers[0]
+    if with_window:
+        data, code, zero = int4.quantize_blocks(window.keys(0, 0, n), torch.arange(n) // 16, 3)
+        assert torch.equal(pool["k"].flatten(0, 1)[slots], data)
+        assert torch.equal(pool["k_scale"][1:], code) and torch.equal(pool["k_zero"][1:], zero)
+        return
+    table = torch.tensor([1, 2, 3])
+    exact = quant.rotate(k, once.rotation)
+    step = int4.step_of(once.layers[0]["k_scale"][table]).repeat_interleave(16, 0)[:n]
+    got = quant.read(pool, stepped.format, "k", table, n, None, torch.float32)
+    assert ((got - exact).abs() <= 1.5 * step * 1.0001).all()

@@ -12,6 +12,20 @@ from kvchat.kernels import quant, reference, triton_decode, triton_kv
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 BS = 16
+# int4's keys are quantized per block (kernels/int4.py), which these kernels do not do yet
+TRITON_FORMATS = [n for n, f in quant.FORMATS.items() if triton_kv.unsupported(f, BS, 64) is None]
+
+
+def test_int4_pools_go_to_the_reference_until_the_kernels_follow():
+    """The kernels know only per-token key groups: an int4 pool says so and dispatch gives it to
+    the torch reference, on CUDA too, rather than read its keys wrongly."""
+    from kvchat.kernels import dispatch
+
+    assert TRITON_FORMATS == ["fp16", "int8", "fp8", "k8v4"]
+    assert "per-block key statistics" in triton_kv.unsupported(quant.FORMATS["int4"], BS, 128)
+    pool = quant.layer_tensors(quant.FORMATS["int4"], 2, BS, 2, 64, torch.float32, "cpu")
+    with mock.patch.object(torch.Tensor, "is_cuda", True):
+        assert not dispatch.use_triton(torch.zeros(1, 2, 64), pool, quant.FORMATS["int4"])
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
@@ -71,7 +85,7 @@ def scene(fmt, heads, kv_heads, head_dim, lengths, seed):
     return pool, tables, rot, center, cscale, g
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_quantize_write_matches_the_reference_and_skips_padding(name, head_dim):
     fmt = quant.FORMATS[name]
@@ -106,7 +120,7 @@ def guarded_pool(fmt, num_blocks, kv_heads, head_dim, guard=4096):
     return pool, buffers
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_prefill_of_several_write_tiles_stores_every_token_and_nothing_else(name, head_dim):
     """40 tokens are three tiles of 16 (16 + 16 + 8) with padding slots in each. The slot and input
@@ -155,7 +169,7 @@ def decode(query, pool, fmt, table, lengths, rot, cscale, **kwargs):
 GROUPS = [1, 4, 7, 8]  # GQA groups: MHA, Llama-3 8B, Qwen2.5-7B (28/4), and a full 8 (no padding below 16)
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", GROUPS)
 def test_paged_decode_matches_reference(name, head_dim, group):
@@ -175,7 +189,7 @@ def test_paged_decode_matches_reference(name, head_dim, group):
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["int4", "fp8"])  # tiles of 64 and of 32
+@pytest.mark.parametrize("name", ["k8v4", "fp8"])  # tiles of 64 and of 32
 @pytest.mark.parametrize("splits", [1, 2, 5, 40])
 def test_the_split_count_and_a_padded_table_leave_the_result_alone(name, splits):
     """A captured step launches a fixed split count over a table padded to its bucket with stale
@@ -203,7 +217,7 @@ def test_the_split_count_follows_the_sms_not_the_bucket():
     assert triton_decode.decode_splits(132, 1, 8, 32 * BS, tile=32) == 32 * BS // 32  # fp8's tiles
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS[1:])
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (64, 7), (128, 8)])
 @pytest.mark.parametrize("window_len", [5, 66])  # a part of the context; all but the sinks
 def test_paged_decode_with_a_full_precision_window_matches_reference(name, head_dim, group, window_len):
@@ -214,13 +228,13 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, head_
 
 @pytest.mark.parametrize("window_len", [14, 70])  # a ring of less than one chunk; every position held
 def test_paged_decode_with_a_window_of_other_sizes_matches_reference(window_len):
-    _window_case(quant.FORMATS["int4"], 64, 4, window_len, n=70)
+    _window_case(quant.FORMATS["k8v4"], 64, 4, window_len, n=70)
 
 
 BANDS = [reference.Band(40), reference.Band(None, 20.0), reference.Band(100, 30.0)]
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS)
 @pytest.mark.parametrize("band", BANDS, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 256])  # 256: Gemma's, read in tiles of half the tokens
 def test_paged_decode_with_a_sliding_window_and_a_soft_cap_matches_reference(name, band, head_dim):
@@ -241,7 +255,7 @@ def test_paged_decode_with_a_sliding_window_and_a_soft_cap_matches_reference(nam
         assert band.changes(n) == ((want - plain).abs().max().item() > 1e-3)  # the band is not a no-op
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
+@pytest.mark.parametrize("name", TRITON_FORMATS[1:])
 @pytest.mark.parametrize("band, window_len", [(reference.Band(20), 66), (reference.Band(68, 30.0), 66),
                                               (reference.Band(40), 16)], ids=str)
 def test_a_sliding_window_over_the_full_precision_rows_matches_reference(name, band, window_len):
@@ -274,7 +288,7 @@ def test_the_gpu_bench_check_runs_and_agrees():
     from kvchat.bench import kernels as bench_kernels
 
     rows = bench_kernels.check(torch.device(DEVICE), dtype=torch.float32, length=40)
-    assert [r["precision"] for r in rows] == ["fp16", "int8", "fp8", "k8v4", "int4"]
+    assert [r["precision"] for r in rows] == ["fp16", "int8", "fp8", "k8v4"]
     for r in rows:
         assert r["decode_max_abs_err"] < 1e-5
         assert r.get("write_bytes_differing", 0) < 1e-3 and r.get("write_max_steps", 0) <= 1.0
@@ -338,11 +352,11 @@ def test_the_decode_kernel_is_specialized_on_nothing_that_grows_with_the_context
     assert varying <= unspecialized
 
 
-@pytest.mark.parametrize("precision", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("precision", ["k8v4", "int8", "fp8"])
 def test_the_write_kernel_puts_a_decode_token_in_the_window_ring_or_nowhere(precision):
     """Row ``wmeta[2]`` of the ring gets the token's transformed row as it was before rounding;
-    -1 (a captured step's warm-up) writes no row. Each stored width's variant (int4's clipped keys,
-    int8's, fp8's)."""
+    -1 (a captured step's warm-up) writes no row. Each stored width's variant (int8 keys with int4
+    values, int8's, fp8's)."""
     fmt = quant.FORMATS[precision]
     pool, _, rot, center, cscale, g = scene(fmt, 4, 2, 64, [20], seed=3)
     key, value = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)

@@ -65,26 +65,34 @@ def kl_divergence(lm: LoadedModel, tokens: list[int], context: int, precision: P
 LLAMA_CPP = {"fp16": 18.39, "int8": 18.38, "int4": 19.48}  # llama-perplexity -c 512, same GGUF, GPL-3 (q8_0/q4_0)
 TEXTS = Path(__file__).parent / "texts"
 KINDS = ("prose", "code", "chat", "french")  # the texts shipped in bench/texts (their sources: README.md there)
+# never used to choose anything (a statistic, a threshold, a format): reported, not tuned on
+HELD_OUT = ("python_reference", "russian", "chinese", "c_code")
+SETS = {"shipped": [(k, TEXTS / f"{k}.txt") for k in KINDS],
+        "held-out": [(k, TEXTS / "held_out" / f"{k}.txt") for k in HELD_OUT]}
 
 
-def read_texts(paths: list[str] | None) -> list[tuple[str, str, str]]:
-    """(kind, path, text) for each file; none given: the shipped set, one text per kind."""
+def read_texts(paths: list[str] | None, which: str = "all") -> list[tuple[str, str, str, str]]:
+    """(set, kind, path, text) for each file (set "given"); none given: the shipped set, one text
+    per kind, and the held-out set (``which``: shipped, held-out or all)."""
     from kvchat.core.config import ConfigError
 
-    named = [(Path(p).stem, p) for p in paths] if paths else [(k, str(TEXTS / f"{k}.txt")) for k in KINDS]
+    if paths:
+        named = [("given", Path(p).stem, p) for p in paths]
+    else:
+        named = [(s, k, str(p)) for s in SETS for k, p in SETS[s] if which in (s, "all")]
     out = []
-    for kind, path in named:
+    for group, kind, path in named:
         try:
-            out.append((kind, path, Path(path).expanduser().read_text(encoding="utf-8")))
+            out.append((group, kind, path, Path(path).expanduser().read_text(encoding="utf-8")))
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read {path}: {e}") from None
     return out
 
 
 def main(which: str, model: str, text_files: list[str] | None, context: int, precisions: list[str], as_json: bool,
-         weights: str = "none", chunk: int | None = None) -> None:
-    """Each text (``text_files``, else the shipped prose, code, chat and French) against the fp16
-    cache, for each of ``precisions``. ``weights`` other than none: the baseline is the checkpoint's
+         weights: str = "none", chunk: int | None = None, text_set: str = "all") -> None:
+    """Each text (``text_files``, else the shipped prose, code, chat and French and the held-out
+    set, or one of them: ``text_set``) against the fp16 cache, for each of ``precisions``. ``weights`` other than none: the baseline is the checkpoint's
     own weights with an fp16 KV cache, against those weights with each precision's cache.
     ``chunk``: the prefill chunk, by default the engine's own, which is how a pasted document
     reaches the cache."""
@@ -99,16 +107,17 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
     chunk = chunk or EngineConfig().prefill_chunk
     if chunk < 1:
         raise ConfigError("--chunk must be at least 1")
-    named = read_texts(text_files)  # an unreadable file is said before the model loads
+    named = read_texts(text_files, text_set)  # an unreadable file is said before the model loads
     lm = load(model)
-    texts = [(kind, path, lm.tokenizer(text, add_special_tokens=False)["input_ids"]) for kind, path, text in named]
-    for _, path, tokens in texts:  # every text checked before any is scored
+    texts = [(group, kind, path, lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+             for group, kind, path, text in named]
+    for _, _, path, tokens in texts:  # every text checked before any is scored
         if len(tokens) < context:
             raise ConfigError(f"{path} has {len(tokens)} tokens, fewer than one window of {context}")
     other = lm if weights == "none" else load(model, weights=weights)
     warm_up(other.model)  # what the engine's compile thread does first: int8 weights' kernel, as a chat computes
     report = []
-    for kind, path, tokens in texts:
+    for group, kind, path, tokens in texts:
         if which == "kld":
             rows = [kl_divergence(other, tokens, context, Precision(p), chunk) for p in precisions]
         else:
@@ -117,12 +126,15 @@ def main(which: str, model: str, text_files: list[str] | None, context: int, pre
                              for p in precisions if p != "fp16" or weights != "none"]
             for r in rows:
                 r["increase_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
-        report.append({"kind": kind, "text": path, "tokens": len(tokens), "results": rows})
+        report.append({"set": group, "kind": kind, "text": path, "tokens": len(tokens), "results": rows})
     if as_json:
         print(json.dumps({"context": context, "chunk": chunk, "texts": report}, indent=2))
         return
     print(f"context {context}, prefill chunks of {chunk}; token ids from the Hugging Face tokenizer, no BOS")
-    for entry in report:
+    for i, entry in enumerate(report):
+        if entry["set"] != "given" and (i == 0 or report[i - 1]["set"] != entry["set"]):
+            print({"shipped": "shipped texts (the ones kvchat is tuned on):",
+                   "held-out": "held-out texts (never used to choose anything):"}[entry["set"]])
         print(f"{entry['kind']} ({entry['text']}): {entry['tokens']} tokens")
         for r in entry["results"]:
             if which == "kld":

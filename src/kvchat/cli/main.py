@@ -99,7 +99,10 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("which", choices=["ppl", "kld"])
     ev.add_argument("--model", default="starter")
     ev.add_argument("--text", action="append", default=None,
-                    help="a UTF-8 text file (again for more); default: the shipped prose, code, chat and French")
+                    help="a UTF-8 text file (again for more); default: the shipped prose, code, chat and French, "
+                         "then the held-out set")
+    ev.add_argument("--set", dest="text_set", default="all", choices=["all", "shipped", "held-out"],
+                    help="without --text: the shipped texts (tuned on), the held-out ones (never tuned on), or both")
     ev.add_argument("--context", type=int, default=512)
     ev.add_argument("--kv-precision", default="int4", help="one or more of " + ", ".join(KV_MODES) + ", comma-separated")
     ev.add_argument("--weights", default="none", choices=[w for w in WEIGHTS if w != "auto"])
@@ -285,7 +288,8 @@ def cmd_eval(args) -> int:
     quiet_transformers()
     from kvchat.bench import evaluate
 
-    evaluate.main(args.which, args.model, args.text, args.context, precisions, args.json, args.weights, args.chunk)
+    evaluate.main(args.which, args.model, args.text, args.context, precisions, args.json, args.weights, args.chunk,
+                  args.text_set)
     return 0
 
 

@@ -68,7 +68,7 @@ def ring_blocks(shape: KVShape, block_size: int) -> int:
 def layer_block_bytes(shape: KVShape, precision: Precision, block_size: int, full_bytes: int = 2) -> float:
     """One block of one layer's K and V, scales included."""
     fmt = FORMATS[Precision(precision).value]
-    return block_size * token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes)
+    return block_size * token_bytes(fmt, shape.num_kv_heads, shape.head_dim, full_bytes, block_size)
 
 
 def windowed_layers(shape: KVShape, local_blocks: int) -> int:

@@ -36,7 +36,8 @@ TARGETS = (86, 89, 90)
 # Gemma 2 9B (head_dim 256; its local layers' window and its soft cap: the "+band" variants)
 SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64), ("gemma2-9b", 16, 8, 256))
 BAND = dict(SLIDE=4096, CAP=50.0 * 1.4426950408889634)  # Gemma 2's window and cap, the cap in base 2
-PRECISIONS = tuple(FORMATS)  # fp16, int8, fp8, k8v4, int4
+# the formats the Triton kernels serve (int4's per-block key statistics have none yet: triton_kv.unsupported)
+PRECISIONS = tuple(n for n, f in FORMATS.items() if not f.block_keys)
 SHARED_PER_SM = {86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # usable per SM, bytes
 THREADS_PER_SM = {86: 1536, 89: 1536, 90: 2048}
 
@@ -105,15 +106,15 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
 
 
 def write_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Variant]:
-    """The write kernel per stored half: fp16's copy, int8, fp8 and int4 keys (centred; int4
-    clipped), int8, fp8 and int4 values; the quantized ones as a decode token writes them (into the
+    """The write kernel per stored half: fp16's copy, int8 and fp8 keys (centred), int8, fp8 and
+    int4 values; the quantized ones as a decode token writes them (into the
     ring too)."""
     from kvchat.kernels import quant, triton_kv
 
     out = []
     for name, bits, center, clip in (("fp16", 16, False, False), ("int8 K", 8, True, False), ("int8 V", 8, False, False),
                                      ("fp8 K", 8, True, False), ("fp8 V", 8, False, False),
-                                     ("int4 K", 4, True, True), ("int4 V", 4, False, False)):
+                                     ("int4 V", 4, False, False)):
         fp8 = name.startswith("fp8")
         data = {16: dtype, 8: "u8" if fp8 else "i8", 4: "u8"}[bits]
         sig = {"x_ptr": _ptr(dtype), "slot_ptr": "*i64", "center_ptr": "*fp32", "cscale_ptr": "*fp32",

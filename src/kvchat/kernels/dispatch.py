@@ -38,14 +38,15 @@ def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
 
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
-             keep_rows=None, ring=None) -> None:
+             keep_rows=None, ring=None, prior=None) -> None:
     """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position,
     wmeta or None)`` for one new token: on CUDA the write kernel puts its row in the window in the
-    same pass (past the sinks); otherwise ``keep_rows`` stores it. The fused kernel never hands rows
+    same pass (past the sinks); otherwise ``keep_rows`` stores it. ``prior``: as in ``quant.write``. The fused kernel never hands rows
     back, so on CUDA they are transformed once more here only when ``keep_rows`` still needs them.
     ``wmeta``, given by a captured step, holds what ``window_meta`` would make."""
     if not use_triton(key, tensors, fmt):
-        return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows)
+        return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows,
+                                  prior)
     recent, layer, position, wmeta = ring if ring is not None else (None, None, -1, None)
     in_ring = recent is not None and key.shape[0] == 1 and position >= recent.sinks
     if in_ring:

@@ -11,6 +11,9 @@ READ_SLICE = 2048  # tokens dequantized at a time when a prefill reads its past:
 
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
+BLOCK = 16  # tokens a KV block holds where no other size is given (core.config.BLOCK_SIZE)
+# per-block key statistics (int4): per block and channel, a one-byte scale code and an fp16 minimum
+BLOCK_STATS_BYTES = 1 + 2
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class KVFormat:
     k_bits: int  # 16: the model's dtype, unquantized
     v_bits: int
     float8: bool = False  # e4m3 codes with no per-token scale (one per layer and KV head, folded in)
+    block_keys: bool = False  # keys quantized per channel over each block's tokens, not per token
 
     @property
     def quantized(self) -> bool:
@@ -26,12 +30,15 @@ class KVFormat:
 
     @property
     def transform(self) -> str | None:
-        """Which transform a window's and the sink cache's rows are in: the same in every int mode."""
-        return None if not self.quantized else "fp8" if self.float8 else "int"
+        """Which transform a window's and the sink cache's rows are in: int8 and k8v4 centre and
+        scale keys by calibration, int4 (statistics per block) only rotates them."""
+        if not self.quantized:
+            return None
+        return "fp8" if self.float8 else "rotated" if self.block_keys else "int"
 
 
 FORMATS = {f.name: f for f in (KVFormat("fp16", 16, 16), KVFormat("int8", 8, 8), KVFormat("fp8", 8, 8, True),
-                               KVFormat("k8v4", 8, 4), KVFormat("int4", 4, 4))}
+                               KVFormat("k8v4", 8, 4), KVFormat("int4", 4, 4, block_keys=True))}
 
 
 def qmax(bits: int) -> int:
@@ -43,11 +50,12 @@ def element_bytes(bits: int, full_bytes: int = 2, grouped: bool = True) -> float
     return full_bytes if bits == 16 else bits / 8 + (SCALE_BYTES / GROUP if grouped else 0)
 
 
-def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2) -> float:
-    """K and V of one token in one layer, scales included."""
+def token_bytes(fmt: KVFormat, kv_heads: int, head_dim: int, full_bytes: int = 2, block_size: int = BLOCK) -> float:
+    """K and V of one token in one layer, scales (and a token's share of its block's key
+    statistics) included."""
     grouped = not fmt.float8
-    return kv_heads * head_dim * (element_bytes(fmt.k_bits, full_bytes, grouped)
-                                  + element_bytes(fmt.v_bits, full_bytes, grouped))
+    k = fmt.k_bits / 8 + BLOCK_STATS_BYTES / block_size if fmt.block_keys else element_bytes(fmt.k_bits, full_bytes, grouped)
+    return kv_heads * head_dim * (k + element_bytes(fmt.v_bits, full_bytes, grouped))
 
 
 def window_bytes(layers: int, kv_heads: int, head_dim: int, full_bytes: int, size: int = WINDOW,

@@ -14,9 +14,11 @@
   q . (k - c) differs from q . k by q . c, the same for every key of a query, and softmax ignores it.
 - Then each key channel is multiplied by a fixed scale s (and each query divided by it, which keeps
   q . k exact), to spend the bits where the queries look. Centre and scale come from calibration.
-- int4 keys pick, per group, the clipping of the scale that minimizes the group's squared error,
-  among ``CLIP_RATIOS`` of the absolute maximum (first one wins a tie): measured on the starter, it
-  takes int4's perplexity increase from +5.5% to +3.2% on GPL-3 and from +6.0% to +4.0% on GPL-2.
+- int4 keys (``KVFormat.block_keys``) take none of that: rotated only, they are quantized per
+  channel over each block's tokens, with the block's own statistics (``int4.py``). A block's
+  statistics change while it fills, so each write quantizes the block again from its first row
+  (``write``'s ``prior``: the earlier rows, from the full-precision window); they are final once
+  the block is full.
 - Each live sequence also keeps its first ``SINKS`` and its newest ``WINDOW`` tokens in full
   precision, outside the pool (``RecentWindow``), already centred, scaled and rotated; attention reads
   those rows from there instead of their quantized copies. The pool's blocks are the same with or
@@ -27,7 +29,8 @@
   value's divided before the write and multiplied back into the output), so the kernels only cast,
   saturating at +-448.
 - Per layer the pool holds, with one leading block index: ``k``, ``v`` (data) and, in the int modes,
-  ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``.
+  ``k_scale``, ``v_scale`` of shape ``[blocks, block_size, kv_heads, D / 32]``; int4's keys
+  ``k_scale`` (step codes) and ``k_zero`` of shape ``[blocks, kv_heads, D]`` instead.
 """
 import functools
 import math
@@ -35,6 +38,8 @@ import weakref
 
 import torch
 
+from kvchat.kernels import int4
+from kvchat.kernels.int4 import dequantize_blocks, pack_int4, unpack_int4  # noqa: F401 (read through here)
 # the sizes, torch-free, live in layout.py; FORMATS and token_bytes are read through here too
 from kvchat.kernels.layout import (FORMATS, FP8_MAX, GROUP, SINKS, WINDOW, KVFormat, qmax,  # noqa: F401
                                    token_bytes, window_bytes)
@@ -59,19 +64,6 @@ def hadamard(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(d)).to(device=device, dtype=dtype)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Signed values in [-8, 7], ``[..., D]`` -> ``[..., D/2]`` uint8, split-half."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    half = u.shape[-1] // 2
-    return u[..., :half] | (u[..., half:] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    low = (packed & 0x0F).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.cat([low, high], dim=-1)
 
 
 def quantize(x: torch.Tensor, bits: int, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,17 +124,23 @@ def _layer_tensors(fmt, num_blocks, block_size, kv_heads, head_dim, dtype, devic
         else:
             width = head_dim if bits == 8 else head_dim // 2
             out[name] = torch.zeros(*lead, width, dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
-            out[name + "_scale"] = torch.zeros(*lead, head_dim // GROUP, dtype=SCALE_DTYPE, device=device)
+            if name == "k" and fmt.block_keys:
+                out["k_scale"] = torch.zeros(num_blocks, kv_heads, head_dim, dtype=torch.uint8, device=device)
+                out["k_zero"] = torch.zeros(num_blocks, kv_heads, head_dim, dtype=int4.ZERO_DTYPE, device=device)
+            else:
+                out[name + "_scale"] = torch.zeros(*lead, head_dim // GROUP, dtype=SCALE_DTYPE, device=device)
     return out
 
 
 def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
           rotation: torch.Tensor | None, k_center: torch.Tensor | None = None,
-          k_channel_scale: torch.Tensor | None = None, keep_rows=None) -> None:
+          k_channel_scale: torch.Tensor | None = None, keep_rows=None, prior: tuple | None = None) -> None:
     """Quantize on write: ``key``/``value`` ``[T, kv_heads, D]`` go to ``slots``; -1 is skipped.
     ``k_center`` ``[kv_heads, D]`` is subtracted from quantized keys, then ``k_channel_scale``
     multiplies them. ``keep_rows(k, v)``, when given, receives the transformed rows before they are
-    quantized (the full-precision window; it expects no padding)."""
+    quantized (the full-precision window; it expects no padding). With ``block_keys``, every block
+    written must be given from its first row: ``prior``, ``(K rows transformed, their slots)``,
+    holds the rows of the first block that precede ``key``."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -157,9 +155,26 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
         if fmt.float8:
             _store(tensors[name], slots, to_fp8(x))
             continue
+        if name == "k" and fmt.block_keys:
+            int4.write_block_keys(tensors, x, slots, prior)
+            continue
         data, scale = quantize(x, bits, clip=name == "k" and bits == 4)
         _store(tensors[name], slots, data)
         _store(tensors[name + "_scale"], slots, scale)
+
+
+def read_slots(tensors: dict, fmt: KVFormat, name: str, slots: torch.Tensor) -> torch.Tensor:
+    """K or V at ``slots``, dequantized (still transformed), fp32: ``[len(slots), kv_heads, D]``."""
+    bits = fmt.k_bits if name == "k" else fmt.v_bits
+    data = tensors[name].flatten(0, 1).index_select(0, slots)
+    if bits == 16:
+        return data.float()
+    if fmt.float8:
+        return from_fp8(data)
+    if name == "k" and fmt.block_keys:
+        block = slots.div(tensors["k"].shape[1], rounding_mode="floor")
+        return dequantize_blocks(data, tensors["k_scale"].index_select(0, block), tensors["k_zero"].index_select(0, block))
+    return dequantize(data, tensors[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
 
 
 def rotate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -193,10 +208,13 @@ def _store(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x.to(pool.dtype))
 
 
+def gather_blocks(t: torch.Tensor, block_table: torch.Tensor, first_block: int | None) -> torch.Tensor:
+    """A per-block tensor's rows of a sequence's blocks, ``[blocks, ...]``."""
+    return t[first_block:first_block + len(block_table)] if first_block is not None else t.index_select(0, block_table)
+
+
 def gather(pool: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int | None) -> torch.Tensor:
-    if first_block is not None:
-        return pool[first_block:first_block + len(block_table)].flatten(0, 1)[:length]
-    return pool.index_select(0, block_table).flatten(0, 1)[:length]
+    return gather_blocks(pool, block_table, first_block).flatten(0, 1)[:length]
 
 
 def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, first_block, dtype) -> torch.Tensor:
@@ -207,6 +225,11 @@ def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, firs
         return data
     if fmt.float8:
         return from_fp8(data, dtype)
+    if name == "k" and fmt.block_keys:
+        bs = tensors["k"].shape[1]
+        stats = (gather_blocks(tensors[n], block_table, first_block).repeat_interleave(bs, 0)[:length]
+                 for n in ("k_scale", "k_zero"))
+        return dequantize_blocks(data, *stats, dtype)
     return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)
 
 
@@ -293,6 +316,14 @@ class RecentWindow:
             return None
         s = min(self.sink_len[layer], length)
         return s, max(self.start[layer], length - self.size, s)
+
+    def keys(self, layer: int, start: int, end: int) -> torch.Tensor | None:
+        """The K rows of positions ``start .. end`` when it holds them all (written up to ``end``)."""
+        held = self.bounds(layer, end)
+        if held is None or held[1] > max(start, held[0]):  # a position between the sinks and the ring
+            return None
+        rows = [p if p < held[0] else self.ring_row(p) for p in range(start, end)]
+        return self.k[layer].index_select(0, torch.tensor(rows, device=self.k.device))
 
     def rows(self, layer: int, length: int) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
         """``(s, first, K, V)``: the rows it holds among ``.. length`` (``bounds``), gathered."""

@@ -18,6 +18,8 @@ from kvchat.kernels.quant import KVFormat
 def unsupported(fmt: KVFormat, block_size: int, head_dim: int) -> str | None:
     """Why these kernels cannot serve a pool of this shape, or None. ``tl.arange`` spans powers of
     two only: a block, a head_dim, its halves and (quantized) the halves' groups of 32."""
+    if fmt.block_keys:
+        return f"{fmt.name}'s per-block key statistics have no Triton kernels yet"
     if block_size & (block_size - 1):
         return f"block size {block_size} is not a power of two"
     if head_dim & (head_dim - 1) or head_dim < 2:

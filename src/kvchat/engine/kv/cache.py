@@ -3,7 +3,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvchat.kernels import dispatch, quant
+from kvchat.kernels import dispatch, int4, quant
 from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.core.config import Precision
@@ -92,14 +92,13 @@ class KVCache:
     @property
     def layout_key(self) -> str:
         """What the prefix-cache hash must cover besides the model: the bytes in a block."""
-        quantized = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}|{CALIBRATION_ID}"
-        rot = quantized + (f"|fp8-at-{FP8_TARGET}" if self.format.float8 else "") if self.format.quantized else ""
         ringed = f"|whole-context layers {self.whole()}" if self.local else ""  # a block holds only those
-        return f"{self.precision.value}|{self.dtype}{rot}{ringed}"
+        return f"{self.precision.value}|{self.dtype}{format_id(self.format)}{ringed}"
 
     def calibrated(self, k_centers=None, k_scales=None, fp8_scales=None) -> None:
-        """Set the key statistics (``calibration.calibrate``) this pool's format uses."""
-        quantized = self.format.quantized
+        """Set the key statistics (``calibration.calibrate``) this pool's format uses (int4's
+        keys have their own per block: none)."""
+        quantized = self.format.quantized and not self.format.block_keys
         self.k_centers, self.k_scales = (k_centers, k_scales) if quantized else (None, None)
         self.fp8_scales = fp8_scales if self.format.float8 else None
         self._key_scales = self.k_scales
@@ -226,7 +225,7 @@ class KVCache:
         wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
         ring = (window, layer, first_pos, window_meta) if window is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
-                          keep_rows if wanted else None, ring)
+                          keep_rows if wanted else None, ring, block_start(self, layer, slots, window, first_pos))
         return rows[0] if rows and key.shape[0] > 1 else None
 
     def fresh(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple:
@@ -263,3 +262,25 @@ class KVCache:
             return out
         t, heads, d = out.shape  # each query head takes its KV head's scale (GQA: heads grouped by KV head)
         return (out.view(t, v_scale.shape[0], -1, d) * v_scale[:, None].to(out.dtype)).view(t, heads, d)
+
+
+def format_id(fmt: quant.KVFormat) -> str:
+    """What the bytes of a block depend on besides the model and the precision's name."""
+    if not fmt.quantized:
+        return ""
+    if fmt.block_keys:
+        return f"|wht|block-keys-{int4.STEP_CODES}-{int4.STEP_BIAS}|v{quant.GROUP}-window{quant.WINDOW}"
+    calibrated = f"|wht{quant.GROUP}|centred-scaled-clip-window{quant.WINDOW}|{CALIBRATION_ID}"
+    return calibrated + (f"|fp8-at-{FP8_TARGET}" if fmt.float8 else "")
+
+
+def block_start(kv: KVCache, layer: int, slots: torch.Tensor, window, first_pos: int) -> tuple | None:
+    """With per-block key statistics, a write that starts inside a block quantizes the block again
+    from its first row: those earlier rows ``(K, slots)`` (``quant.write``'s ``prior``), from the
+    window where it holds them (exact), else read back from the pool."""
+    m = first_pos % kv.block_size
+    if not kv.format.block_keys or not m or int(slots[0]) < 0:
+        return None
+    earlier = slots[0] - m + torch.arange(m, device=slots.device)
+    held = window.keys(layer, first_pos - m, first_pos) if window is not None else None
+    return (held if held is not None else quant.read_slots(kv.layers[layer], kv.format, "k", earlier)), earlier

@@ -73,16 +73,7 @@ def converted(old: KVCache, precision: Precision, num_blocks: int, k_centers=Non
 def plain_rows(old: KVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V at ``slots`` back in the model's own domain, fp32: ``[len(slots), kv_heads, D]``."""
     t, fmt = old.layers[layer], old.format
-
-    def rows(name: str, bits: int) -> torch.Tensor:
-        data = t[name].flatten(0, 1).index_select(0, slots)
-        if bits == 16:
-            return data.float()
-        if fmt.float8:
-            return quant.from_fp8(data)
-        return quant.dequantize(data, t[name + "_scale"].flatten(0, 1).index_select(0, slots), bits)
-
-    k, v = rows("k", fmt.k_bits), rows("v", fmt.v_bits)
+    k, v = (quant.read_slots(t, fmt, name, slots) for name in ("k", "v"))
     if fmt.k_bits < 16:
         k = quant.rotate(k, old.rotation)  # H is its own inverse
         if old.k_scales is not None:

@@ -46,8 +46,7 @@ class KVPool:
         self.local_blocks = local_blocks
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
-        if self.kv.format.quantized:
-            self.kv.calibrated(*self.key_stats())
+        self.kv.calibrated(*self.key_stats(precision))
         self.pool = BlockPool(num_blocks)
         self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
         self.rings = None
@@ -120,8 +119,12 @@ class KVPool:
     def bytes_per_token(self, precision: Precision | None = None) -> float:
         return bytes_per_token(self.shape, precision or self.precision, self.full_bytes())
 
-    def key_stats(self):
-        """The model's key statistics (computed once per model: ``calibration.calibrate``)."""
+    def key_stats(self, precision: Precision):
+        """The model's key statistics, for the modes that use them (computed once per model:
+        ``calibration.calibrate``); int4 computes its own per block, fp16 has none."""
+        fmt = quant.FORMATS[Precision(precision).value]
+        if not fmt.quantized or fmt.block_keys:
+            return None, None, None
         return calibrate(self.lm, KVPool.for_tokens)
 
     def rebuild(self, precision: Precision, budget: int, live: list[Sequence] = (),
@@ -140,7 +143,7 @@ class KVPool:
         n = self.blocks_for(precision, budget, local, span)
         if n < self.pool.num_blocks and not self._clear_tail(n):
             return False
-        stats = self.key_stats() if precision != Precision.FP16 else (None, None, None)
+        stats = self.key_stats(precision)
         windows = self._new_windows(precision, live)
         new_kv = converted(self.kv, precision, n, *stats, windows=[fill for _, _, fill in windows if fill],
                            local_blocks=local)
