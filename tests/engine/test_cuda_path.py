@@ -16,7 +16,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.manager import KVCacheManager, Sequence
 from kvchat.engine.model.runner import ModelRunner
-from kvchat.kernels import dispatch, triton_decode, triton_kv
+from kvchat.kernels import dispatch, triton_decode, triton_int4, triton_kv
 
 from tiny_models import tiny_model
 
@@ -55,7 +55,7 @@ def on_cuda_path():
     return mock.patch.object(dispatch, "use_triton", lambda *args: True)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp8", "k8v4"])
+@pytest.mark.parametrize("precision", ["fp16", "fp8", "int4"])
 def test_the_cuda_path_decodes_as_the_reference_does(model, precision):
     """Prefill and three decode steps, the window's ring written by the write kernel and read by
     the decode kernel, against the pure-torch path."""
@@ -89,14 +89,15 @@ class Launch:
 @contextlib.contextmanager
 def stubbed_kernels():
     with mock.patch.object(triton_kv, "_quantize_write_kernel", Launch("write")), \
+            mock.patch.object(triton_int4, "_block_keys_kernel", Launch("write")), \
             mock.patch.object(triton_decode, "_paged_decode_kernel", Launch("decode")), \
             mock.patch.object(triton_decode, "_merge_kernel", Launch("merge")):
         yield
 
 
-@pytest.mark.parametrize("precision", ["fp16", "k8v4"])
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
 def test_a_decode_step_launches_at_most_20_ops_per_layer_for_attention(model, precision):
-    """A quantized pool with its window (int4 then) took 42 launching ops a layer (the window transformed twice, split and
+    """int4 with its window took 42 launching ops a layer (the window transformed twice, split and
     merged in torch); 15 with the merge in torch, fewer with the merge in a kernel, the Triton
     kernels included."""
     runner, manager, seq = runner_at(model, precision)
@@ -123,7 +124,7 @@ def inside_attention(event) -> bool:
     return inside
 
 
-@pytest.mark.parametrize("precision", ["fp16", "k8v4"])
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
 def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
     """On a GPU each tensor made from Python values is a copy from pageable memory, which waits for
     the GPU: a decode step made three (the runner's slot and block table, the length), four with a
@@ -141,5 +142,5 @@ def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 runner.forward(seq, len(seq), want_logits=True)
             made.append(sum(e.name == "aten::lift_fresh" for e in prof.events()))
-    window = 1 if precision != "fp16" else 0
+    window = 1 if precision == "int4" else 0
     assert made[0] <= 1 + window and made[1:] == [window] * 9, made  # the table's ids may be there from before

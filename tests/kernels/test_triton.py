@@ -12,20 +12,7 @@ from kvchat.kernels import quant, reference, triton_decode, triton_kv
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 BS = 16
-# int4's keys are quantized per block (kernels/int4.py), which these kernels do not do yet
-TRITON_FORMATS = [n for n, f in quant.FORMATS.items() if triton_kv.unsupported(f, BS, 64) is None]
-
-
-def test_int4_pools_go_to_the_reference_until_the_kernels_follow():
-    """The kernels know only per-token key groups: an int4 pool says so and dispatch gives it to
-    the torch reference, on CUDA too, rather than read its keys wrongly."""
-    from kvchat.kernels import dispatch
-
-    assert TRITON_FORMATS == ["fp16", "int8", "fp8", "k8v4"]
-    assert "per-block key statistics" in triton_kv.unsupported(quant.FORMATS["int4"], BS, 128)
-    pool = quant.layer_tensors(quant.FORMATS["int4"], 2, BS, 2, 64, torch.float32, "cpu")
-    with mock.patch.object(torch.Tensor, "is_cuda", True):
-        assert not dispatch.use_triton(torch.zeros(1, 2, 64), pool, quant.FORMATS["int4"])
+TRITON_FORMATS = list(quant.FORMATS)  # fp16, int8, fp8, k8v4, int4
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
@@ -42,11 +29,22 @@ def assert_same_store(want: dict, got: dict, slots, fmt=None) -> None:
     Over the written slots, fewer than 1e-3 of the stored elements differ (codes and scales
     together, as ``kvchat bench kernels`` counts them); a code by one quantization step at most, a
     scale by one fp16 rounding; an fp8 code (``fmt``) by one e4m3 step, the next code of the same
-    sign. Unquantized data (a copy) and every other slot: exact."""
+    sign. Unquantized data (a copy) and every other slot: exact. int4's per-block key statistics:
+    over the written blocks, a step code one code away at most, the minimum exact."""
     written = torch.zeros(want["k"].shape[0] * want["k"].shape[1], dtype=torch.bool)
     written[slots[slots >= 0].cpu()] = True
+    blocks = torch.zeros(want["k"].shape[0], dtype=torch.bool)
+    blocks[slots[slots >= 0].cpu() // want["k"].shape[1]] = True
     differing = total = 0
     for name, w in want.items():
+        if fmt is not None and fmt.block_keys and name in ("k_scale", "k_zero"):
+            w, g = w.cpu(), got[name].cpu()
+            assert torch.equal(w[~blocks], g[~blocks]), f"{name}: a block that was not written changed"
+            step = (w[blocks].int() - g[blocks].int()).abs().max() if name == "k_scale" else 0
+            assert step <= 1 and (name == "k_scale" or torch.equal(w[blocks], g[blocks])), f"{name} moved"
+            differing += (w[blocks] != g[blocks]).sum().item()
+            total += w[blocks].numel()
+            continue
         w, g = (t.flatten(0, 1) for t in (w, got[name].cpu()))
         assert torch.equal(w[~written], g[~written]), f"{name}: a slot that was not written changed"
         w, g = w[written], g[written]
@@ -93,7 +91,7 @@ def test_fused_quantize_write_matches_the_reference_and_skips_padding(name, head
     n, kv_heads, num_blocks = 21, 2, 4
     key = torch.randn(n, kv_heads, head_dim, generator=g) * 3
     value = torch.randn(n, kv_heads, head_dim, generator=g)
-    slots = torch.randperm(num_blocks * BS, generator=g)[:n]
+    slots = shuffled_slots(fmt, num_blocks, n, g)
     slots[[4, 11]] = -1
     rot, center = quant.hadamard(head_dim), torch.randn(kv_heads, head_dim, generator=g)
     cscale = torch.rand(kv_heads, head_dim, generator=g) + 0.5
@@ -103,6 +101,15 @@ def test_fused_quantize_write_matches_the_reference_and_skips_padding(name, head
     got = on_device(got)
     triton_kv.quantize_write(got, fmt, *(on_device(t) for t in (key, value, slots, rot, center, cscale)))
     assert_same_store(want, got, slots, fmt)
+
+
+def shuffled_slots(fmt, num_blocks: int, n: int, g) -> torch.Tensor:
+    """``n`` slots of the pool in random order; for int4's block keys, whose writes give each block
+    from its first row (``quant.write``), blocks in random order filled in turn."""
+    if not fmt.block_keys:
+        return torch.randperm(num_blocks * BS, generator=g)[:n]
+    blocks = torch.randperm(num_blocks, generator=g)
+    return blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
 
 
 SENTINEL = {torch.int8: 77, torch.uint8: 0xA5, torch.float16: 1234.0, torch.float32: 12345.0}
@@ -132,7 +139,7 @@ def test_a_prefill_of_several_write_tiles_stores_every_token_and_nothing_else(na
     n, kv_heads, num_blocks = 40, 2, 4
     key_buf = torch.randn(n + 8, kv_heads, head_dim, generator=g) * 3
     value_buf = torch.randn(n + 8, kv_heads, head_dim, generator=g)
-    slot_buf = torch.randperm(num_blocks * BS, generator=g)[:n + 8]
+    slot_buf = shuffled_slots(fmt, num_blocks, n + 8, g)
     padding = [3, 17, 18, 33]
     slot_buf[padding] = -1
     key, value, slots = key_buf[:n], value_buf[:n], slot_buf[:n]
@@ -189,7 +196,7 @@ def test_paged_decode_matches_reference(name, head_dim, group):
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["k8v4", "fp8"])  # tiles of 64 and of 32
+@pytest.mark.parametrize("name", ["int4", "fp8"])  # tiles of 64 and of 32
 @pytest.mark.parametrize("splits", [1, 2, 5, 40])
 def test_the_split_count_and_a_padded_table_leave_the_result_alone(name, splits):
     """A captured step launches a fixed split count over a table padded to its bucket with stale
@@ -228,7 +235,7 @@ def test_paged_decode_with_a_full_precision_window_matches_reference(name, head_
 
 @pytest.mark.parametrize("window_len", [14, 70])  # a ring of less than one chunk; every position held
 def test_paged_decode_with_a_window_of_other_sizes_matches_reference(window_len):
-    _window_case(quant.FORMATS["k8v4"], 64, 4, window_len, n=70)
+    _window_case(quant.FORMATS["int4"], 64, 4, window_len, n=70)
 
 
 BANDS = [reference.Band(40), reference.Band(None, 20.0), reference.Band(100, 30.0)]
@@ -288,7 +295,7 @@ def test_the_gpu_bench_check_runs_and_agrees():
     from kvchat.bench import kernels as bench_kernels
 
     rows = bench_kernels.check(torch.device(DEVICE), dtype=torch.float32, length=40)
-    assert [r["precision"] for r in rows] == ["fp16", "int8", "fp8", "k8v4"]
+    assert [r["precision"] for r in rows] == ["fp16", "int8", "fp8", "k8v4", "int4"]
     for r in rows:
         assert r["decode_max_abs_err"] < 1e-5
         assert r.get("write_bytes_differing", 0) < 1e-3 and r.get("write_max_steps", 0) <= 1.0

@@ -14,7 +14,7 @@ from test_triton import DEVICE, on_device
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
 BS = 16
-QUANTIZED = ["int8", "fp8", "k8v4"]  # int4: no Triton kernel yet (test_triton)
+QUANTIZED = ["int8", "fp8", "k8v4", "int4"]
 
 
 def random_pool(fmt, num_blocks: int, kv_heads: int, head_dim: int, seed: int) -> dict:

@@ -22,12 +22,12 @@ import sys
 
 import torch
 
-from kvchat.kernels import quant
+from kvchat.kernels import int4, quant
 from kvchat.kernels import reference
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128)
 CONTEXTS = (2048, 8192, 32768)
-PRECISIONS = tuple(n for n, f in quant.FORMATS.items() if not f.block_keys)  # int4: no Triton kernel yet
+PRECISIONS = tuple(quant.FORMATS)  # fp16, int8, fp8, k8v4, int4
 BS = 16
 # bandwidth (bytes/s), SMs, shared memory an SM gives its programs, loaded memory latency (s),
 # fixed cost of the two launches in a captured graph (s)
@@ -86,7 +86,11 @@ def _steps_apart(a, b, fmt, name, table, length: int) -> float:
         return float((quant.fp8_order(a[name]) - quant.fp8_order(b[name])).abs().max().item())
     x = quant.read(a, fmt, name, table, length, None, torch.float32)
     y = quant.read(b, fmt, name, table, length, None, torch.float32)
-    step = quant.gather(a[name + "_scale"], table, length, None).float().repeat_interleave(quant.GROUP, -1)
+    if name == "k" and fmt.block_keys:  # a step per block and channel
+        step = int4.step_of(quant.gather_blocks(a["k_scale"], table, None)).repeat_interleave(a["k"].shape[1], 0)
+        step = step[:length]
+    else:
+        step = quant.gather(a[name + "_scale"], table, length, None).float().repeat_interleave(quant.GROUP, -1)
     return ((x - y).abs() / step).max().item()
 
 

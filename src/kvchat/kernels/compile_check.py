@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import triton
 
-from kvchat.kernels.layout import FORMATS
+from kvchat.kernels.layout import FORMATS, SINKS, WINDOW
 
 # the Triton the stages, tiles and register budgets were tuned on: another one allocates registers
 # otherwise, so there its counts are reported, not held to the budgets (spills are a fault anywhere)
@@ -36,8 +36,7 @@ TARGETS = (86, 89, 90)
 # Gemma 2 9B (head_dim 256; its local layers' window and its soft cap: the "+band" variants)
 SHAPES = (("llama-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128), ("d64", 32, 8, 64), ("gemma2-9b", 16, 8, 256))
 BAND = dict(SLIDE=4096, CAP=50.0 * 1.4426950408889634)  # Gemma 2's window and cap, the cap in base 2
-# the formats the Triton kernels serve (int4's per-block key statistics have none yet: triton_kv.unsupported)
-PRECISIONS = tuple(n for n, f in FORMATS.items() if not f.block_keys)
+PRECISIONS = tuple(FORMATS)  # fp16, int8, fp8, k8v4, int4
 SHARED_PER_SM = {86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # usable per SM, bytes
 THREADS_PER_SM = {86: 1536, 89: 1536, 90: 2048}
 
@@ -79,8 +78,9 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
             dot = tl.float16 if fmt.quantized else getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
             wdot = getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype]) if window else dot
             sig = {"q_ptr": "*fp32", "k_ptr": _ptr(data[fmt.k_bits]),
-                   "ks_ptr": scales if fmt.k_bits < 16 else _ptr(data[fmt.k_bits]),
-                   "v_ptr": _ptr(data[fmt.v_bits]), "vs_ptr": scales if fmt.v_bits < 16 else _ptr(data[fmt.k_bits]),
+                   "ks_ptr": "*u8" if fmt.block_keys else scales if fmt.k_bits < 16 else _ptr(data[fmt.k_bits]),
+                   "kz_ptr": "*fp16" if fmt.block_keys else _ptr(data[fmt.k_bits]),
+                   "steps_ptr": "*fp32", "v_ptr": _ptr(data[fmt.v_bits]), "vs_ptr": scales if fmt.v_bits < 16 else _ptr(data[fmt.k_bits]),
                    "table_ptr": "*i32", "len_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                    "wk_ptr": _ptr(dtype if window else data[fmt.k_bits]),
                    "wv_ptr": _ptr(dtype if window else data[fmt.k_bits]),
@@ -90,7 +90,7 @@ def decode_variants(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16
                           QG_PAD=max(triton_decode.QG_MIN, triton.next_power_of_2(group)), TILE=tile,
                           STAGES=stages, DOT=dot, W_DOT=wdot, PREC="tf32", WINDOW=window,
                           W_SINKS=quant.SINKS if window else 0, W_SIZE=quant.WINDOW if window else 1,
-                          **(BAND if band else dict(SLIDE=0, CAP=0.0)))
+                          **(BAND if band else dict(SLIDE=0, CAP=0.0)), BLOCK_KEYS=fmt.block_keys)
             sig.update({k: "constexpr" for k in consts})
             sig["FP8"] = "constexpr"
             label = f"decode {precision}{' +window' if window else ''}{' +band' if band else ''}"
@@ -158,12 +158,36 @@ def variant_class(kernel: str, consts: dict, fp8: bool) -> tuple:
         return kernel, consts["BITS"], bool(consts["HAS_CENTER"]), bool(consts["CLIP"]), bool(consts["RING"]), fp8
     if kernel == "_dequantize_rows_kernel":
         return kernel, consts["BITS"], fp8
+    if kernel == "_block_keys_kernel":
+        return kernel, bool(consts["RING"])
     return (kernel,)
+
+
+def block_key_variants(kv_heads: int, head_dim: int, dtype: str = "bf16") -> list[Variant]:
+    """int4's keys (``triton_int4``): the write of a prefill chunk and of a decode token (its
+    block's earlier rows from the window's ring), and the read of a prefill's past."""
+    out = []
+    for ring in (False, True):
+        sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "ring_ptr": _ptr(dtype), "wmeta_ptr": "*i32", "data_ptr": "*u8",
+               "code_ptr": "*u8", "zero_ptr": "*fp16", "steps_ptr": "*fp32", "n": "i32", "x_stride_t": "i32",
+               "x_stride_h": "i32"}
+        consts = dict(KV_HEADS=kv_heads, D=head_dim, BS=16, RING=ring, W_SINKS=SINKS if ring else 0,
+                      W_SIZE=WINDOW if ring else 1)
+        sig.update({k: "constexpr" for k in consts})
+        out.append(Variant(f"write int4 K blocks{' +ring' if ring else ''}", "_block_keys_kernel", sig, consts, 4,
+                           [k for k, v in sig.items() if v.startswith("*")]))
+    sig = {"data_ptr": "*u8", "code_ptr": "*u8", "zero_ptr": "*fp16", "steps_ptr": "*fp32", "table_ptr": "*i32",
+           "out_ptr": _ptr(dtype), "first": "i32", "n": "i32", "out_stride_t": "i32", "out_stride_h": "i32"}
+    consts = dict(KV_HEADS=kv_heads, D=head_dim, BS=16, BF16=dtype == "bf16")
+    sig.update({k: "constexpr" for k in consts})
+    out.append(Variant("dequantize int4 K blocks", "_dequantize_kernel", sig, consts, 4,
+                       [k for k, v in sig.items() if v.startswith("*")]))
+    return out
 
 
 def all_variants(heads: int, kv_heads: int, head_dim: int) -> list[Variant]:
     return (decode_variants(heads, kv_heads, head_dim) + write_variants(kv_heads, head_dim)
-            + dequantize_variants(kv_heads, head_dim))
+            + dequantize_variants(kv_heads, head_dim) + block_key_variants(kv_heads, head_dim))
 
 
 def _tool(name: str) -> str:
@@ -196,11 +220,11 @@ def compile_variant(variant: Variant, capability: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from kvchat.kernels import triton_decode, triton_kv
+    from kvchat.kernels import triton_decode, triton_int4, triton_kv
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0")
-    fn = getattr(triton_decode, variant.kernel, None) or getattr(triton_kv, variant.kernel)
+    fn = next(getattr(m, variant.kernel) for m in (triton_decode, triton_kv, triton_int4) if hasattr(m, variant.kernel))
     names = list(variant.signature)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in variant.pointers}
     consts = variant.constexprs

@@ -41,19 +41,22 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
              keep_rows=None, ring=None, prior=None) -> None:
     """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position,
     wmeta or None)`` for one new token: on CUDA the write kernel puts its row in the window in the
-    same pass (past the sinks); otherwise ``keep_rows`` stores it. ``prior``: as in ``quant.write``. The fused kernel never hands rows
+    same pass (past the sinks); otherwise ``keep_rows`` stores it. ``prior``: what gives
+    ``quant.write``'s ``prior`` (int4 keys), called only where a kernel does not find those rows
+    in the window itself (a captured step cannot ask the host). The fused kernel never hands rows
     back, so on CUDA they are transformed once more here only when ``keep_rows`` still needs them.
     ``wmeta``, given by a captured step, holds what ``window_meta`` would make."""
     if not use_triton(key, tensors, fmt):
         return reference.write_kv(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, keep_rows,
-                                  prior)
+                                  prior() if prior else None)
     recent, layer, position, wmeta = ring if ring is not None else (None, None, -1, None)
     in_ring = recent is not None and key.shape[0] == 1 and position >= recent.sinks
     if in_ring:
         recent.note(layer, position, 1)
         wmeta = wmeta if wmeta is not None else window_meta(recent, layer, position + 1, key.device)
-    rows = (recent.k[layer], recent.v[layer], wmeta) if in_ring else None
-    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, rows)
+    rows = (recent.k[layer], recent.v[layer], wmeta, recent.sinks) if in_ring else None
+    before = prior() if prior and not in_ring else None
+    _triton_kv().quantize_write(tensors, fmt, key, value, slots, rotation, k_center, k_channel_scale, rows, before)
     if keep_rows is not None and not in_ring:
         keep_rows(quant.transform_keys(key.float(), rotation, k_center, k_channel_scale),
                   quant.rotate(value.float(), rotation))
@@ -73,8 +76,8 @@ def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
 
 def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
     """What the kernels read of a window after the step that makes it ``length`` long, as int32
-    ``[s, first, ring row of the newest]`` (``quant.RecentWindow.bounds``)."""
-    return _step_tensor("window", (*recent.bounds(layer, length), recent.ring_row(length - 1)), device)
+    ``[s, first, ring row of the newest, newest position]`` (``quant.RecentWindow.bounds``)."""
+    return _step_tensor("window", (*recent.bounds(layer, length), recent.ring_row(length - 1), length - 1), device)
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,

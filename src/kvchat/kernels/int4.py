@@ -9,6 +9,7 @@
   channels, which a per-channel step absorbs; a statistic taken from the block fits any text, where
   calibrated ones fit the calibration text (docs/performance.md has the figures).
 """
+import functools
 import math
 
 import torch
@@ -30,14 +31,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([low, high], dim=-1)
 
 
+@functools.cache
+def steps(device) -> torch.Tensor:
+    """Every step a code can name, fp32 ``[256]``: the same table in the kernels, so a code means
+    the same step on every device (no exp2 or log2 whose last bit differs between them)."""
+    table = 2.0 ** (torch.arange(256, dtype=torch.float64) / STEP_CODES - STEP_BIAS)
+    return table.to(device=device, dtype=torch.float32)
+
+
 def step_code(step: torch.Tensor) -> torch.Tensor:
-    """The one-byte code of the smallest step ``exp2(c / 8 - 20)`` at least ``step``."""
-    code = torch.ceil((torch.log2(step.float().clamp(min=2.0 ** -40)) + STEP_BIAS) * STEP_CODES)
-    return code.clamp(0, 255).to(torch.uint8)
+    """The code of the smallest step at least ``step``."""
+    code = torch.searchsorted(steps(step.device), step.float().contiguous())
+    return code.clamp(max=255).to(torch.uint8)
 
 
 def step_of(code: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(code.float() / STEP_CODES - STEP_BIAS)
+    return steps(code.device)[code.long()]
 
 
 def quantize_blocks(x: torch.Tensor, block: torch.Tensor, blocks: int) -> tuple:

@@ -144,6 +144,8 @@ def write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, 
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    if fmt.block_keys:  # rotated only: their statistics are the block's own
+        k_center = k_channel_scale = None
     k = transform_keys(key.float(), rotation, k_center, k_channel_scale) if fmt.k_bits < 16 else key
     v = rotate(value.float(), rotation) if fmt.v_bits < 16 else value
     if keep_rows is not None:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvchat.kernels import quant
+from kvchat.kernels import int4, quant
 from kvchat.kernels.quant import KVFormat
 from kvchat.kernels.reference import PLAIN, Band
 from kvchat.kernels.triton_kv import check_pool, fp8_mode, load_fp8
@@ -35,7 +35,11 @@ from kvchat.kernels.triton_kv import check_pool, fp8_mode, load_fp8
 DECODE_TILE = 64
 # fp8 reads tiles of 32: at 64, with no scale tiles, Triton 3.9 held its codes in 134-146 registers
 # (sm_86-90, 3 programs an SM); at 32, 96-102 (5), for half the bytes a tile, the same in flight an SM
-DECODE_TILES = {"fp8": 32}
+# int4's keys read a block's statistics as one [D] vector a tile, so its tiles are one block each:
+# the rows' own statistics gathered as [D/2, rows] tiles took 138-151 registers at 64 rows and at
+# 32 spilled on sm_90 (8B and Gemma 2 shapes)
+DECODE_TILES = {"fp8": 32, "int4": 16}
+# int4 at 2 stages spilled 8 B on sm_86/89 (Gemma 2's shape, the window and the band); at 3, none
 DECODE_STAGES = {"fp16": 3, "int8": 3, "fp8": 3, "k8v4": 3, "int4": 3}
 DECODE_WARPS = 4
 QG_MIN = 16
@@ -80,16 +84,28 @@ def _half_codes(ptr, offsets, live, D: tl.constexpr, BITS: tl.constexpr, DIM_STE
 
 
 @triton.jit
-def _k_tile(k_ptr, ks_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-            DOT: tl.constexpr, FP8: tl.constexpr):
+def _k_tile(k_ptr, ks_ptr, kz_ptr, steps_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH: tl.constexpr,
+            CH: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+            BS_HEADS: tl.constexpr, KV_HEADS: tl.constexpr):
     """The tile's keys, transposed for the product, as two halves ``[D/2, T]`` in DOT: dequantized
     where the product's operand lies (codes are exact in fp16, then times their scale; fp8 codes
-    are values, exact in fp16 too)."""
+    are values, exact in fp16 too). BLOCK_KEYS (int4): the tile is one block (``decode_config``),
+    whose statistics are step codes in ``ks_ptr`` (steps in the table ``steps_ptr``) and minimums
+    in ``kz_ptr``, a row per block and KV head (``BS_HEADS`` pool rows a block)."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[:, None]
     r = row[None, :]
     live = valid[None, :]
-    if BITS == 16:
+    if BLOCK_KEYS:
+        packed = tl.load(k_ptr + r * HALF + d, mask=live, other=0).to(tl.int32)
+        stats = tl.max(tl.where(valid, (row // BS_HEADS) * KV_HEADS + row % KV_HEADS, 0), axis=0)
+        col = stats * D + d
+        # in DOT, as the other int modes' codes times their scales: fp32 took Gemma 2's shape past its budget
+        step_lo = tl.load(steps_ptr + tl.load(ks_ptr + col).to(tl.int32)).to(DOT)  # [D/2, 1]: the block's
+        step_hi = tl.load(steps_ptr + tl.load(ks_ptr + col + HALF).to(tl.int32)).to(DOT)
+        lo = (packed & 15).to(DOT) * step_lo + tl.load(kz_ptr + col).to(DOT)
+        hi = (packed >> 4).to(DOT) * step_hi + tl.load(kz_ptr + col + HALF).to(DOT)
+    elif BITS == 16:
         lo = tl.load(k_ptr + r * D + d, mask=live, other=0.0).to(DOT)
         hi = tl.load(k_ptr + r * D + HALF + d, mask=live, other=0.0).to(DOT)
     elif FP8:
@@ -126,13 +142,15 @@ def _v_tile(v_ptr, vs_ptr, row, valid, D: tl.constexpr, BITS: tl.constexpr, NCH:
 
 
 @triton.jit
-def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr, row, valid, qk_scale,
-                 D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, CAP: tl.constexpr):
+def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, kz_ptr, steps_ptr, v_ptr, vs_ptr, row, valid,
+                 qk_scale, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NCH: tl.constexpr,
+                 CH: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, CAP: tl.constexpr,
+                 BLOCK_KEYS: tl.constexpr, BS_HEADS: tl.constexpr, KV_HEADS: tl.constexpr):
     """Online softmax (base 2) of the query group ``[QG_PAD, D/2]`` x 2 over the tile's rows
     ``row`` ``[T]`` (``valid`` masks the rest): the running ``acc`` halves, max ``m`` and sum ``l``.
     ``CAP``, the soft cap in base-2 units (0: none), bounds the scores to ``CAP * tanh(s / CAP)``."""
-    k_lo, k_hi = _k_tile(k_ptr, ks_ptr, row, valid, D, K_BITS, NCH, CH, DOT, FP8)
+    k_lo, k_hi = _k_tile(k_ptr, ks_ptr, kz_ptr, steps_ptr, row, valid, D, K_BITS, NCH, CH, DOT, FP8, BLOCK_KEYS,
+                         BS_HEADS, KV_HEADS)
     s = tl.dot(q_lo, k_lo, input_precision=PREC)
     s = tl.dot(q_hi, k_hi, s, input_precision=PREC) * qk_scale
     if CAP > 0:  # tanh(y) = 1 - 2 / (2^(2y log2 e) + 1), y = s / CAP: exp2 as the softmax's
@@ -154,13 +172,14 @@ def _attend_tile(q_lo, q_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr,
 # What changes with the context length is a runtime argument, never specialized on: a new value
 # would compile the kernel again mid-reply. ``splits`` is fixed per device (and per eager length).
 @triton.jit(do_not_specialize=["table_stride", "splits"])
-def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                         wk_ptr, wv_ptr, wmeta_ptr, qk_scale, table_stride, splits,
+def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, kz_ptr, steps_ptr, v_ptr, vs_ptr, table_ptr, len_ptr, acc_ptr, m_ptr,
+                         l_ptr, wk_ptr, wv_ptr, wmeta_ptr, qk_scale, table_stride, splits,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          K_BITS: tl.constexpr, V_BITS: tl.constexpr, CH: tl.constexpr, QG: tl.constexpr,
                          QG_PAD: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
                          W_DOT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, W_SINKS: tl.constexpr,
-                         W_SIZE: tl.constexpr, FP8: tl.constexpr, SLIDE: tl.constexpr, CAP: tl.constexpr):
+                         W_SIZE: tl.constexpr, FP8: tl.constexpr, SLIDE: tl.constexpr, CAP: tl.constexpr,
+                         BLOCK_KEYS: tl.constexpr):
     """One program per (sequence, KV head, split); with WINDOW (one sequence) one more per KV head
     (split ``splits``) attends to the window's rows: sinks ``0 .. s``, then the ring's positions
     ``first .. length``, with ``s`` and ``first`` read from ``wmeta`` (a tensor a captured step
@@ -201,9 +220,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             pos = (length - 1) - ((length - 1 - (r - W_SINKS)) % W_SIZE)  # the newest position a ring row holds
             valid = tl.where(r < W_SINKS, (r < w_s) & (r >= seen),
                              (r < W_ROWS) & (pos >= w_first) & (pos >= seen) & (pos < length))
-            acc_lo, acc_hi, m, l = _attend_tile(wq_lo, wq_hi, acc_lo, acc_hi, m, l, wk_ptr, wk_ptr, wv_ptr, wv_ptr,
-                                                r * KV_HEADS + kvh, valid, qk_scale, D, 16, 16, NCH, CH,
-                                                W_DOT, PREC, 0, CAP)
+            acc_lo, acc_hi, m, l = _attend_tile(wq_lo, wq_hi, acc_lo, acc_hi, m, l, wk_ptr, wk_ptr, wk_ptr, wk_ptr,
+                                                wv_ptr, wv_ptr, r * KV_HEADS + kvh, valid, qk_scale, D, 16, 16, NCH,
+                                                CH, W_DOT, PREC, 0, CAP, False, BS * KV_HEADS, KV_HEADS)
     else:
         kv_start = seen
         end = length
@@ -225,9 +244,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, len_ptr
             # in int64: an element's offset passes 2**31 in a layer of 2M tokens (8 KV heads, D=128)
             block_id = tl.load(table + pos // BS, mask=valid, other=0).to(tl.int64)
             row = (block_id * BS + pos % BS) * KV_HEADS + kvh
-            acc_lo, acc_hi, m, l = _attend_tile(dq_lo, dq_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, v_ptr, vs_ptr,
-                                                row, valid, qk_scale, D, K_BITS, V_BITS, NCH, CH, DOT, PREC, FP8,
-                                                CAP)
+            acc_lo, acc_hi, m, l = _attend_tile(dq_lo, dq_hi, acc_lo, acc_hi, m, l, k_ptr, ks_ptr, kz_ptr,
+                                                steps_ptr, v_ptr, vs_ptr, row, valid, qk_scale, D, K_BITS, V_BITS,
+                                                NCH, CH, DOT, PREC, FP8, CAP, BLOCK_KEYS, BS * KV_HEADS, KV_HEADS)
     out = (b * HEADS + kvh * QG + qa) * (splits + WINDOW) + split
     dst = acc_ptr + out[:, None] * D + j[None, :]
     tl.store(dst, acc_lo, mask=real[:, None])
@@ -333,6 +352,7 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
         q = q @ rotation.float()
     q = q.contiguous()
     tile, stages = decode_config(fmt, d)
+    assert not fmt.block_keys or tile == bs, "int4 keys: a tile is one block (its statistics)"
     if splits is None:
         splits = decode_splits(sm_count(query.device), batch, kv_heads, block_tables.shape[1] * bs, tile)
     extra = window is not None
@@ -343,14 +363,16 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     wk, wv, sinks, wmeta = window if extra else (tensors["k"], tensors["k"], 0, context_lens)
     group = heads // kv_heads
     dot, wdot, prec = dot_dtypes(tensors, fmt, wk.dtype if extra else None)
+    block_keys = fmt.block_keys
     _paged_decode_kernel[(batch, kv_heads, parts)](
-        q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["v"], tensors.get("v_scale", tensors["k"]),
+        q, tensors["k"], tensors.get("k_scale", tensors["k"]), tensors["k_zero"] if block_keys else tensors["k"],
+        int4.steps(q.device) if block_keys else q, tensors["v"], tensors.get("v_scale", tensors["k"]),
         block_tables, context_lens, acc, m, l, wk, wv, wmeta, scale * LOG2E, block_tables.stride(0), splits,
         HEADS=heads, KV_HEADS=kv_heads, D=d, BS=bs, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         CH=min(quant.GROUP, d // 2), QG=group, QG_PAD=max(QG_MIN, triton.next_power_of_2(group)), TILE=tile,
         STAGES=stages, DOT=dot, W_DOT=wdot, PREC=prec, WINDOW=extra, W_SINKS=sinks,
         W_SIZE=max(1, wk.shape[0] - sinks) if extra else 1, FP8=fp8_mode(fmt, q.device), SLIDE=band.window or 0,
-        CAP=band.softcap * LOG2E if band.softcap else 0.0, num_warps=DECODE_WARPS)
+        CAP=band.softcap * LOG2E if band.softcap else 0.0, BLOCK_KEYS=block_keys, num_warps=DECODE_WARPS)
     rotate_back = fmt.v_bits < 16
     out = torch.empty(batch, heads, d, device=q.device, dtype=torch.float32 if rotate_back else query.dtype)
     _merge_kernel[(batch * heads,)](acc, m, l, out, parts, D=d, CHUNK=MERGE_CHUNK)

@@ -13,13 +13,12 @@ import triton.language as tl
 
 from kvchat.kernels import quant
 from kvchat.kernels.quant import KVFormat
+from kvchat.kernels.triton_rounding import round_even, to_bf16
 
 
 def unsupported(fmt: KVFormat, block_size: int, head_dim: int) -> str | None:
     """Why these kernels cannot serve a pool of this shape, or None. ``tl.arange`` spans powers of
     two only: a block, a head_dim, its halves and (quantized) the halves' groups of 32."""
-    if fmt.block_keys:
-        return f"{fmt.name}'s per-block key statistics have no Triton kernels yet"
     if block_size & (block_size - 1):
         return f"block size {block_size} is not a power of two"
     if head_dim & (head_dim - 1) or head_dim < 2:
@@ -65,8 +64,8 @@ def _to_fp8(y):
     a = tl.minimum(tl.abs(y), 448.0)
     e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     down = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e), for the normals' e in -6..8
-    normal = (e + 6) * 8 + _round(a * down).to(tl.int32)
-    code = tl.where(a < 0.015625, _round(a * 512.0).to(tl.int32), normal)
+    normal = (e + 6) * 8 + round_even(a * down).to(tl.int32)
+    code = tl.where(a < 0.015625, round_even(a * 512.0).to(tl.int32), normal)
     return code | ((bits >> 31) << 7).to(tl.int32)
 
 
@@ -175,7 +174,7 @@ def _quantize_half(y, BLOCK_T: tl.constexpr, HALF: tl.constexpr, BITS: tl.conste
     G: tl.constexpr = HALF // GROUP
     groups = tl.reshape(y, (BLOCK_T * G, GROUP))
     s = _group_scale(groups, QMAX, CLIP)
-    q = tl.clamp(_round(groups / s.to(tl.float32)[:, None]), -QMAX, QMAX)
+    q = tl.clamp(round_even(groups / s.to(tl.float32)[:, None]), -QMAX, QMAX)
     return tl.reshape(q, (BLOCK_T, HALF)), tl.reshape(s, (BLOCK_T, G))
 
 
@@ -183,7 +182,7 @@ def _quantize_half(y, BLOCK_T: tl.constexpr, HALF: tl.constexpr, BITS: tl.conste
 def _scale_error(groups, amax, ratio, QMAX: tl.constexpr):
     scale = tl.maximum(amax * ratio / QMAX, 2.0 ** -14).to(tl.float16)
     c = scale.to(tl.float32)[:, None]
-    err = tl.clamp(_round(groups / c), -QMAX, QMAX) * c - groups
+    err = tl.clamp(round_even(groups / c), -QMAX, QMAX) * c - groups
     return scale, tl.sum(err * err, axis=1)
 
 
@@ -213,24 +212,28 @@ def _group_scale(groups, QMAX: tl.constexpr, CLIP: tl.constexpr):
     return scale
 
 
-@triton.jit
-def _round(x):
-    """Round half to even, as torch.round does."""
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r / 2.0)) == 1.0
-    return tl.where(tie & odd, r - 1.0, r)
-
-
 def quantize_write(tensors: dict, fmt: KVFormat, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                    rotation: torch.Tensor, k_center: torch.Tensor | None = None,
-                   k_channel_scale: torch.Tensor | None = None, ring: tuple | None = None) -> None:
+                   k_channel_scale: torch.Tensor | None = None, ring: tuple | None = None,
+                   prior: tuple | None = None) -> None:
     """Fused rotate + quantize + store through the slot mapping; padding slots (-1) are skipped in
-    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, wmeta)`` of a
-    window (one token, quantized modes): its row there (``wmeta[2]``) is written in the same pass."""
+    the kernel, so the host never waits to find them. ``ring``, ``(K rows, V rows, wmeta, sinks)``
+    of a window (one token, quantized modes): its row there (``wmeta[2]``) is written in the same
+    pass. int4 keys go to ``triton_int4`` rotated, after ``prior`` (``quant.write``'s), or with
+    their block's earlier rows read from the ring."""
     t, kv_heads, d = key.shape
     check_pool(tensors, fmt, d)
+    if fmt.block_keys:
+        from kvchat.kernels import triton_int4
+
+        k = quant.rotate(key.float(), rotation.float())
+        if prior is not None:
+            k, slots_k = torch.cat([prior[0].float(), k]), torch.cat([prior[1], slots])
+        triton_int4.write_block_keys(tensors, k, slots if prior is None else slots_k,
+                                     (ring[0], ring[2]) if ring is not None else None, ring[3] if ring else 0)
     for name, x, bits in (("k", key, fmt.k_bits), ("v", value, fmt.v_bits)):
+        if name == "k" and fmt.block_keys:
+            continue
         center = name == "k" and k_center is not None and bits < 16
         dummy = tensors[name]
         to_ring = ring is not None and bits < 16
@@ -283,20 +286,10 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, table_ptr, out_ptr, first, n, o
     lo = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 0, GROUP, FP8)
     hi = _load_half(data_ptr, scale_ptr, row, j, HALF, D, BITS, 1, GROUP, FP8)
     if BF16:
-        lo = _to_bf16(lo)
-        hi = _to_bf16(hi)
+        lo = to_bf16(lo)
+        hi = to_bf16(hi)
     tl.store(dst, lo.to(out_ptr.dtype.element_ty), mask=live[:, None])
     tl.store(dst + HALF, hi.to(out_ptr.dtype.element_ty), mask=live[:, None])
-
-
-@triton.jit
-def _to_bf16(x):
-    """fp32 -> bf16 rounded to nearest, ties to even, as torch casts (finite values only). The
-    interpreter's own cast rounds otherwise, so the tests could not hold it to torch's bits; spelled
-    out in integers, the kernel under test is the kernel a GPU runs."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 def dequantize_rows_per_program(head_dim: int) -> int:
@@ -316,6 +309,10 @@ def dequantize_rows(tensors: dict, fmt: KVFormat, name: str, block_table: torch.
     if n == 0:
         return
     assert out.shape[0] == n and out.stride(-1) == 1, "out: [n, kv_heads, D], each row contiguous"
+    if name == "k" and fmt.block_keys:
+        from kvchat.kernels import triton_int4
+
+        return triton_int4.dequantize_block_keys(tensors, block_table, first, n, out)
     bits = fmt.k_bits if name == "k" else fmt.v_bits
     rows = rows or dequantize_rows_per_program(d)
     _dequantize_rows_kernel[(triton.cdiv(n, rows), kv_heads)](

@@ -225,7 +225,8 @@ class KVCache:
         wanted = self.format.quantized and (window is not None or key.shape[0] > 1)
         ring = (window, layer, first_pos, window_meta) if window is not None else None
         dispatch.write_kv(self.layers[layer], self.format, key, value, slots, self.rotation, center, s,
-                          keep_rows if wanted else None, ring, block_start(self, layer, slots, window, first_pos))
+                          keep_rows if wanted else None, ring,
+                          (lambda: block_start(self, layer, slots, window, first_pos)) if self.format.block_keys else None)
         return rows[0] if rows and key.shape[0] > 1 else None
 
     def fresh(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple:

@@ -32,7 +32,7 @@ class StepMeta:
     first_block: int | None = None  # set when the block table is one run of consecutive ids
     window: RecentWindow | None = None  # the sequence's newest tokens in full precision (quantized modes)
     context_lens: torch.Tensor | None = None  # [1] int32 holding context_len: a captured step reads it here
-    window_meta: torch.Tensor | None = None  # int32 [s, first, ring row]: likewise, the window's bounds
+    window_meta: torch.Tensor | None = None  # int32 [s, first, ring row, position]: likewise, the window's bounds
 
 
 @dataclass

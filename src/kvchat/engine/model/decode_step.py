@@ -70,7 +70,7 @@ class DecodeStep:
             self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
             self.slots = torch.full((1,), -1, dtype=torch.long, device=dev)
             self.lens = torch.ones(1, dtype=torch.int32, device=dev)
-            self.wmeta = torch.full((3,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
+            self.wmeta = torch.full((4,), -1, dtype=torch.int32, device=dev)  # dispatch.window_meta's values
         self._compiled = None
         self.background = BackgroundCompile(self._fall_back)
         self._traced_table = IdBuffer(torch.long, dev, 64)  # the CPU's compiled step's block table
@@ -219,7 +219,7 @@ class DecodeStep:
         if window is not None:  # what the op's write and attend would do in Python, done here
             for layer in range(len(window.end)):
                 window.note(layer, position, 1)
-            bounds = (*window.bounds(0, position + 1), window.ring_row(position))
+            bounds = (*window.bounds(0, position + 1), window.ring_row(position), position)
             self._bounds.copy(bounds)
         graph.replay()
         self.replays += 1
@@ -269,7 +269,7 @@ class DecodeStep:
                         context_lens=self.lens, window=window, window_meta=self.wmeta if window is not None else None)
         self.slots.fill_(-1)
         self.lens.fill_(length)
-        self.wmeta.copy_(torch.tensor([0, 0, -1], dtype=torch.int32))
+        self.wmeta.copy_(torch.tensor([0, 0, -1, -1], dtype=torch.int32))
         kept = (list(window.start), list(window.end), list(window.sink_len)) if window is not None else None
         try:
             stream = torch.cuda.Stream()
