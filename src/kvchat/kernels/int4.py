@@ -54,14 +54,18 @@ def quantize_blocks(x: torch.Tensor, block: torch.Tensor, blocks: int) -> tuple:
     codes ``[T, kv_heads, D/2]`` and each group's step codes and minimums ``[blocks, kv_heads, D]``:
     per channel, ``x = code * step + minimum`` with codes 0..15."""
     x = x.float()
-    index = block[:, None, None].expand_as(x)
-    lo = x.new_full((blocks, *x.shape[1:]), math.inf).scatter_reduce(0, index, x, "amin")
-    hi = x.new_full((blocks, *x.shape[1:]), -math.inf).scatter_reduce(0, index, x, "amax")
+    if blocks == 1:  # a decode step's write: one block, plain reductions
+        lo, hi = x.amin(0, keepdim=True), x.amax(0, keepdim=True)
+    else:
+        index = block[:, None, None].expand_as(x)
+        lo = x.new_full((blocks, *x.shape[1:]), math.inf).scatter_reduce(0, index, x, "amin")
+        hi = x.new_full((blocks, *x.shape[1:]), -math.inf).scatter_reduce(0, index, x, "amax")
     zero = lo.to(ZERO_DTYPE)  # rounded down, so that the 16 codes still reach the minimum
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -math.inf)), zero)
     code = step_code((hi - zero.float()) / 15)
-    q = x - zero.float()[block]  # in place from here: a rebuild converts thousands of rows at once
-    q = q.div_(step_of(code)[block]).round_().clamp_(0, 15).sub_(8)
+    per_row = (lambda t: t) if blocks == 1 else (lambda t: t[block])  # one block broadcasts
+    q = x - per_row(zero.float())  # in place from here: a rebuild converts thousands of rows at once
+    q = q.div_(per_row(step_of(code))).round_().clamp_(0, 15).sub_(8)
     return pack_int4(q), code, zero
 
 
@@ -71,10 +75,16 @@ def dequantize_blocks(data: torch.Tensor, code: torch.Tensor, zero: torch.Tensor
 
 
 def write_block_keys(tensors: dict, k: torch.Tensor, slots: torch.Tensor, prior: tuple | None) -> None:
+    """Rotated keys ``k`` to ``slots`` (no padding), each block they touch quantized again from its
+    first row: ``prior``, ``(rows, slots)``, holds the first block's rows before ``k``."""
     if prior is not None:
         k, slots = torch.cat([prior[0].float(), k]), torch.cat([prior[1], slots])
     bs = tensors["k"].shape[1]
-    ids, block = torch.unique(slots.div(bs, rounding_mode="floor"), return_inverse=True)
+    blocks = slots.div(bs, rounding_mode="floor")
+    if int(blocks[0]) == int(blocks[-1]):  # one block (a decode step's): no sort
+        ids, block = blocks[:1], torch.zeros_like(blocks)
+    else:
+        ids, block = torch.unique(blocks, return_inverse=True)
     data, code, zero = quantize_blocks(k, block, len(ids))
     tensors["k"].view(-1, *tensors["k"].shape[2:]).index_copy_(0, slots, data)
     tensors["k_scale"].index_copy_(0, ids, code)
