@@ -148,12 +148,14 @@ def test_the_compiled_decode_step_past_the_window_equals_eager():
     at once (``compiled_now``)."""
     lm = as_loaded(tiny_model("gemma2"), IdTokenizer(512), "gemma2")
     ids = prompt(40)
-    for precision in ("fp16", "int4"):
+    # int4: the compiled projections round a key's last bit otherwise, which can move its block's
+    # minimum or step and so every row of that channel in the block (per-block statistics): 4.3e-4
+    for precision, tol in (("fp16", 1e-4), ("int4", 1e-3)):
         want_tokens, want, _ = decode(lm, "eager", precision, ids, WINDOW + 32)
         got_tokens, got, step = decode(lm, "compiled", precision, ids, WINDOW + 32)
         assert step.fallback is None
         assert got_tokens == want_tokens
-        assert (got - want).abs().max().item() <= 1e-4
+        assert (got - want).abs().max().item() <= tol
     assert step.replays == 2 * (WINDOW + 32)  # every step of both ran the compiled graph
 
 
