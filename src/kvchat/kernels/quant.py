@@ -222,16 +222,16 @@ def gather(pool: torch.Tensor, block_table: torch.Tensor, length: int, first_blo
 def read(tensors: dict, fmt: KVFormat, name: str, block_table, length: int, first_block, dtype) -> torch.Tensor:
     """One sequence's K or V, dequantized (still rotated): ``[length, kv_heads, D]``."""
     bits = fmt.k_bits if name == "k" else fmt.v_bits
+    if name == "k" and fmt.block_keys:  # whole blocks, each under its statistics broadcast (not a copy per row)
+        codes = unpack_int4(gather_blocks(tensors["k"], block_table, first_block)).float() + 8
+        step = int4.step_of(gather_blocks(tensors["k_scale"], block_table, first_block))[:, None]
+        zero = gather_blocks(tensors["k_zero"], block_table, first_block).float()[:, None]
+        return (codes * step + zero).flatten(0, 1)[:length].to(dtype)
     data = gather(tensors[name], block_table, length, first_block)
     if bits == 16:
         return data
     if fmt.float8:
         return from_fp8(data, dtype)
-    if name == "k" and fmt.block_keys:
-        bs = tensors["k"].shape[1]
-        stats = (gather_blocks(tensors[n], block_table, first_block).repeat_interleave(bs, 0)[:length]
-                 for n in ("k_scale", "k_zero"))
-        return dequantize_blocks(data, *stats, dtype)
     return dequantize(data, gather(tensors[name + "_scale"], block_table, length, first_block), bits, dtype)
 
 
