@@ -144,3 +144,33 @@ def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
             made.append(sum(e.name == "aten::lift_fresh" for e in prof.events()))
     window = 1 if precision == "int4" else 0
     assert made[0] <= 1 + window and made[1:] == [window] * 9, made  # the table's ids may be there from before
+
+
+def test_the_ram_tier_copies_blocks_out_and_back_exactly_on_the_device():
+    """The host tier's copies on the device (on CUDA: into reused pinned buffers on a side stream,
+    and back without the host waiting): blocks copied out, their pool rows overwritten by the next
+    step, restored into other blocks, read as they were; a released block's buffers serve the next."""
+    from kvchat.engine.kv.host_tier import HostTier, copy_in, copy_out
+
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=128)
+    kv = KVCache(shape, 8, 16, torch.float32, DEVICE, "fp16")
+    gen = torch.Generator().manual_seed(5)
+    with on_cuda_path():  # the pool's rows as a step writes them: the write kernel on CUDA
+        for layer in range(shape.num_layers):
+            k, v = (torch.randn(8 * 16, 2, 128, generator=gen).to(DEVICE) for _ in range(2))
+            kv.write(layer, k, v, torch.arange(8 * 16, device=DEVICE), None, 0)
+    before = [{n: t.clone() for n, t in layer.items()} for layer in kv.layers]
+    tier = HostTier(cap_bytes=1 << 20, device=DEVICE)
+    stored = [copy_out(kv.layers, b, tier.buffers) for b in (1, 2)]
+    for layer in kv.layers:  # the compute stream reuses the blocks at once
+        for t in layer.values():
+            t[1:3].zero_()
+    copy_in(stored, lambda tensors: kv.write_blocks([5, 6], tensors), list(kv.layers[0]), kv.device)
+    for layer, old in zip(kv.layers, before):
+        for n, t in layer.items():
+            assert torch.equal(t[5:7].cpu(), old[n][1:3].cpu())
+    stored[0].release()
+    again = copy_out(kv.layers, 5, tier.buffers)
+    again.wait()
+    assert tier.buffers.made == len(kv.layers[0]) * 2  # the first block's buffers, reused
+    assert torch.equal(again.tensors["k"][:, 0].to(kv.device), torch.stack([layer["k"][5] for layer in kv.layers]))

@@ -19,7 +19,7 @@ from kvchat.core.config import SamplingParams
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.disk_tier import DiskTier
-from kvchat.engine.kv.host_tier import StoredBlock
+from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_out
 from kvchat.engine.model.loading import LoadedModel
 
 GEN = 16
@@ -105,6 +105,35 @@ def test_without_tiers_the_same_conversation_is_computed_again(short_starter):
     finally:
         e.close()
     assert done.stats.cached_tokens == 0
+
+
+def test_the_ram_tier_reuses_the_buffers_of_the_blocks_that_left_it():
+    """Blocks evicted into a RAM tier of 3 blocks, 40 times: each copy holds its block's rows, and
+    the buffers of a block pushed out (to disk), discarded or cleared serve the next, so the
+    buffers made stay those of the blocks held at once (pinned memory on CUDA, asked of the OS at
+    every eviction before)."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [{"k": torch.randn(8, 16, 2, 4, generator=gen), "k_scale": torch.rand(8, 2, 4, generator=gen)}
+              for _ in range(3)]
+    one = sum(t[0].numel() * t.element_size() for t in layers[0].values()) * len(layers)
+    tier = HostTier(cap_bytes=3 * one)
+    seen = set()
+    for i in range(40):
+        stored = copy_out(layers, i % 8, tier.buffers)
+        stored.token_ids = (i,)
+        seen.add(stored.tensors["k"].data_ptr())
+        for _, gone in tier.put(bytes([i]), stored):
+            gone.release()
+            assert gone.tensors == {}  # nothing reads a released block's buffers
+        for n, t in layers[0].items():
+            want = torch.stack([layer[n][i % 8] for layer in layers]).unsqueeze(1)
+            assert torch.equal(tier.get(bytes([i]), (i,)).tensors[n], want)
+        if i == 20:
+            assert tier.discard(bytes([i]))
+    assert len(tier) == 3 and tier.used == 3 * one
+    assert tier.buffers.made == 2 * 4 and len(seen) == 4  # k and k_scale of 3 held blocks and the one arriving
+    tier.clear()
+    assert tier.buffers.free_bytes == 0 and tier.used == 0
 
 
 # -- the disk tier's files, without a model --

@@ -2,13 +2,16 @@
 
 Keyed by the prefix cache's chained block hash (model identity, KV layout and every token before),
 so an entry names exactly the bytes it holds. Capped in bytes, least recently used first; what
-leaves goes to the disk tier (the caller's ``spill``).
+leaves goes to the disk tier (the caller's ``spill``), then its buffers to the next block
+(``PinnedBuffers``).
 """
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import psutil
 import torch
+
+from kvchat.engine.kv.pinned import PinnedBuffers
 
 RAM_SHARE = 4  # default cap: a quarter of the RAM free when the engine starts
 
@@ -27,6 +30,8 @@ class StoredBlock:
     tensors: dict[str, torch.Tensor]
     sinks: tuple | None = None
     ready: object = None  # CUDA: the event after which the pinned copy is complete
+    buffers: PinnedBuffers | None = None  # where ``tensors`` came from, and go back to (``release``)
+    reading: object = None  # CUDA: the event of the last copy to the device that reads ``tensors``
 
     @property
     def nbytes(self) -> int:
@@ -38,10 +43,18 @@ class StoredBlock:
             self.ready.synchronize()
             self.ready = None
 
+    def release(self) -> None:
+        """The block left the host tier: its buffers go to the next block. It holds no tensors after."""
+        if self.buffers is not None:
+            for t in self.tensors.values():
+                self.buffers.give(t, self.reading)
+        self.tensors, self.buffers = {}, None
+
 
 class HostTier:
-    def __init__(self, cap_bytes: int | None = None):
+    def __init__(self, cap_bytes: int | None = None, device="cpu"):
         self.cap_bytes = default_cap() if cap_bytes is None else max(0, int(cap_bytes))
+        self.buffers = PinnedBuffers(device)
         self.entries: OrderedDict[bytes, StoredBlock] = OrderedDict()
         self.used = 0
         self.hits = 0  # blocks served back to the pool
@@ -56,10 +69,12 @@ class HostTier:
         self.entries.move_to_end(hash_)
 
     def put(self, hash_: bytes, block: StoredBlock) -> list[tuple[bytes, StoredBlock]]:
-        """Keep ``block``; returns what no longer fits (oldest first), for the disk tier. A block
-        larger than the whole cap is handed straight back."""
+        """Keep ``block``; returns what no longer fits (oldest first), for the disk tier, which
+        releases each (``StoredBlock.release``). A block larger than the whole cap is handed
+        straight back."""
         if hash_ in self.entries:
             self.touch(hash_)
+            block.release()
             return []
         self.entries[hash_] = block
         self.used += block.nbytes
@@ -83,40 +98,71 @@ class HostTier:
         if block is None:
             return False
         self.used -= block.nbytes
+        block.release()
         return True
 
     def clear(self) -> None:
+        for block in self.entries.values():
+            block.release()
         self.entries.clear()
         self.used = 0
+        self.buffers.clear()
 
 
-def copy_out(layers: list[dict], block_id: int) -> tuple[dict[str, torch.Tensor], object]:
-    """A block's tensors, ``[layers, 1, ...]``, copied to host memory, and the CUDA event that ends
-    the copy (None on the CPU). On CUDA into pinned memory on a side stream: the compute stream waits
-    for the copy before it can overwrite the block, and the host waits for it only when the block is
-    read back (``StoredBlock.wait``)."""
+def copy_out(layers: list[dict], block_id: int, buffers: PinnedBuffers) -> StoredBlock:
+    """A block's tensors, ``[layers, 1, ...]``, copied into host buffers (``buffers``), as a
+    ``StoredBlock`` without its tokens (the caller's). On CUDA a side stream copies into pinned
+    buffers while the compute stream goes on: the block's rows were last written by a step whose
+    tokens the host has read (an evicted block is free, a persisted turn is over), so the copy need
+    not wait for the compute stream, which waits for the copy only before its next work, that may
+    overwrite the block. The host waits for it where it reads the copy (``StoredBlock.wait``)."""
     device = layers[0]["k"].device
+    out = {n: buffers.take((len(layers), 1, *t.shape[1:]), t.dtype) for n, t in layers[0].items()}
     if device.type != "cuda":
-        return {n: torch.stack([layer[n][block_id] for layer in layers]).unsqueeze(1) for n in layers[0]}, None
-    return _copy_out_cuda(layers, block_id, device)
+        for n, dst in out.items():
+            torch.stack([layer[n][block_id] for layer in layers], out=dst[:, 0])
+        return StoredBlock((), None, out, buffers=buffers)
+    stream = side_stream(device)
+    with torch.cuda.stream(stream):
+        for n, dst in out.items():
+            src = torch.stack([layer[n][block_id] for layer in layers]).unsqueeze(1)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)
+    event = torch.cuda.Event()
+    event.record(stream)
+    torch.cuda.current_stream(device).wait_event(event)
+    return StoredBlock((), None, out, ready=event, buffers=buffers)
+
+
+def copy_in(blocks: list[StoredBlock], write, names: list[str], device) -> None:
+    """Hand ``write`` (``KVCache.write_blocks``' tensors -> None) the blocks' tensors joined along
+    the block axis, on the device. On CUDA the host-to-device copies and the write run on the side
+    stream, from pinned buffers without the host waiting; the compute stream waits for them before
+    its next work, and a block's buffers are reused only after the copy that read them."""
+    if device.type != "cuda":
+        write({n: torch.cat([b.tensors[n] for b in blocks], dim=1) for n in names})
+        return
+    stream = side_stream(device)  # the blocks written were free: no step in flight reads them
+    with torch.cuda.stream(stream):
+        joined = {}
+        for n in names:
+            first = blocks[0].tensors[n]
+            joined[n] = torch.empty((first.shape[0], len(blocks), *first.shape[2:]), dtype=first.dtype, device=device)
+            for j, b in enumerate(blocks):
+                joined[n][:, j:j + 1].copy_(b.tensors[n], non_blocking=True)
+        write(joined)
+        for t in joined.values():
+            t.record_stream(stream)
+    event = torch.cuda.Event()
+    event.record(stream)
+    torch.cuda.current_stream(device).wait_event(event)
+    for b in blocks:
+        b.reading = event
 
 
 _side_streams: dict = {}
 
 
-def _copy_out_cuda(layers, block_id, device):
-    stream = _side_streams.setdefault(device, torch.cuda.Stream(device))
-    current = torch.cuda.current_stream(device)
-    stream.wait_stream(current)  # the block's rows are written
-    out = {}
-    with torch.cuda.stream(stream):
-        for n in layers[0]:
-            src = torch.stack([layer[n][block_id] for layer in layers]).unsqueeze(1)
-            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)
-            out[n] = dst
-    current.wait_stream(stream)  # nothing overwrites the block before its copy is out
-    event = torch.cuda.Event()
-    event.record(stream)
-    return out, event
+def side_stream(device):
+    """One copy stream per device, for the tiers' copies."""
+    return _side_streams.setdefault(device, torch.cuda.Stream(device))

@@ -54,7 +54,7 @@ class KVPool:
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
         self.personas = PersonaCache(self.manager)
         self.ring_prefix = RingPrefix(self)
-        self.tiers = KVTiers(self, HostTier(host_cap), disk, notice)
+        self.tiers = KVTiers(self, HostTier(host_cap, lm.device), disk, notice)
         if self.tiers.host.cap_bytes or disk is not None:  # host_cap None: the default share of RAM
             self.pool.on_evict = self.tiers.evicted
 

@@ -15,7 +15,7 @@ from kvchat.kernels.quant import SINKS
 
 from kvchat.engine.kv.block_pool import Block, PoolExhausted
 from kvchat.engine.kv.disk_tier import PINNED, DiskTier
-from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_out
+from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_in, copy_out
 from kvchat.engine.kv.manager import Sequence
 
 log = logging.getLogger("kvchat.tiers")
@@ -54,21 +54,21 @@ class KVTiers:
 
     def _stored(self, block_id: int, token_ids, parent: bytes | None) -> StoredBlock:
         kv = self.kvpool.kv
-        tensors, event = copy_out(kv.whole_layers, block_id)  # a ring's rows are its sequence's
-        sinks = None
+        block = copy_out(kv.whole_layers, block_id, self.host.buffers)  # a ring's rows are its sequence's
+        block.token_ids, block.parent = tuple(token_ids), parent
         if parent is None and kv.format.quantized:
             sinks = kv.sink_cache.get(tuple(token_ids[:SINKS]))
-            sinks = tuple(t.to("cpu", copy=True) for t in sinks) if sinks is not None else None
-        return StoredBlock(tuple(token_ids), parent, tensors, sinks, event)
+            block.sinks = tuple(t.to("cpu", copy=True) for t in sinks) if sinks is not None else None
+        return block
 
     def _spill(self, blocks: list[tuple[bytes, StoredBlock]]) -> None:
-        """Blocks leaving RAM go to disk, unless a finished turn already wrote them there."""
-        if self.disk is None:
-            return
+        """Blocks leaving RAM go to disk, unless a finished turn already wrote them there; their
+        buffers then go to the next block evicted."""
         for hash_, block in blocks:
-            if not self.disk.has(hash_):
+            if self.disk is not None and not self.disk.has(hash_):
                 self._save(hash_, block)
-        if blocks:
+            block.release()
+        if blocks and self.disk is not None:
             self.disk.trim()
 
     def _save(self, hash_: bytes, block: StoredBlock, pinned: bool = False) -> None:
@@ -94,7 +94,9 @@ class KVTiers:
                 if pinned and held.suffix != PINNED:  # written plain by a turn before it was a persona's
                     self.disk.pin(h)
                 continue
-            self._save(h, self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i]), pinned)
+            block = self._stored(seq.blocks[i].id, seq.token_ids[i * bs:(i + 1) * bs], parents[i])
+            self._save(h, block, pinned)
+            block.release()
             wrote = True
             if self.disk.full:
                 break
@@ -172,8 +174,8 @@ class KVTiers:
                 log.warning("a stored KV block does not fit this pool (another layout): a miss")
                 return False
         ids = [b.id for b in seq.blocks[have:have + len(found)]]
-        if kv.device.type == "cuda":  # one host-to-device copy per tensor and layer
-            kv.write_blocks(ids, {n: torch.cat([b.tensors[n] for b in found], dim=1) for n in want})
+        if kv.device.type == "cuda":
+            copy_in(found, lambda tensors: kv.write_blocks(ids, tensors), list(want), kv.device)
         else:  # straight into the pool's rows: no stacked copy of the whole restore first
             for i, layer in enumerate(kv.whole_layers):
                 for n, t in layer.items():
