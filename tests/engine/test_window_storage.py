@@ -54,6 +54,27 @@ def test_a_new_reply_replays_the_graphs_the_last_reply_captured(monkeypatch):
     assert BUCKETS == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
+def test_a_sequence_alone_on_its_own_rows_keeps_the_pools_graphs(monkeypatch):
+    """A batch ends and its second sequence decodes alone on rows of its own (it began while the
+    first ran): it captures its graphs, the pool's stay, and the next reply on the pool's rows
+    replays them. Its graphs go when its rows do."""
+    model = tiny_model("llama")
+    kv = pool(model)
+    step = DecodeStep(model, "eager")
+    captured = []
+    monkeypatch.setattr(step, "_capture", lambda kv, window, position, bucket: captured.append(bucket) or ("graph", None))
+    first = kv.new_window()
+    step._graph(kv, first, 3, 40)
+    alone = kv.new_window()  # began while the first ran
+    first.released = True
+    step._graph(kv, alone, 3, 40)
+    step._graph(kv, alone, 3, 41)
+    step._graph(kv, kv.new_window(), 3, 40)  # the next reply, on the pool's rows
+    assert captured == [32, 32] and len(step._graphs) == 2
+    del alone
+    assert len(step._graphs) == 1
+
+
 def decode(runner, manager, seq, tokens) -> torch.Tensor:
     rows = []
     for token in tokens:

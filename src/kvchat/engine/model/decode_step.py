@@ -19,6 +19,7 @@ failure falls back for good.
 """
 import inspect
 import logging
+import weakref
 
 import torch
 
@@ -77,14 +78,13 @@ class DecodeStep:
         # the op's and the graphs' (which read views of it: made once at the largest bucket on CUDA)
         self._table = IdBuffer(torch.int32, dev, BUCKETS[-1] if dev.type == "cuda" else 64)
         self._bounds = PinnedCopy(self.wmeta)
-        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, logits)
+        self._graphs: dict[tuple, tuple] = {}  # (window storage's id, bucket) -> (graph, logits)
         # a failed capture (an out-of-memory moment, a kernel's first compile) is tried again once,
         # at the next idle moment (retry_capture); until then and after a second failure, eager
         self.capture_failed: str | None = None
         self._failed_bucket = 1
         self._capture_retried = False
         self._graph_kv = None  # the pool the graphs were captured on
-        self._graph_storage = None  # and the window's rows (every sequence's window uses the pool's in turn)
         self.replays = 0
 
     @property
@@ -227,19 +227,23 @@ class DecodeStep:
 
     def _graph(self, kv, window, blocks: int, position: int) -> tuple | None:
         """The graph for a table of ``blocks`` on these tensors, captured now if need be; None:
-        run eagerly (past the last bucket, or the capture failed)."""
+        run eagerly (past the last bucket, or the capture failed). Graphs are kept per window
+        storage: a sequence decoding alone on rows of its own (it began while another ran) has its
+        graphs, and the next reply on the pool's rows replays the pool's again, not captured anew
+        each time decoding goes from a batch back to one sequence. A storage's graphs go with it."""
         storage = window.storage if window is not None else None
-        if self._graph_kv is not kv or self._graph_storage is not storage:  # other tensors now
+        if self._graph_kv is not kv:  # another pool: other tensors
             self._graphs.clear()
-            self._graph_kv, self._graph_storage = kv, storage
+            self._graph_kv = kv
         bucket = next((b for b in BUCKETS if b >= blocks), None)
         if bucket is None:
             return None
-        if bucket not in self._graphs:
+        key = (id(storage), bucket)
+        if key not in self._graphs:
             if self.capture_failed is not None:
                 return None
             try:
-                self._graphs[bucket] = self._capture(kv, window, position, bucket)
+                self._graphs[key] = self._capture(kv, window, position, bucket)
             except Exception as e:
                 if self._capture_retried:
                     self._fall_back(e)
@@ -248,7 +252,13 @@ class DecodeStep:
                     log.warning("capturing the decode step failed (%s): eager until the next idle moment, "
                                 "then once more", self.capture_failed)
                 return None
-        return self._graphs[bucket]
+            if storage is not None and storage is not kv.window_storage:
+                weakref.finalize(storage, self._drop_graphs, id(storage))
+        return self._graphs[key]
+
+    def _drop_graphs(self, storage_id: int) -> None:
+        for key in [k for k in self._graphs if k[0] == storage_id]:
+            del self._graphs[key]
 
     def retry_capture(self, kv) -> str | None:
         """The one retry of a failed capture, in an idle moment: returns the first failure's reason
