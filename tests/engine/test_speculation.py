@@ -2,6 +2,9 @@
 followed the reply's last few tokens earlier are proposed, checked in one forward pass, and kept
 only where the model would have chosen them; greedy replies are the replies without it, sampled
 ones keep their distribution, and the blocks of rejected tokens go back."""
+from unittest import mock
+
+import pytest
 import torch
 
 from kvchat.core.config import EngineConfig, SamplingParams
@@ -9,6 +12,8 @@ from kvchat.core.events import Request
 from kvchat.engine.engine import Engine
 from kvchat.engine.lookup import Lookup, NgramIndex
 from kvchat.engine.sampler import Sampler, filtered_probs
+
+from tiny_models import WINDOW, as_loaded, tiny_model
 
 CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i}" for i in range(6))
 EDIT = [{"role": "user", "content": f"Copy this code exactly, then stop.\n\n{CODE}"}]
@@ -97,11 +102,47 @@ def test_a_prediction_of_the_reply_is_kept_whole(short_starter):
     assert stats.rejected_prediction_tokens <= 2
 
 
-def test_a_quantized_pool_does_not_speculate_and_replies_as_before(short_starter):
-    plain, _ = run(config(speculate=False, kv_precision="int8"), short_starter, EDIT, n=24)
-    same, leaked = run(config(kv_precision="int8"), short_starter, EDIT, n=24)
-    assert same.token_ids == plain.token_ids and not leaked
-    assert same.stats.accepted_prediction_tokens == same.stats.rejected_prediction_tokens == 0
+@pytest.mark.parametrize("precision", ["int8", "fp8", "k8v4", "int4"])
+def test_a_quantized_pool_speculates_and_replies_as_without(short_starter, precision):
+    """The check's rejected rows overwrote ring rows of the full-precision window, which come
+    back; an int4 block's statistics that they joined are made again from the block's first row:
+    the greedy reply is the one without speculation, token for token."""
+    plain, _ = run(config(speculate=False, kv_precision=precision), short_starter, EDIT)
+    fast, leaked = run(config(kv_precision=precision), short_starter, EDIT)
+    assert fast.token_ids == plain.token_ids and not leaked
+    assert fast.stats.accepted_prediction_tokens > 0 and fast.stats.rejected_prediction_tokens > 0
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+@pytest.mark.parametrize("arch", ["mistral-window", "gemma2"])
+def test_a_windowed_model_speculates_past_its_window_and_replies_as_without(tokenizer, arch, precision):
+    """Rings (every layer windowed; local and global layers alternating), past the window of 64:
+    checks of the reply's expected text with every 10th token wrong, some kept, some not, give the
+    greedy reply of the engine without speculation, and at fp16 generate's."""
+    model = tiny_model(arch)
+    ids = list(range(300, 320))
+    new = WINDOW + 64
+    expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(ids):]
+    predicted = [t if i % 10 != 9 else (t + 1) % model.config.vocab_size for i, t in enumerate(expected.tolist())]
+    replies = {}
+    for speculate in (False, True):
+        engine = Engine(config(max_context=256, prefill_chunk=8, kv_precision=precision, speculate=speculate),
+                        loaded=as_loaded(model, tokenizer))
+        try:
+            engine.wait_ready(60)
+            with mock.patch.object(engine.loaded.tokenizer, "encode", lambda text, **kw: predicted):
+                replies[speculate] = engine.submit(Request(prompt_ids=ids, prediction="the reply", sampling=SamplingParams(
+                    max_new_tokens=new, temperature=0, ignore_eos=True))).result()
+            pool = engine.kvpool.pool
+            assert pool.num_free == pool.num_blocks and not any(b.ref_cnt for b in pool.blocks)
+        finally:
+            engine.close()
+    assert replies[True].token_ids == replies[False].token_ids
+    if precision == "fp16":
+        assert replies[True].token_ids == expected.tolist()
+    stats = replies[True].stats
+    assert stats.accepted_prediction_tokens >= 19 and stats.rejected_prediction_tokens > 0  # 38 and 106 kept
 
 
 def test_random_replies_with_proposals_leak_no_block_over_a_thousand_steps(short_starter):

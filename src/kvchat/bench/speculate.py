@@ -49,20 +49,21 @@ def _clients(engine, code: str, clients: int, max_tokens: int) -> tuple[float, l
     return sum(d.stats.generated_tokens for d in done) / (time.perf_counter() - start), done
 
 
-def _engine(lm, model: str, speculate: bool, clients: int) -> Engine:
+def _engine(lm, model: str, speculate: bool, clients: int, kv_precision: str) -> Engine:
     """The first engine loads the model on its own thread, the next ones take it over: a model
     loaded on this thread left an OpenMP team here, and libgomp, managing more threads than
     cores, stops spinning between parallel regions: the engine thread's decode ran at half speed
     (starter, 2 cores: 43 tok/s against 101)."""
-    engine = Engine(EngineConfig(model=model, weights="auto", max_running=clients, speculate=speculate),
-                    loaded=lm, disk_tier=None)
+    engine = Engine(EngineConfig(model=model, weights="auto", max_running=clients, speculate=speculate,
+                                 kv_precision=kv_precision), loaded=lm, disk_tier=None)
     engine.wait_ready()
     at_full_speed(engine, batch=MAX_RUNNING)  # a check of 15 proposals is a batch of 16 rows
     _reply(engine, [{"role": "user", "content": "warm-up"}], 4)
     return engine
 
 
-def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int = 8, repeats: int = 2) -> dict:
+def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int = 8, repeats: int = 2,
+                    kv_precision: str = "fp16") -> dict:
     lm = None
     code = (TEXTS / "speculate_function.py.txt").read_text()
     work = tasks(code, (TEXTS / "speculate_paragraph.txt").read_text())
@@ -71,7 +72,7 @@ def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int 
     accepted: dict = {}
     for _ in range(repeats):
         for mode in ("off", "on"):
-            engine = _engine(lm, model, mode == "on", clients)
+            engine = _engine(lm, model, mode == "on", clients, kv_precision)
             lm = engine.loaded
             try:
                 for name, messages in work.items():
@@ -99,7 +100,8 @@ def bench_speculate(model: str = "starter", max_tokens: int = 256, clients: int 
                       "acceptance": round(kept / (kept + dropped), 3) if kept + dropped else None,
                       "identical": replies[name, "off"] == replies[name, "on"]}
     predicted_tokens = len(lm.tokenizer.encode(expected, add_special_tokens=False))  # Rust: no OpenMP team
-    return {"machine": machine(), "cpu_build": cpu_build(lm.model), "max_tokens": max_tokens, "clients": clients,
+    return {"machine": machine(), "cpu_build": cpu_build(lm.model), "kv_precision": kv_precision,
+            "max_tokens": max_tokens, "clients": clients,
             "repeats": repeats, "tasks": rows,
             "prediction": {"predicted_tokens": predicted_tokens,
                            "accepted": predicted.stats.accepted_prediction_tokens,
@@ -115,8 +117,8 @@ def report(r: dict, as_json: bool) -> None:
         print(json.dumps(r, indent=2))
         return
     print(f"{r['machine']}; {describe_cpu_build(r['cpu_build'])}")
-    print(f"greedy replies of up to {r['max_tokens']} tokens, median of {r['repeats']} runs each way, "
-          f"off and on in turn")
+    print(f"greedy replies of up to {r['max_tokens']} tokens, KV {r['kv_precision']}, median of {r['repeats']} "
+          "runs each way, off and on in turn")
     print(f"{'task':<10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'accepted':>9} {'rate':>6}  identical")
     for name, row in r["tasks"].items():
         rate = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"

@@ -12,7 +12,7 @@ READS = {
     "api": {"model", "remote", "api_key", "clients", "max_tokens"},
     "capped": {"random_weights", "device", "dtype", "memory", "prompts"},
     "startup": {"model"}, "resume": {"model", "kv_precision"}, "prefix": {"model"}, "window": {"random_weights"},
-    "speculate": {"model", "clients", "max_tokens", "repeats"},
+    "speculate": {"model", "clients", "max_tokens", "repeats", "kv_precision"},
     "memory": {"model"}, "switch": {"model"}, "kv": {"model"}, "kernels": {"compile"},
 }
 
@@ -131,7 +131,7 @@ def cmd_bench(args) -> int:
         if not 1 <= args.clients <= MAX_RUNNING or args.max_tokens < 1 or args.repeats < 1:
             raise ConfigError(f"--clients must be in 1..{MAX_RUNNING}, --max-tokens and --repeats positive")
         bench_speculate.report(bench_speculate.bench_speculate(args.model, args.max_tokens, args.clients,
-                                                               args.repeats), args.json)
+                                                               args.repeats, args.kv_precision), args.json)
     elif args.which == "memory":
         bench.report_memory(bench.bench_memory(args.model), args.json)
     elif args.which == "switch":

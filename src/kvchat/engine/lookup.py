@@ -3,8 +3,11 @@ of a reply occurred before (in the prompt, an earlier turn, the reply so far, or
 API client sent), the tokens that followed them then are proposed to come next now. The model then
 checks them all in one forward pass (``speculation``) and keeps the ones it would have chosen.
 
-An index from each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens) to where it last ended, filled as
-the tokens come: a lookup is a few dict reads, not a scan of the context."""
+An index from each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens) to where it first and last ended,
+filled as the tokens come: a lookup is a few dict reads, not a scan of the context. The latest
+occurrence is the likelier to go on as now, but in a run that repeats (a list, a loop a model fell
+into) it ends just before the suffix itself, with a token or two after it; the first occurrence is
+then followed by the run itself."""
 MIN_NGRAM, MAX_NGRAM = 3, 4
 
 
@@ -12,6 +15,7 @@ class NgramIndex:
     def __init__(self, tokens: list[int] | None = None):
         self.tokens: list[int] = []
         self.ends: dict[tuple, int] = {}  # n-gram -> the position just after its latest occurrence
+        self.firsts: dict[tuple, int] = {}  # and after its first
         self.extend(tokens or [])
 
     def extend(self, tokens) -> None:
@@ -19,15 +23,19 @@ class NgramIndex:
             self.tokens.append(token)
             end = len(self.tokens)
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                self.ends[tuple(self.tokens[end - n:end])] = end
+                gram = tuple(self.tokens[end - n:end])
+                self.ends[gram] = end
+                self.firsts.setdefault(gram, end)
 
     def follow(self, suffix: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest n-gram ending ``suffix`` where it last
-        occurred."""
+        occurred, or first, where fewer than ``k`` followed the last."""
         for n in range(min(MAX_NGRAM, len(suffix)), MIN_NGRAM - 1, -1):
-            end = self.ends.get(tuple(suffix[-n:]))
+            gram = tuple(suffix[-n:])
+            end = self.ends.get(gram)
             if end is not None:
-                return self.tokens[end:end + k]
+                found = self.tokens[end:end + k]
+                return found if len(found) == k else max(found, self.tokens[self.firsts[gram]:][:k], key=len)
         return []
 
 

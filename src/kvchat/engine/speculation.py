@@ -3,10 +3,16 @@ batch as rows of their own after it (``ModelRunner.decode``: each row reads the 
 it wrote), so one forward pass checks them all for the price of about one token: the weights are
 read once. Each row samples the reply's next token with the proposal for its place (``Sampler``'s
 rejection rule); the first token that differs from its proposal is the reply's own and ends the
-run. The sequence then ends at its last kept token and the blocks reserved past it go back, which
-is exact only where a row's K/V is all the pool keeps of it: a full-precision pool without rings
-(``fits``)."""
-from kvchat.core.config import Precision
+run. The sequence then ends at its last kept token, and what the rejected rows wrote is taken back:
+- the pool's rows past the sequence's end are never read (an int4 block's statistics, which they
+  joined, are computed again from the block's first row at its next write, from the window);
+- a quantized pool's full-precision window gets back the ring rows they overwrote (``save`` before
+  the check, ``restore`` after), so the newest positions it holds are those it held without them;
+- a windowed model's rings lose nothing a later query reads: a ring holds ``W - 1 + block_size``
+  positions at least, and a check writes fewer than a block past its own token (``STEPS``), so the
+  rows it overwrites fell out of every window already. Its top moves to the newest block written.
+Blocks reserved past the end go back, but a ring's (they follow the sequence).
+"""
 from kvchat.engine.kv.block_pool import PoolExhausted
 from kvchat.engine.lookup import Lookup
 
@@ -18,10 +24,9 @@ STEPS = (1, 3, 7, 15)
 WAIT, WAIT_MAX = 4, 64
 
 
-def fits(precision: Precision, manager) -> bool:
-    """A quantized pool's window and a windowed model's rings keep their own bookkeeping of the
-    rows written, which dropping a check's rejected rows does not roll back."""
-    return precision is Precision.FP16 and manager.rings is None
+def fits(manager) -> bool:
+    """A check's rows stay within a block past its own token, which a ring never needs (above)."""
+    return manager.rings is None or STEPS[-1] < manager.block_size
 
 
 class Speculator:
@@ -30,6 +35,7 @@ class Speculator:
     def __init__(self, prediction: list[int] | None = None):
         self.lookup = Lookup(prediction)
         self.proposed: list[int] = []  # what the planned check holds past the reply's own token
+        self.saved = None  # (window, what its ring held where the check writes): ``take_back``
         # a client's own prediction is meant to be kept: the longest checks from the start
         self.k = STEPS[-1] if prediction else STEPS[1]
         self.wait = self.backoff = 0  # decode steps before the next proposal, after checks that paid nothing
@@ -54,9 +60,9 @@ class Speculator:
             self.backoff, self.k = 0, next(k for k in STEPS if k > kept)
 
 
-def plan_checks(precision: Precision, manager, runner, jobs: list) -> None:
+def plan_checks(manager, runner, jobs: list) -> None:
     """Proposals for the decoding ``jobs``, in turn, within the rows the batch runs compiled."""
-    if not fits(precision, manager):
+    if not fits(manager):
         return
     want = len(jobs) + sum(job.spec.k for job in jobs if job.spec is not None)
     rows = runner.check_rows(want) - len(jobs)  # a row each is taken
@@ -82,6 +88,8 @@ def plan_check(manager, job, rows: int) -> int:
         manager.shrink(seq)
         return 0
     spec.proposed = proposed
+    window = seq.window
+    spec.saved = (window, window.save(len(seq) - len(proposed), len(seq))) if window is not None else None
     return len(proposed)
 
 
@@ -95,7 +103,7 @@ def drop(manager, job) -> None:
     if job.spec is not None and job.spec.proposed:
         proposed, job.spec.proposed = job.spec.proposed, []
         del job.seq.token_ids[len(job.seq) - len(proposed):]
-        manager.shrink(job.seq)
+        take_back(manager, job.seq, job.spec, len(proposed), len(job.seq))
 
 
 def take_checked(manager, job, logits) -> None:
@@ -116,4 +124,20 @@ def take_checked(manager, job, logits) -> None:
             kept += 1
     finally:
         spec.checked(kept, len(proposed), job.stats)
-        manager.shrink(seq)
+        take_back(manager, seq, spec, len(proposed), before)
+
+
+def take_back(manager, seq, spec, proposed: int, before: int) -> None:
+    """What a check wrote past ``seq``'s computed tokens (its own token's row at ``before - 1``
+    and ``proposed`` rows after) no longer counts: the window's overwritten ring rows come back,
+    a ring's top moves to the newest block written, the blocks past the end go back."""
+    window, saved = spec.saved or (None, None)
+    spec.saved = None
+    if seq.window is not None and seq.window.current:
+        if seq.window is window:
+            seq.window.restore(saved, seq.num_computed)
+        else:  # made at the check's start (``ModelRunner._ready``): it holds nothing older to put back
+            seq.window.rewind(seq.num_computed)
+    if manager.rings is not None:
+        seq.ring_top = max(seq.ring_top, (before - 1 + proposed) // manager.block_size)
+    manager.shrink(seq)

@@ -302,6 +302,26 @@ class RecentWindow:
         self.sink_len = [min(n, length) for n in self.sink_len]
         self._last_index = (None, None)
 
+    def save(self, first: int, end: int) -> tuple:
+        """What writing positions ``first .. end`` will overwrite in the ring (rows of positions a
+        ring's length earlier), for ``restore``."""
+        with torch.inference_mode():
+            index = torch.tensor([self.ring_row(p) for p in range(first, end)], device=self.k.device)
+            return first, index, self.k.index_select(1, index), self.v.index_select(1, index)
+
+    def restore(self, saved: tuple, length: int) -> None:
+        """Back to ``length`` positions after positions from ``saved``'s first on were written and
+        those from ``length`` on taken back (a speculative check's rejected tokens): the ring rows
+        they overwrote are put back, so every later read is the one it would have been."""
+        first, index, k, v = saved
+        keep = max(0, length - first)
+        with torch.inference_mode():  # the rows the steps wrote are inference tensors
+            self.k.index_copy_(1, index[keep:], k[:, keep:])
+            self.v.index_copy_(1, index[keep:], v[:, keep:])
+        self.end = [min(end, length) for end in self.end]
+        self.sink_len = [min(n, length) for n in self.sink_len]
+        self._last_index = (None, None)
+
     def ring_row(self, position: int) -> int:
         return self.sinks + position % self.size
 
