@@ -85,3 +85,30 @@ def test_a_looping_reply_stops_with_a_notice_and_is_kept_whole(qtbot, app_parts)
     assert reply.stats["finish_reason"] == "loop"
     assert any("repeating" in line for line in win.notices)
     assert "repeating itself" in last_stats(win)[-1]
+
+
+def test_the_settings_estimate_assumes_the_weights_auto_chose_for_the_loaded_model(qtbot):
+    """On the CPU Auto measures which weights decode fastest (int4 on an AVX2 machine, say): the
+    estimate counts those weights' bytes, not int8's, while the weights setting stays auto; another
+    setting picked in the dialog counts its own."""
+    from transformers import LlamaConfig
+
+    from kvchat.app.views.settings_dialog import SettingsDialog
+    from kvchat.core.memory import GiB, plan
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=1 << 20)
+    config.kvchat_weights = "int4"
+    memory = 6 * GiB
+    figure = lambda weights: f"fp16 {plan(config, memory, 8192, weights, GiB).max_context['fp16']:,}"
+    assert figure("int4") != figure("int8")  # the weights' bytes move the fp16 context
+    dialog = SettingsDialog(None, {"weights": "auto", "max_context": 8192, "headroom_gib": 1.0}, {}, config, memory)
+    qtbot.addWidget(dialog)
+    assert figure("int4") in dialog.estimate.text()
+    dialog.weights.setCurrentText("int8")
+    assert figure("int8") in dialog.estimate.text()
+    loaded_as_int8 = SettingsDialog(None, {"weights": "int8", "max_context": 8192, "headroom_gib": 1.0}, {}, config,
+                                    memory)
+    qtbot.addWidget(loaded_as_int8)
+    loaded_as_int8.weights.setCurrentText("auto")  # auto's own pick for this model is not known yet
+    assert figure("int8") in loaded_as_int8.estimate.text()

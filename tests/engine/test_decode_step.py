@@ -45,7 +45,7 @@ def decode(lm, mode: str, precision: str, prompt: list[int], steps: int, downshi
     tokens, rows = [], []
     for i in range(steps):
         if i == downshift_at:
-            assert pool.downshift([seq]) is not None
+            assert pool.rebuild(Precision.INT8, pool.budget, [seq])
         token = int(logits.argmax())
         tokens.append(token)
         seq.token_ids.append(token)

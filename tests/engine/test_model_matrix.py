@@ -15,6 +15,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.model.runner import ModelRunner
+from kvchat.core.memory_policy import MemoryPolicy, Preempt
 
 from test_decode_step import decode
 from test_parity import TOL, assert_decode_matches, paged_runner, prefill, prompt
@@ -208,7 +209,7 @@ def test_phi_3_minis_head_dim_of_96_runs_at_fp16_and_refuses_the_quantized_preci
     with pytest.raises(ConfigError, match="int8 needs a head_dim that is a power of two; this model's is 96"):
         KVPool.for_tokens(lm, 64, Precision.INT8)
     pool = KVPool.for_tokens(lm, 64, Precision.FP16)
-    assert pool.downshift([]) is None and pool.precision == Precision.FP16
+    assert MemoryPolicy(Precision.AUTO, pool.quantizable).rungs() == (Precision.FP16,)  # nothing to step down to
     with pytest.raises(ConfigError, match="power of two"):
         pool.rebuild(Precision.INT4, pool.budget)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvchat.core.config import EngineConfig, SamplingParams
+from kvchat.core.config import LADDER, EngineConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.core.events import Finished, Notice, Request
 from kvchat.engine.kv.pool import KVPool
@@ -72,7 +72,7 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
     probe.other = 8 * GiB - in_use - budget // 3  # the KV cache may keep a third of its bytes
     assert wait_for(lambda: any(isinstance(x, Notice) for x in events), timeout=6)
     notice = next(x for x in events if isinstance(x, Notice))
-    assert notice.kind == "downshift" and e.precision.value in ("int8", "int4")
+    assert notice.kind == "downshift" and e.precision.value in ("int8", "k8v4", "int4")
     assert e.kvpool.budget <= budget // 3
     again = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
@@ -89,8 +89,10 @@ def test_a_full_pool_steps_down_instead_of_failing(short_starter):
     events = list(handle)
     done = events[-1]
     assert isinstance(done, Finished) and done.stats.generated_tokens == 200
-    shifts = [x for x in events if isinstance(x, Notice) and x.kind == "downshift"]
-    assert shifts and done.stats.kv_precision in ("int8", "int4")
+    shifts = [x.message.split(": ")[1].split(",")[0] for x in events if isinstance(x, Notice) and x.kind == "downshift"]
+    # one rung at a time down the one ladder (core.memory_policy): "fp16 -> int8", "int8 -> k8v4", ...
+    assert shifts and shifts == [f"{a.value} -> {b.value}" for a, b in zip(LADDER, LADDER[1:])][:len(shifts)]
+    assert done.stats.kv_precision == shifts[-1].split(" -> ")[1]
     assert e.kvpool.pool.num_free == e.kvpool.pool.num_blocks
     e.close()
 

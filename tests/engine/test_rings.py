@@ -222,7 +222,7 @@ def test_a_downshift_converts_the_rings_too(gemma3):
         rows = []
         for step in range(40):
             if step == 10:
-                assert pool.downshift([seq]) == Precision.INT8
+                assert pool.rebuild(Precision.INT8, pool.budget, [seq])
             seq.token_ids.append(int(logits.argmax()))
             pool.manager.reserve(seq, len(seq))
             logits = pool.runner.forward(seq, len(seq), want_logits=True)

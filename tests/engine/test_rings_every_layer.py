@@ -10,6 +10,7 @@ from kvchat.core.kv_sizes import LOCAL_RINGS, KVShape, pool_blocks, pool_bytes, 
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.manager import Sequence
 from kvchat.engine.kv.pool import KVPool
+from kvchat.core.memory_policy import MemoryPolicy, Preempt
 
 from test_parity import prompt
 from test_rings import BS, RING, chat, expected, run
@@ -218,7 +219,7 @@ def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring
     went fp16 -> int8 -> int4 and preempted all the same). A prompt's ring copy that fails (out of
     memory) leaves every ring block free and the request going."""
     pool = ring_pool(mistral)
-    assert pool.downshift([]) is None and pool.precision == Precision.FP16
+    assert MemoryPolicy(Precision.AUTO, pool.quantizable).when_full(pool.precision, False, pool.kv.whole()) == Preempt()
     seq = Sequence(prompt(100, seed=1))
     pool.manager.reserve(seq, len(seq))
     pool.runner.forward(seq, len(seq), want_logits=False)

@@ -126,11 +126,6 @@ def quantizable(shape: KVShape) -> bool:
     return shape.head_dim > 0 and shape.head_dim & (shape.head_dim - 1) == 0
 
 
-def lowest_precision(shape: KVShape, precision: Precision, auto: bool) -> Precision:
-    """What a pool may step down to: Auto to int4 where the shape can be quantized, else nowhere."""
-    return Precision.INT4 if auto and quantizable(shape) else Precision(precision)
-
-
 def config_value(config, name: str, default=None):
     config = text_config(config)
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from kvchat.core.config import BLOCK_SIZE, LADDER, ORDER
+from kvchat.core.config import BLOCK_SIZE, ORDER, Precision
 from kvchat.core.kv_sizes import (SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, config_value, layer_block_bytes,
-                                  pool_blocks, pool_bytes, pool_nbytes, windowed_layers)
+                                  pool_blocks, pool_bytes, pool_nbytes, quantizable, windowed_layers)
+from kvchat.core.memory_policy import MemoryPolicy
 from kvchat.kernels.layout import READ_SLICE, window_bytes
 
 GiB = 1 << 30
@@ -26,7 +27,8 @@ PREFIX_RESERVE = 0.25  # Auto also wants room for this share of the context as c
 def pool_span(context: int) -> int:
     """The tokens a pool for ``context`` serves: the context and the prefix-cache reserve."""
     return int(context * (1 + PREFIX_RESERVE))
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "nf4": 0.5 + 4 / 64 / 8 * 2}
+# int4: kvchat's CPU weights, groups of 32 with a 16-bit scale and zero each; nf4: bitsandbytes'
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5 + 4 / 32, "nf4": 0.5 + 4 / 64 / 8 * 2}
 
 
 def parse_bytes(text: str) -> int:
@@ -138,9 +140,9 @@ def plan(config, memory: int, context: int, weights: str = "bf16", headroom: int
         p.ring_bytes[precision.value] = pool_nbytes(shape, precision, 0, local, kv_full_bytes, block_size)
         # a model wholly in rings holds any context in them: it is given the one asked for
         p.max_context[precision.value] = blocks * block_size if whole else need
-        if p.auto is None and budget >= pool_bytes(shape, precision, need, kv_full_bytes, block_size) \
-                and precision in LADDER:
-            p.auto = precision.value
+    holds = [q for q in MemoryPolicy(Precision.AUTO, quantizable(shape)).rungs()
+             if budget >= pool_bytes(shape, q, need, kv_full_bytes, block_size)]
+    p.auto = holds[0].value if holds else None
     return p
 
 

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit,
                                   Tokenize, refuse)
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
+from kvchat.core.memory_policy import MemoryPolicy
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Notice, Request, RequestHandle
 from kvchat.engine.prompt import PromptBuilder
 from kvchat.engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ class Engine:
         self.eos_ids: set[int] = set()
         self.probe = probe
         self.weights_bytes = self.activations = 0
-        self.auto = False  # the pool's precision follows memory (kv_precision auto)
+        self.policy = MemoryPolicy(Precision.AUTO)  # what Auto decides about the pool; set with the config
         self.ready = threading.Event()  # set while no load is under way
         self.load_error: str | None = None  # why no model is loaded, when none is
         self.host = ModelHost(self, probe, disk_tier)

@@ -1,5 +1,6 @@
-"""The memory policy, on the engine thread: about once a second a snapshot of where memory goes, and
-the pool shrunk (and, under Auto, its precision stepped down) when another program takes memory;
+"""The memory governor, on the engine thread: about once a second a snapshot of where memory goes,
+and the pool shrunk (and, under Auto, its precision stepped down as ``core.memory_policy`` says)
+when another program takes memory;
 context, precision and headroom changed on request without reloading the weights."""
 import logging
 import weakref
@@ -9,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from kvchat.core.commands import Reconfigure, Refused
-from kvchat.core.config import LADDER, ConfigError, Precision
+from kvchat.core.config import ConfigError, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, Reconfigured
 from kvchat.core.memory import PRECISIONS, MemorySnapshot
@@ -75,12 +76,8 @@ class MemoryGovernor:
             return
         needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
         old = pool.precision
-        options = [p for p in LADDER if PRECISIONS.index(p) >= PRECISIONS.index(old)] if e.auto else [old]
-        options = options if pool.quantizable else [old]  # nothing to step down to (kv_sizes.quantizable)
-        fits = [p for p in options if pool.tokens_for(p, allowed) >= max(needed, pool.block_size)]
-        # Auto keeps the context the user asked for when a lower precision can; else the most room
-        full = [p for p in fits if pool.tokens_for(p, allowed) >= e.config.max_context]
-        choice = full[0] if full else (fits[-1] if fits else None)
+        choice = e.policy.under_pressure(old, lambda p: pool.tokens_for(p, allowed), max(needed, pool.block_size),
+                                         e.config.max_context)
         if choice == old and not self.gives_back(choice, allowed):
             pool.budget = allowed  # its bytes (its rings) already fit: nothing to rebuild or to say
             return
@@ -162,6 +159,6 @@ class MemoryGovernor:
             raise Refused("the KV cache is in use and cannot be rebuilt now")
         if upward:
             pool.clear_cache()  # lossy blocks and rings must not pass for full-precision ones
-        e.config, e.auto = new_cfg, new_cfg.kv_precision == Precision.AUTO
+        e.config, e.policy = new_cfg, e.host.policy(new_cfg)
         self.next_snapshot = 0.0
         return {**e.settings(), "kv_budget": budget}  # the whole config: the app shows it as it is

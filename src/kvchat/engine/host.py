@@ -12,10 +12,11 @@ from time import perf_counter
 import torch
 
 from kvchat.core.commands import LoadModel, refuse
-from kvchat.core.config import LADDER, ConfigError, EngineConfig, Precision
+from kvchat.core.config import ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
-from kvchat.core.kv_sizes import KVShape, config_value, local_blocks_for, lowest_precision, pool_blocks, pool_bytes
+from kvchat.core.kv_sizes import KVShape, config_value, local_blocks_for, pool_blocks, pool_bytes, quantizable
+from kvchat.core.memory_policy import MemoryPolicy
 from kvchat.core.memory import activations_bytes, pool_span
 from kvchat.core.paths import cache_dir
 from kvchat.engine.chat import ChatFormatter
@@ -103,7 +104,7 @@ class ModelHost:
         e.weights_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
         e.activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize, cfg.max_context)
         e.config = cfg = self.capped(cfg)
-        e.auto = cfg.kv_precision == Precision.AUTO
+        e.policy = self.policy(cfg)
         precision, budget = self.layout(cfg)
         e.kvpool = KVPool(lm, cfg.block_size, precision, budget, cfg.decode, cfg.ram_cache_bytes,
                           self.disk_tier(cfg), e.notice, self.ring_blocks(cfg), self.span(cfg))
@@ -168,16 +169,15 @@ class ModelHost:
         """The pool's precision and bytes, sized from the context (never from all that is free).
         Auto starts at fp16, the best quality, in at most the bytes a full fp16 context needs, and
         steps down when the conversation outgrows them or memory runs short."""
-        precision = Precision.FP16 if cfg.kv_precision == Precision.AUTO else cfg.kv_precision
+        policy = self.policy(cfg)
         if cfg.kv_budget_bytes is not None:
-            return precision, cfg.kv_budget_bytes
+            return policy.rungs()[0], cfg.kv_budget_bytes
         total, used = self.engine.probe.totals()
         available = total - used - self.engine.activations - cfg.headroom_bytes
         if available <= 0:
             raise ConfigError("not enough free memory for a KV cache; lower the context or free memory")
-        want = self.kv_bytes(cfg.max_context, precision)
-        lowest = lowest_precision(KVShape.from_config(self.engine.loaded.model.config), precision,
-                                  cfg.kv_precision == Precision.AUTO)
+        want = self.kv_bytes(cfg.max_context, policy.rungs()[0])
+        lowest = policy.lowest()
         need = self.kv_bytes(cfg.max_context, lowest)
         if need > available:
             raise ConfigError(f"a context of {cfg.max_context:,} tokens needs {need / 2**20:,.0f} MiB of KV cache at "
@@ -186,10 +186,12 @@ class ModelHost:
         budget = min(want, available)
         shape, local = KVShape.from_config(self.engine.loaded.model.config), self.ring_blocks(cfg)
         full = kv_dtype(self.engine.loaded).itemsize
-        while precision != lowest and pool_blocks(shape, precision, cfg.block_size, budget, full, local,
-                                                  self.span(cfg))[0] < 1:
-            precision = LADDER[LADDER.index(precision) + 1]  # Auto: the rings alone fill the budget at fp16
-        return precision, budget
+        # Auto: where the rings alone fill the budget at fp16, a lower rung leaves blocks beside them
+        holds = lambda p: pool_blocks(shape, p, cfg.block_size, budget, full, local, self.span(cfg))[0] >= 1
+        return policy.start(holds), budget
+
+    def policy(self, cfg: EngineConfig) -> MemoryPolicy:
+        return MemoryPolicy(cfg.kv_precision, quantizable(KVShape.from_config(self.engine.loaded.model.config)))
 
     def ring_blocks(self, cfg: EngineConfig) -> int | None:
         """The windowed layers' ring blocks for ``cfg``'s context (kv/rings.py), where they take

@@ -5,7 +5,6 @@ from kvchat.core.commands import Tokenize
 from kvchat.core.config import MAX_MESSAGES
 from kvchat.core.errors import first_line
 from kvchat.core.events import EngineError, Request
-from kvchat.core.kv_sizes import lowest_precision
 from kvchat.engine.chat import ChatError, validate
 
 
@@ -24,7 +23,7 @@ class PromptBuilder:
         """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
         precision it may step down to."""
         e = self.engine
-        floor = lowest_precision(e.kvpool.shape, e.kvpool.precision, e.auto)
+        floor = e.policy.lowest()
         return min(e.config.max_context, e.kvpool.tokens_for(floor))
 
     def prompt_ids(self, request: Request, stop=None) -> tuple[list[int], int, int]:

@@ -16,6 +16,7 @@ from collections import deque
 
 from kvchat.core.config import ConfigError
 from kvchat.core.events import EngineError, Error, Finished, Stats
+from kvchat.core.memory_policy import StepDown
 from kvchat.engine.chat import ChatError
 from kvchat.engine.generate import DECODE, DONE, NEW, PREFILL, Job
 from kvchat.engine.kv.block_pool import PoolExhausted
@@ -108,7 +109,7 @@ class Scheduler:
             self.retire()
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        speculation.plan_checks(e.precision, e.kvpool.manager, e.kvpool.runner, decoding)
+        speculation.plan_checks(e.kvpool.manager, e.kvpool.runner, decoding)
         return StepPlan(chunk, tuple(job.seq for job in decoding))
 
     def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
@@ -192,7 +193,8 @@ class Scheduler:
             except PoolExhausted as full:
                 old = e.precision
                 rings = isinstance(full, RingsExhausted)  # a lower precision frees no ring
-                if e.auto and not rings and e.kvpool.downshift(self.live()) is not None:
+                step = e.policy.when_full(old, rings, e.kvpool.kv.whole())
+                if isinstance(step, StepDown) and e.kvpool.rebuild(step.precision, e.kvpool.budget, self.live()):
                     e.notice("downshift", f"KV cache full: {old.value} -> {e.precision.value}, "
                                           f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
                     continue

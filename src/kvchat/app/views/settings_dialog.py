@@ -7,6 +7,7 @@ from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.core.memory import GiB, plan
+from kvchat.core.memory_policy import estimate_weights
 
 from kvchat.app.models.sampling_defaults import FALLBACK
 from kvchat.app.models.words import SAVING, SAVING_HELP, WEIGHTS
@@ -40,6 +41,9 @@ class SettingsDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.model_config, self.memory = model_config, memory
+        # what auto chose for the loaded model (measured on the CPU), while auto is what it was loaded with
+        self.auto_chose = getattr(model_config, "kvchat_weights", None) \
+            if engine_settings.get("weights", "auto") == "auto" else None
         # the form scrolls where the screen is too short for it: squeezed into the dialog, its
         # wrapped help lines lost their first and last lines
         self.body = QWidget()
@@ -52,7 +56,7 @@ class SettingsDialog(QDialog):
                                     SAVING_HELP)
         self.precision.setCurrentText(engine_settings.get("kv_precision", "auto"))
         self.on_cuda = on_cuda
-        # auto: int8 on the CPU (lossless on the starter, 2-3x faster decode), the checkpoint's own on CUDA
+        # auto: on the CPU the mode measured fastest here (core.memory_policy), the checkpoint's own on CUDA
         formats = ["auto", "none", "int8", "nf4"] if on_cuda else ["auto", "none", "bf16", "int8", "int4"]
         stored = "as stored" + ("" if on_cuda else " (fp32 on the CPU)")
         self.weights = ValueCombo({w: stored if w == "none" else WEIGHTS[w] for w in formats})
@@ -149,9 +153,7 @@ class SettingsDialog(QDialog):
         if self.model_config is None or not self.memory:
             self.estimate.setText("(the estimate appears once the model is loaded)")
             return
-        full = "bf16" if self.on_cuda else "fp32"
-        weights = {"auto": full if self.on_cuda else "int8", "none": full, "bf16": "bf16", "int8": "int8",
-                   "int4": "nf4", "nf4": "nf4"}[self.weights.currentText()]
+        weights = estimate_weights(self.weights.currentText(), self.on_cuda, self.auto_chose)
         p = plan(self.model_config, self.memory, self.context.value(), weights, int(self.headroom.value() * GiB))
         holds = ", ".join(f"{name} {min(tokens, trained or tokens):,}" for name, tokens in p.max_context.items())
         holds += " tokens"

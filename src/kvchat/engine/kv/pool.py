@@ -21,7 +21,6 @@ from kvchat.engine.kv.tiers import KVTiers
 from kvchat.engine.model.runner import ModelRunner
 
 log = logging.getLogger("kvchat.kv_pool")
-DOWNSHIFT = {Precision.FP16: Precision.INT8, Precision.INT8: Precision.INT4, Precision.K8V4: Precision.INT4}
 
 
 def kv_dtype(lm) -> torch.dtype:
@@ -228,14 +227,6 @@ class KVPool:
         self.tiers.persist(seq, persona_blocks)
         self.ring_prefix.persist()  # a windowed model's new persona ring beside them
         self.manager.free(seq, keep_tail=True)
-
-    def downshift(self, live: list[Sequence]) -> Precision | None:
-        """One step down (fp16 -> int8 -> int4) in the same bytes; None at the bottom, or where no
-        layer keeps the whole context (its block ids hold no bytes: a lower precision adds none)."""
-        lower = DOWNSHIFT.get(self.precision) if self.quantizable and self.kv.whole() else None
-        if lower is None or not self.rebuild(lower, self.budget, live):
-            return None
-        return lower
 
     def usage(self) -> dict:
         pool, rings = self.pool, self.rings
