@@ -79,10 +79,11 @@ def test_connections_add_list_remove_keep_the_key_in_the_keyring(tmp_path):
 
     added = run("add", "lab", "http://gpu-box:8000", "--model", "llama-70b", "--api-key-stdin", stdin="s3cret\n")
     assert added.returncode == 0 and "saved lab" in added.stdout, added.stderr
-    assert run("add", "home", "127.0.0.1:8080").returncode == 0
+    # saved as used: a scheme where none was typed, no endpoint pasted from a client's config
+    assert run("add", "home", "127.0.0.1:8080/v1/chat/completions/").returncode == 0
     listed = run("list")
     assert listed.stdout.splitlines() == ["lab\thttp://gpu-box:8000\tllama-70b\tkey in keyring",
-                                          "home\t127.0.0.1:8080\t(first model)\tno key"]
+                                          "home\thttp://127.0.0.1:8080/v1\t(first model)\tno key"]
     saved = (tmp_path / "home" / "config" / "connections.json").read_text()
     assert "s3cret" not in saved and "s3cret" not in listed.stdout
     assert json.loads(ring.read_text()) == {"kvchat/connection:lab": "s3cret"}
@@ -156,6 +157,15 @@ def test_missing_paths_are_one_line(args, message):
     one_error_line(kvchat(*args, timeout=60), message)
 
 
+def test_version_and_every_bench_in_the_help():
+    version = kvchat("--version", timeout=60)
+    from importlib.metadata import version as installed
+
+    assert version.returncode == 0 and version.stdout.strip() == f"kvchat {installed('kvchat')}"
+    helped = kvchat("bench", "--help", timeout=60)
+    assert helped.returncode == 0 and "speculate,ui}" in helped.stdout and "ui: the window's CPU time" in helped.stdout
+
+
 def test_a_bench_refuses_options_it_does_not_read_and_says_which_it_reads(capsys):
     """``bench api --weights int4`` measured the default weights and said nothing of it."""
     from kvchat.cli.main import main
@@ -180,7 +190,8 @@ def test_a_bench_refuses_options_it_does_not_read_and_says_which_it_reads(capsys
                  ["bench", "speculate", "--clients", "4", "--max-tokens", "64", "--repeats", "2"]):
         assert unread_options(parser().parse_args(args)) == []
     assert main(["bench", "speculate", "--weights", "int4"]) == 1
-    assert ("bench speculate does not read --weights; it reads --clients, --max-tokens, --model, --repeats and "
+    assert ("bench speculate does not read --weights; it reads --clients, --kv-precision, --max-tokens, --model, "
+            "--repeats and "
             "--json") in capsys.readouterr().err
 
 

@@ -197,3 +197,40 @@ def test_random_replies_with_proposals_leak_no_block_over_a_thousand_steps(short
         assert steps["kept"] > 0 and steps["dropped"] > 0  # checks kept some proposals and dropped others
     finally:
         engine.close()
+
+
+def test_a_step_checks_as_many_proposals_as_give_the_most_tokens_a_second():
+    """Measured: a plain step of one sequence 10 ms, a check of 4 rows 40 ms (10 ms a row beside
+    the first, as a quantized pool on the CPU costs): proposals kept half the time do not pay at
+    any size; near-certain ones pay where rows are cheap (25 ms for 4: 5 ms a row), there at the
+    size that gives the most tokens a second. Nothing measured: all run. Another pool starts over."""
+    from kvchat.engine.speculation import CheckGate
+
+    half, sure = (lambda k: 0.5 * k), (lambda k: 0.95 * k)
+    gate, pool = CheckGate(), object()
+    assert gate.cap(pool, 1, [(half, 7)]) == 7  # nothing measured: run it and see
+    gate.note(pool, 1, 1, 0.010)
+    assert gate.cost(1, 8) == 0.010 + 7 * 0.002  # before any check: a fifth of a step a row
+    gate.note(pool, 1, 4, 0.040)
+    assert gate.cost(1, 8) == 0.040 + 4 * 0.010 and gate.cost(1, 2) == 0.020
+    assert gate.cap(pool, 1, [(half, 3)]) == 0 and gate.cap(pool, 1, [(sure, 3)]) == 0
+    gate.seconds[(1, 4)] = 0.025
+    assert gate.cap(pool, 1, [(sure, 3)]) == 3  # 3.85 tokens in 25 ms, against 1.95 in 15 and 1 in 10
+    assert gate.cap(pool, 1, [(half, 3)]) == 0  # 2.5 in 25 ms, 1.5 in 15: no better than 1 in 10
+    assert gate.cap(object(), 1, [(half, 3)]) == 3 and gate.seconds == {}
+
+
+def test_a_proposal_not_checked_is_scored_by_the_tokens_that_came():
+    """How often a proposed token is kept (decayed counts), from checks and from proposals the
+    gate skipped alike; a client's prediction starts trusted."""
+    from kvchat.engine.speculation import Speculator
+
+    spec = Speculator()
+    assert spec.expected(3) == 0.5 + 0.25 + 0.125  # no evidence: a rate of 1/2
+    spec.skip([5, 6, 7], 10)
+    spec.propose(list(range(10)) + [5, 6, 9], 3, 0)  # two came as proposed, then another
+    assert (spec.hits, spec.misses) == (0.7 + 2, 0.7 + 1) and spec.unchecked is None
+    spec.skip([8], 13)
+    spec.propose(list(range(10)) + [5, 6, 9], 3, 0)  # nothing came yet: still waiting
+    assert spec.unchecked == ([8], 13)
+    assert Speculator(prediction=[1, 2]).expected(1) == 0.9

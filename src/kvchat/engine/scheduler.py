@@ -35,6 +35,7 @@ class Scheduler:
         self._admitted = 0
         self._steps = 0
         self.preempted = 0  # jobs sent back to wait for blocks
+        self.checks = speculation.CheckGate()
         self._lock = threading.Lock()  # the handles, which other threads cancel
         self._handles: set = set()
 
@@ -109,7 +110,7 @@ class Scheduler:
             self.retire()
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        speculation.plan_checks(e.kvpool.manager, e.kvpool.runner, decoding)
+        speculation.plan_checks(e.kvpool.manager, e.kvpool.runner, decoding, self.checks)
         return StepPlan(chunk, tuple(job.seq for job in decoding))
 
     def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
@@ -144,6 +145,7 @@ class Scheduler:
                 else:
                     manager.commit(job.seq)  # a block it filled is findable by the next request
                     self._guard(job, job.take, logits[0])
+            self.checks.note(e.kvpool.kv, len(jobs), at, out.decode_seconds)
         self.retire()
 
     def _end_cancelled_waiting(self) -> None:

@@ -31,6 +31,7 @@ def fits(manager) -> bool:
 
 class Speculator:
     """One reply's proposals and how far to trust them, after what its checks kept."""
+    DECAY = 0.7  # of the older evidence at each new check: a reply copies in runs, then stops
 
     def __init__(self, prediction: list[int] | None = None):
         self.lookup = Lookup(prediction)
@@ -39,8 +40,13 @@ class Speculator:
         # a client's own prediction is meant to be kept: the longest checks from the start
         self.k = STEPS[-1] if prediction else STEPS[1]
         self.wait = self.backoff = 0  # decode steps before the next proposal, after checks that paid nothing
+        # how often a proposed token is kept, given the one before it was: kept and missed, decayed
+        self.hits, self.misses = (9.0, 1.0) if prediction else (1.0, 1.0)
+        self.unchecked: tuple[list[int], int] | None = None  # a proposal not checked, scored by what came
 
     def propose(self, token_ids: list[int], generated: int, room: int) -> list[int]:
+        if self.unchecked is not None:
+            self._score_unchecked(token_ids)
         if room < 1:
             return []
         if self.wait > 0:
@@ -48,9 +54,35 @@ class Speculator:
             return []
         return self.lookup.propose(token_ids, generated, min(self.k, room))
 
+    def expected(self, k: int) -> float:
+        """Tokens a check of ``k`` proposals is expected to keep: each kept with the rate seen, the
+        first miss ending the run."""
+        rate = self.hits / (self.hits + self.misses)
+        return sum(rate ** i for i in range(1, k + 1))
+
+    def skip(self, proposed: list[int], length: int) -> None:
+        """``proposed`` to follow a sequence of ``length`` was not checked (it would not pay now):
+        the reply's next tokens still say how it would have fared."""
+        self.unchecked = (proposed, length)
+
+    def _score_unchecked(self, token_ids: list[int]) -> None:
+        proposed, length = self.unchecked
+        came = token_ids[length:]
+        if not came:
+            return
+        self.unchecked = None
+        n = min(len(proposed), len(came))
+        kept = next((i for i in range(n) if proposed[i] != came[i]), n)
+        self._score(kept, kept < n)
+
+    def _score(self, kept: int, missed: bool) -> None:
+        self.hits = self.DECAY * self.hits + kept
+        self.misses = self.DECAY * self.misses + missed
+
     def checked(self, kept: int, proposed: int, stats) -> None:
         stats.accepted_prediction_tokens += kept
         stats.rejected_prediction_tokens += proposed - kept
+        self._score(kept, kept < proposed)
         if kept == 0:
             self.backoff = min(max(2 * self.backoff, WAIT), WAIT_MAX)
             self.wait, self.k = self.backoff, STEPS[max(0, STEPS.index(self.k) - 1)]
@@ -60,37 +92,103 @@ class Speculator:
             self.backoff, self.k = 0, next(k for k in STEPS if k > kept)
 
 
-def plan_checks(manager, runner, jobs: list) -> None:
-    """Proposals for the decoding ``jobs``, in turn, within the rows the batch runs compiled."""
+class CheckGate:
+    """How many proposals a step checks: the most tokens a second, from the tokens each reply's
+    proposals are expected to keep (``Speculator.expected``) and what the rows cost here, measured
+    as the steps run: seconds per shape of step (``(sequences, rows)``; a plain step has a row per
+    sequence), a running mean, forgotten when the pool changes; a shape not run yet costs the plain
+    step plus its extra rows at the mean cost of a row measured beside it (before any, a fifth of a
+    step: an optimistic guess that the first check corrects). A row beside the first costs a fifth
+    of a step on the CPU's compiled fp16 step, but nearly a whole one (0.65-0.85 measured) in a
+    quantized pool on the CPU, where each row reads the sequence's K/V again: there a check pays
+    only where its proposals are near certain (a client's prediction, a copied run)."""
+    WEIGHT = 0.25  # of the newest step in a running mean
+    FIRST_ROW_GUESS = 0.2
+
+    def __init__(self):
+        self.pool = None
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def cap(self, pool, sequences: int, offers: list) -> int:
+        """The most proposals each sequence checks this step (0: none), ``offers`` holding each
+        proposing sequence's ``(expected, proposed)``: its ``Speculator.expected`` and how many it
+        proposes."""
+        self._same_pool(pool)
+        plain = self.seconds.get((sequences, sequences))
+        if plain is None:
+            return max(n for _, n in offers)  # nothing measured yet: run it and see
+        best, best_rate = 0, sequences / plain
+        for cap in sorted({min(n, s) for _, n in offers for s in STEPS} | {n for _, n in offers}):
+            rows = sequences + sum(min(n, cap) for _, n in offers)
+            tokens = sequences + sum(expected(min(n, cap)) for expected, n in offers)
+            rate = tokens / self.cost(sequences, rows)
+            if rate > best_rate:
+                best, best_rate = cap, rate
+        return best
+
+    def cost(self, sequences: int, rows: int) -> float:
+        plain = self.seconds[(sequences, sequences)]
+        if (sequences, rows) in self.seconds:
+            return self.seconds[(sequences, rows)]
+        extra = [(s - plain) / (r - b) for (b, r), s in self.seconds.items() if b == sequences and r > b]
+        row = sum(extra) / len(extra) if extra else self.FIRST_ROW_GUESS * plain
+        return plain + max(0.0, row) * (rows - sequences)
+
+    def note(self, pool, sequences: int, rows: int, seconds: float) -> None:
+        self._same_pool(pool)
+        shape = (sequences, rows)
+        old = self.seconds.get(shape)
+        self.seconds[shape] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def _same_pool(self, pool) -> None:
+        if pool is not self.pool:
+            self.pool, self.seconds = pool, {}
+
+
+def plan_checks(manager, runner, jobs: list, gate: CheckGate) -> None:
+    """Proposals for the decoding ``jobs``, in turn, within the rows the batch runs compiled,
+    as many of each checked as pays (``CheckGate``); what is not checked is scored by what comes."""
     if not fits(manager):
         return
     want = len(jobs) + sum(job.spec.k for job in jobs if job.spec is not None)
     rows = runner.check_rows(want) - len(jobs)  # a row each is taken
+    offers = []
     for job in jobs:
         if job.spec is not None and rows > 0:
-            rows -= plan_check(manager, job, rows)
+            proposed = propose(job, rows)
+            if proposed:
+                offers.append((job, proposed))
+                rows -= len(proposed)
+    if not offers:
+        return
+    cap = gate.cap(runner.kv, len(jobs), [(job.spec.expected, len(proposed)) for job, proposed in offers])
+    for job, proposed in offers:
+        if cap:
+            plan_check(manager, job, proposed[:cap])
+        else:
+            job.spec.skip(proposed, len(job.seq))
 
 
-def plan_check(manager, job, rows: int) -> int:
-    """Up to ``rows`` tokens proposed after ``job``'s own, appended to its sequence and their
-    blocks reserved; returns how many (0 where nothing is proposed or the pool has no room: a
-    proposal never steps the pool down or preempts)."""
+def propose(job, rows: int) -> list[int]:
+    """Up to ``rows`` tokens proposed to follow ``job``'s own, within its reply's room."""
+    room = min(job.handle.request.sampling.max_new_tokens - len(job.generated), job.limit - len(job.seq)) - 1
+    return job.spec.propose(job.seq.token_ids, len(job.generated), min(room, rows))
+
+
+def plan_check(manager, job, proposed: list[int]) -> None:
+    """``proposed`` appended to ``job``'s sequence and their blocks reserved; nothing where the
+    pool has no room (a proposal never steps the pool down or preempts)."""
     seq, spec = job.seq, job.spec
-    room = min(job.handle.request.sampling.max_new_tokens - len(job.generated), job.limit - len(seq)) - 1
-    proposed = spec.propose(seq.token_ids, len(job.generated), min(room, rows))
-    if not proposed:
-        return 0
     seq.token_ids.extend(proposed)
     try:
         manager.reserve(seq, len(seq))
     except PoolExhausted:
         del seq.token_ids[-len(proposed):]
         manager.shrink(seq)
-        return 0
+        return
     spec.proposed = proposed
     window = seq.window
     spec.saved = (window, window.save(len(seq) - len(proposed), len(seq))) if window is not None else None
-    return len(proposed)
 
 
 def rows(job) -> int:

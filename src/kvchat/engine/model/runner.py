@@ -1,5 +1,7 @@
 """The model's forward steps, with the K/V in our pool: a step's plan (``step_plan``), one
 sequence's chunk, a batch's decode token."""
+import time
+
 import torch
 
 from kvchat.kernels.reference import consecutive_start
@@ -31,10 +33,14 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 - the scheduler ends that request with it
                 out.chunk_error = error
         if plan.decode:
+            start = time.perf_counter()
             try:
                 out.decode_logits = self.decode(list(plan.decode))
+                if self.device.type == "cuda":  # its sampling waits for it anyway
+                    torch.cuda.synchronize(self.device)
             except Exception as error:  # noqa: BLE001 - the scheduler tries each sequence alone
                 out.decode_error = error
+            out.decode_seconds = time.perf_counter() - start
         return out
 
     def check_rows(self, want: int) -> int:

@@ -36,4 +36,5 @@ class StepOutput:
     chunk_logits: torch.Tensor | None = None
     chunk_error: Exception | None = None
     decode_logits: torch.Tensor | None = None  # [rows, vocab], each sequence's rows in turn
+    decode_seconds: float = 0.0  # what the batch's forward took (speculation.CheckGate)
     decode_error: Exception | None = None
