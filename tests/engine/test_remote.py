@@ -188,6 +188,9 @@ def test_generate_json_on_the_remote_is_the_local_document(server):
 def test_api_root():
     assert api_root("http://h:8000") == api_root("http://h:8000/v1/") == "http://h:8000/v1"
     assert api_root("localhost:8080") == "http://localhost:8080/v1"
+    # an endpoint pasted with the root (a client's config often holds the whole URL)
+    assert api_root("http://gpu-box:8000/v1/chat/completions") == "http://gpu-box:8000/v1"
+    assert api_root("gpu-box:8000/v1/models/") == "http://gpu-box:8000/v1"
 
 
 VLLM = """# TYPE vllm:kv_cache_usage_perc gauge
@@ -199,7 +202,9 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 SGLANG = 'sglang:token_usage{model_name="m"} 0.5\nsglang:cache_hit_rate{model_name="m"} 0.4\n'
 LLAMA = "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage.\nllamacpp:kv_cache_usage_ratio 0.125\n"
 # today's llama-server --metrics (its /metrics handler): no KV usage, requests processing and deferred
-LLAMA_NOW = ("llamacpp:prompt_tokens_total 6886\nllamacpp:tokens_predicted_total 3469\nllamacpp:n_decode_total 40\n"
+# (prompt tokens computed, and apart those reused from its cache: 3,114 of 10,000 in all)
+LLAMA_NOW = ("llamacpp:prompt_tokens_total 6886\nllamacpp:prompt_tokens_cached_total 3114\n"
+             "llamacpp:tokens_predicted_total 3469\nllamacpp:n_decode_total 40\n"
              "llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n")
 VLLM_EARLY_V1 = ('vllm:gpu_cache_usage_perc{engine="0"} 0.5\nvllm:gpu_prefix_cache_queries_total{engine="0"} 200.0\n'
                  'vllm:gpu_prefix_cache_hits_total{engine="0"} 50.0\nvllm:num_requests_waiting{engine="0"} 4.0\n')
@@ -207,7 +212,7 @@ VLLM_EARLY_V1 = ('vllm:gpu_cache_usage_perc{engine="0"} 0.5\nvllm:gpu_prefix_cac
 
 @pytest.mark.parametrize("text, server, usage, rate", [(VLLM, "vllm", 0.25, 0.75), (SGLANG, "sglang", 0.5, 0.4),
                                                         (LLAMA, "llama.cpp", 0.125, None),
-                                                        (LLAMA_NOW, "llama.cpp", None, None),
+                                                        (LLAMA_NOW, "llama.cpp", None, 0.3114),
                                                         (VLLM_EARLY_V1, "vllm", 0.5, 0.25), ("", None, None, None)])
 def test_server_metrics_of_each_kind(text, server, usage, rate):
     memory = server_memory(text)
@@ -215,7 +220,7 @@ def test_server_metrics_of_each_kind(text, server, usage, rate):
 
 
 def test_server_metrics_in_one_line_for_the_terminal():
-    assert server_memory(LLAMA_NOW).line() == "server (llama.cpp): KV not reported, prefix hits not reported, " \
+    assert server_memory(LLAMA_NOW).line() == "server (llama.cpp): KV not reported, prefix hits 31%, " \
                                               "1 running, 2 waiting"
     assert server_memory(VLLM_EARLY_V1).line() == "server (vllm): KV 50% used, prefix hits 25%, 4 waiting"
     assert server_memory("").line() == "server metrics: not reported (no /metrics)"

@@ -20,14 +20,15 @@ READS = {
 def bench_args(sub) -> None:
     bench = sub.add_parser("bench", help="speed and cache benchmarks on the starter model")
     bench.add_argument("which", choices=["decode", "prefix", "kv", "memory", "kernels", "api", "switch", "capped", "startup",
-                                         "resume", "window", "speculate"],
+                                         "resume", "window", "speculate", "ui"],
                        help="decode: vs transformers; prefix: cache hits; kv: decode per KV precision; "
                             "capped: long prompts and a downshift on a card of --memory; "
                             "kernels: Triton vs reference on CUDA; switch: memory during a model switch; "
                             "startup: what a new user waits for, from fresh and from warm dirs; "
                             "resume: a long chat answered again after eviction and after a restart (KV tiers); "
                             "window: a windowed model's chat past 2,000 tokens, its windowed layers in rings; "
-                            "speculate: replies with speculation off and on (edit, rewrite, open, clients)")
+                            "speculate: replies with speculation off and on (edit, rewrite, open, clients); "
+                            "ui: the window's CPU time per streamed token (kvchat bench ui --help)")
     bench.add_argument("--model", default="starter")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compile", action="store_true",
@@ -62,6 +63,8 @@ def unread_options(args) -> list[str]:
 
 
 def cmd_bench(args) -> int:
+    if args.which == "ui":  # the launcher runs it before this parser (it needs Qt, this CLI does not)
+        raise ConfigError("bench ui runs through the kvchat command: kvchat bench ui")
     unread = unread_options(args)
     if unread:
         raise ConfigError(f"bench {args.which} does not read {', '.join(unread)}; it reads "

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import sys
+from importlib import metadata
 
 from kvchat.core.config import (DECODE_MODES, DEFAULT_CONTEXT, KV_CHOICES, KV_MODES, MAX_RUNNING, WEIGHTS,
                                 ConfigError, EngineConfig, SamplingParams)
@@ -15,6 +16,13 @@ from kvchat.core.errors import first_line
 
 
 USAGE_ERROR = 2
+
+
+def kvchat_version() -> str:
+    try:
+        return metadata.version("kvchat")
+    except metadata.PackageNotFoundError:  # a source tree on the path, not installed
+        return "(not installed)"
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,7 @@ def sampling_args(p: argparse.ArgumentParser, max_new: int = 512) -> None:
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="kvchat", description="Offline chat with local Llama and Qwen models.")
+    root.add_argument("--version", action="version", version=f"kvchat {kvchat_version()}")
     sub = root.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="interactive terminal chat (/system, /reset, /stats, /quit)")
     engine_args(chat)

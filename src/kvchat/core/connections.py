@@ -3,7 +3,7 @@ dir; the API key goes only to the OS keyring (the ``keyring`` package), never to
 app's SQLite file."""
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import keyring
@@ -42,6 +42,22 @@ def config_dir() -> Path:
     path = Path(root) / "config" if root else Path(platformdirs.user_config_dir("kvchat"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+ENDPOINTS = ("/chat/completions", "/completions", "/models", "/embeddings")  # what people paste from docs
+
+
+def server_url(url: str) -> str:
+    """The URL as saved and used: ``http://`` where no scheme was typed, no trailing slash, and no
+    endpoint after the API's root (a URL copied from a client's config often ends in one):
+    'gpu-box:8000/v1/chat/completions' -> 'http://gpu-box:8000/v1'."""
+    url = url.strip().rstrip("/")
+    if url and "://" not in url:
+        url = "http://" + url
+    for endpoint in ENDPOINTS:
+        if url.endswith(endpoint):
+            url = url[:-len(endpoint)].rstrip("/")
+    return url
 
 
 def connection_problem(name: str, url: str) -> str | None:
@@ -92,6 +108,7 @@ class Connections:
         problem = connection_problem(connection.name, connection.base_url)
         if problem:
             raise ValueError(problem)
+        connection = replace(connection, base_url=server_url(connection.base_url))
         if api_key:
             set_key(connection.name, api_key)
         rows = [c for c in self.all() if c.name != connection.name] + [connection]

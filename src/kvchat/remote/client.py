@@ -18,6 +18,7 @@ import httpcore
 import httpx
 from httpx_sse import connect_sse
 
+from kvchat.core.connections import server_url
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Request, RequestHandle, Stats, TokenDelta
 from kvchat.remote.metrics import ServerMemory, server_memory
 
@@ -33,10 +34,9 @@ class RemoteStats(Stats):
 
 
 def api_root(url: str) -> str:
-    """'http://host:8000' or 'http://host:8000/v1/' -> 'http://host:8000/v1'."""
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
+    """'http://host:8000', 'host:8000/v1/' or 'http://host:8000/v1/chat/completions' ->
+    'http://host:8000/v1'."""
+    url = server_url(url)
     return url if url.endswith("/v1") else url + "/v1"
 
 

@@ -17,6 +17,9 @@ HIT_RATE = ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate")  # the la
 HIT_COUNTERS = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
                 ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),  # early v1
                 ("kvchat:prefix_cache_hits_total", "kvchat:prefix_cache_queries_total"))
+# llama-server counts the prompt tokens it reused and, apart, those it computed (tools/server/
+# server-task.cpp: "prompt_tokens_total": processed, excluding cached tokens)
+HIT_PARTS = (("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total"),)
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
            "kvchat:requests_running")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred",
@@ -72,6 +75,10 @@ def server_memory(text: str) -> ServerMemory:
         if queries in values:
             rate = values[hits] / values[queries] if values.get(queries) and hits in values else rate
             break
+    for cached, computed in HIT_PARTS:
+        if cached in values and computed in values:
+            total = values[cached] + values[computed]
+            rate = values[cached] / total if total else rate
     return ServerMemory(server={"llamacpp": "llama.cpp"}.get(server, server), kv_usage=_first(values, USAGE),
                         prefix_hit_rate=rate, requests_running=_first(values, RUNNING),
                         requests_waiting=_first(values, WAITING))

@@ -20,6 +20,8 @@ BUSY_STAGES = {"read": "reading GGUF file…", "tokenizer": "converting GGUF: th
                "model": "converting GGUF: building the model…"}
 COUNTED_STAGES = {"convert": "converting GGUF", "weights": "loading weights"}
 LIVE = ("max_context", "kv_precision", "headroom_gib")  # applied without reloading the model
+LIVE_NAMES = {"max_context": "context length", "kv_precision": "memory saving", "headroom_gib": "memory headroom"}
+PENDING = "Applies after this reply: "  # the notice while a live setting waits for the engine
 
 
 def loaded_model(models: "ModelController") -> list[str]:
@@ -109,7 +111,10 @@ class ModelController(QObject):
                 self.load_model(wanted, previous=None if failed else now)
             return
         self.store.set_setting("engine", wanted)
-        if any(wanted[k] != now[k] for k in LIVE):
+        changed = [k for k in LIVE if wanted[k] != now[k]]
+        if changed:
+            if self.bridge.busy:  # the engine rebuilds its pool only when no reply runs
+                self.win.notify(PENDING + ", ".join(LIVE_NAMES[k] for k in changed))
             self.bridge.reconfigure(*(wanted[k] for k in LIVE))
 
     # -- loading a model --

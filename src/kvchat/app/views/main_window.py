@@ -11,7 +11,7 @@ from kvchat.core.config import SamplingParams
 
 from kvchat.app.controllers.conversations import ConversationController
 from kvchat.app.controllers.desktop import DesktopController
-from kvchat.app.controllers.models import ModelController
+from kvchat.app.controllers.models import PENDING, ModelController
 from kvchat.app.controllers.memory_tally import MemoryTally
 from kvchat.app.controllers.personas import PersonaController
 from kvchat.app.controllers.replies import WAITING_NOTE, ReplyController
@@ -108,7 +108,7 @@ class MainWindow(QMainWindow):
         b.notice.connect(self.on_notice)
         b.snapshot.connect(models.on_snapshot)
         b.server_memory.connect(models.on_server_memory)
-        b.reconfigured.connect(lambda _: (models.update_chips(), personas.update_badge()))
+        b.reconfigured.connect(lambda _: (models.update_chips(), personas.update_badge(), self.clear_notice(PENDING)))
         self.cancel_load_button.clicked.connect(b.cancel_load)
         self.connection_box.picked.connect(models.use_connection)
         self.send_button.clicked.connect(replies.send)
