@@ -5,6 +5,8 @@ two chunks. On the fake backend (tests/support), whose prefill goes in chunks of
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
+from kvchat.app.models.attachments import chip as chip_text
+
 from qt_helpers import qml_click, qml_items, settled, shown
 
 WORDS = ("kvcache", "paging", "prefix", "rotation", "quantize", "governor", "snapshot", "blocks")
@@ -30,10 +32,14 @@ def test_a_long_paste_becomes_a_chip_in_the_composer_and_the_message(qtbot, app_
     qtbot.keyClicks(win.input, "Summarise this:")
     paste(qtbot, win, doc)
     assert win.input.typed() == "Summarise this:"  # the page is not in the box's text
+    # an estimate at once, then the model's own count as its tokenizer gives it (the fake's: words)
+    assert chip_text("Quarterly report on the cache", doc)["size"] == f"≈{-(-len(doc) // 4):,} tokens · {len(doc):,} characters"
+    counted = len(bridge.engine.tokenize(doc).result(10))
+    qtbot.waitUntil(lambda: "estimated" not in win.input.chips()[0].label.toolTip(), timeout=10000)
     [chip] = win.input.chips()
     assert not chip.icon.pixmap().isNull()
-    assert chip.label.text() == f"Quarterly report on the cache · ≈{-(-len(doc) // 4):,} tokens · {len(doc):,} characters"
-    assert "estimated" in chip.label.toolTip()
+    assert chip.label.text() == f"Quarterly report on the cache · {counted:,} tokens · {len(doc):,} characters"
+    assert "as the model's tokenizer counts it" in chip.label.toolTip() and not chip.property("tooLong")
     qtbot.mouseClick(chip.remove_button, Qt.LeftButton)
     assert not win.input.chips() and not win.input.attachments
     paste(qtbot, win, doc)
@@ -89,3 +95,21 @@ def test_a_long_prompt_shows_its_prefill_and_stop_stops_it(qtbot, app_parts):
     assert fake.prefilled == 64  # the engine stopped between two chunks: the rest was never computed
     assert not note().startswith("Reading")
     fake.pace.hold_prefill(None)
+
+
+def test_a_paste_longer_than_the_context_warns_on_its_chip_and_is_not_sent(qtbot, engine_parts):
+    """The real engine's tokenizer, at a context of 512 tokens: a page of about a thousand tokens is
+    counted too long before it is sent; Send says why and keeps the message in the box."""
+    win, store, bridge, _ = engine_parts
+    shown(qtbot, win)
+    doc = document(400)
+    qtbot.keyClicks(win.input, "Summarise this:")
+    paste(qtbot, win, doc)
+    qtbot.waitUntil(lambda: win.input.chips()[0].property("tooLong"), timeout=30000)
+    [chip] = win.input.chips()
+    assert chip.label.text() == f"Quarterly report on the cache · too long: {len(doc):,} characters"
+    assert "longer than the context of 512" in chip.label.toolTip()
+    qtbot.mouseClick(win.send_button, Qt.LeftButton)
+    assert "Not sent: an attachment is longer than the context" in win.notice_label.text()
+    assert win.input.typed() == "Summarise this:" and win.input.attachments and not bridge.busy
+    assert win.conversation_id is None or not store.messages(win.conversation_id)

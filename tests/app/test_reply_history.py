@@ -125,6 +125,28 @@ def test_escape_before_the_first_token_keeps_no_empty_reply(qtbot, app_parts):
     assert "interrupted" not in win.chat_view.toPlainText() and not qml_items(win, "author")
 
 
+def test_a_message_left_unanswered_offers_a_retry_that_answers_it(qtbot, app_parts):
+    """Stopped before its first word, the reply is not kept; the message stays, with its actions
+    shown and an "Answer this message" button, which answers it (and then goes)."""
+    win, store, bridge, _ = app_parts
+    assert not qml_items(win, "retry")
+    bridge.engine.pace.hold()
+    win.input.setPlainText("Hello")
+    qtbot.keyClick(win.input, Qt.Key_Return)
+    assert bridge.busy and not qml_items(win, "retry")  # answering: nothing to retry
+    qtbot.keyClick(win.input, Qt.Key_Escape)
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
+    qtbot.waitUntil(lambda: len(qml_items(win, "retry")) == 1, timeout=3000)
+    actions = qml_items(win, "actions")
+    assert len(actions) == 1 and actions[0].property("opacity") > 0  # shown without pointing at it
+    bridge.engine.pace.lockstep()
+    qml_click(qtbot, win, qml_items(win, "retry")[0])
+    qtbot.waitUntil(lambda: win.send_button.isEnabled() and len(store.messages(win.conversation_id)) == 2,
+                    timeout=60000)
+    assert [m.role for m in store.messages(win.conversation_id)] == ["user", "assistant"]
+    assert store.messages(win.conversation_id)[-1].content and not qml_items(win, "retry")
+
+
 def test_quit_during_the_warm_up_keeps_no_empty_reply(qtbot, app_parts):
     win, store, bridge, _ = app_parts
     compiled = bridge.engine.warm_up()  # the reply waits for a compile that does not end before quit

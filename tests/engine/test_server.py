@@ -306,6 +306,7 @@ def test_past_the_queue_bound_a_request_gets_429(served, base_url):
             time.sleep(0.01)
         r = post(f"{base_url}/chat/completions", ask("Hi"))
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert r.headers["retry-after"] == "1"  # a client backs off before it asks again
     waiter.join(120)
     assert second["status"] == 200  # queued, not refused
     wait_idle(served)

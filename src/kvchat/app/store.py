@@ -43,6 +43,13 @@ class Message:
         return out
 
 
+def engine_messages(messages: list[Message], persona: dict | None, leave_out: int | None = None) -> list[dict]:
+    """A chat as the engine gets it, under its ``persona``; ``leave_out``: the reply being
+    written again."""
+    head = [{"role": "system", "content": persona["system_prompt"]}] if persona else []
+    return head + [m.for_engine() for m in messages if m.id != leave_out]
+
+
 class Store:
     def __init__(self, path: Path):
         self.path = Path(path)

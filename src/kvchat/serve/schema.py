@@ -22,9 +22,10 @@ class ApiError(Exception):
     """``close``: refused before its body was read; the connection ends rather than read it."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 close: bool = False):
+                 close: bool = False, retry_after: int | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.close = message, status, param, code, close
+        self.retry_after = retry_after  # seconds, for a client's backoff (429)
 
 
 def _utf8(value: str, where: str) -> str:

@@ -29,13 +29,16 @@ from kvchat.serve.transport import incident
 
 BODY_IDLE_S = 15.0  # a body that stops arriving for this long is given up
 BODY_DEADLINE_S = 60.0  # and one that takes longer than this in all (8 MiB at 140 KB/s)
+RETRY_AFTER_S = 1  # a 429's Retry-After: a slot frees as soon as any request in the queue ends
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
-                   code=None, close: bool = False) -> JSONResponse:
+                   code=None, close: bool = False, retry_after: int | None = None) -> JSONResponse:
     """``close``: the connection ends after it, so that a body left unread is not read after all."""
-    return JSONResponse(status_code=status, content=error_body(message, kind, param, code),
-                        headers={"Connection": "close"} if close else None)
+    headers = {"Connection": "close"} if close else {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return JSONResponse(status_code=status, content=error_body(message, kind, param, code), headers=headers or None)
 
 
 class ClientGone(Exception):
@@ -181,7 +184,8 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
 
     @app.exception_handler(ApiError)
     async def refused(_request, exc: ApiError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, close=exc.close)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, close=exc.close,
+                              retry_after=exc.retry_after)
 
     @app.exception_handler(ClientGone)
     async def gone(_request, _exc):
@@ -234,7 +238,7 @@ def create_app(engine, model_name: str = "kvchat", *, api_key: str | None = None
         if counters.active >= max_queue:
             counters.refused += 1
             raise ApiError(f"{counters.active} requests are already waiting; try again shortly", status=429,
-                           code="rate_limit_exceeded", close=True)
+                           code="rate_limit_exceeded", close=True, retry_after=RETRY_AFTER_S)
 
     async def accept(http: HttpRequest, kind, build):
         """The body, parsed, and the engine's Request that ``await build(body)`` makes of it, with a

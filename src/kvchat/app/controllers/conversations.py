@@ -5,6 +5,8 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QStandardPaths, Qt
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
+from kvchat.app.store import engine_messages
+
 STREAMING_NOTICE = "a reply is being written in this chat: stop it (Escape) before deleting the chat"
 NOT_IN_FILE_NAMES = '/\\:*?"<>|'
 
@@ -86,7 +88,7 @@ class ConversationController(QObject):
         if QMessageBox.question(win, "Delete chat", f"Delete “{title}” for good?",
                                 QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
             return
-        messages = win.replies.engine_messages(doomed)
+        messages = engine_messages(self.store.messages(doomed), win.replies.persona_of(doomed))
         self.store.delete_conversation(doomed)
         if len(messages) > 1 or messages and messages[0]["role"] != "system":
             win.bridge.forget(messages)  # its KV is its text in another form: gone from every tier too

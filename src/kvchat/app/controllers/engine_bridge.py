@@ -31,6 +31,17 @@ def settings_config(settings: dict) -> EngineConfig:
                         disk_cache_bytes=int(settings.get("disk_cache_gib", DISK_CACHE_BYTES / GiB) * GiB))
 
 
+def settings_in_force(saved: dict, reported: dict) -> dict:
+    """The settings panel's values in force: the engine's config as its last event gave it
+    (``EngineBridge.settings``), over the ``saved`` ones (which the engine starts from, and which
+    stand until it has said)."""
+    config = settings_config(saved)
+    return {"model": "starter", "weights": "auto", **saved,
+            "max_context": reported.get("max_context", config.max_context),
+            "kv_precision": reported.get("kv_precision", config.kv_precision.value),
+            "headroom_gib": reported.get("headroom_bytes", config.headroom_bytes) / GiB}
+
+
 @dataclass
 class _RequestEvent:
     key: int  # which send() it belongs to
@@ -38,8 +49,10 @@ class _RequestEvent:
 
 
 @dataclass
-class _Reconfigured:
+class _Answer:
+    """A command's future, done, for ``handle`` on the GUI thread."""
     future: Future
+    handle: object
     generation: int  # the backend it was asked of: after a switch, its answer is not the new one's
 
 
@@ -64,6 +77,7 @@ class EngineBridge(QObject):
     # done, total (0: unknown), stage: download in bytes (object: sizes pass 2 GiB), convert in tensors
     load_progress = Signal(object, object, str)
     server_memory = Signal(dict)  # a server's own KV-cache figures (ServerMemory), on a connection
+    tokens_counted = Signal(str, object, str)  # a text, its tokens (None: not counted), why it cannot fit ('')
     _delivered = Signal(object)  # anything from the engine thread; queued to the GUI thread
 
     def __init__(self, engine, make_engine=None):
@@ -166,15 +180,6 @@ class EngineBridge(QObject):
         self._listen()
         threading.Thread(target=old.close, name="kvchat-close-backend", daemon=True).start()
 
-    def current_settings(self, saved: dict) -> dict:
-        """The settings panel's values in force: the engine's config as its last event gave it, over
-        the ``saved`` ones (which the engine starts from, and which stand until it has said)."""
-        config, now = settings_config(saved), self.settings
-        return {"model": "starter", "weights": "auto", **saved,
-                "max_context": now.get("max_context", config.max_context),
-                "kv_precision": now.get("kv_precision", config.kv_precision.value),
-                "headroom_gib": now.get("headroom_bytes", config.headroom_bytes) / GiB}
-
     def cancel_load(self) -> None:
         self.engine.cancel_load()
 
@@ -218,9 +223,19 @@ class EngineBridge(QObject):
 
     def reconfigure(self, max_context: int | None, kv_precision: str | None, headroom_gib: float | None = None) -> None:
         headroom = None if headroom_gib is None else int(headroom_gib * GiB)
-        future = self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision, headroom_bytes=headroom)
+        self._answer(self.engine.reconfigure(max_context=max_context, kv_precision=kv_precision,
+                                             headroom_bytes=headroom), self._on_reconfigured)
+
+    def count_tokens(self, text: str) -> None:
+        """The tokens of ``text`` (a pasted document) as the model's tokenizer counts them, and
+        whether it fits the context: ``tokens_counted``. The local engine's only: a server's
+        tokenizer is not reachable, so its chips keep their estimate."""
+        if self.server is None and not self.loading:
+            self._answer(self.engine.tokenize(text), lambda f: self._on_counted(text, f))
+
+    def _answer(self, future: Future, handle) -> None:
         generation = self._generation
-        future.add_done_callback(lambda f: self._post(_Reconfigured(f, generation)))
+        future.add_done_callback(lambda f: self._post(_Answer(f, handle, generation)))
 
     # -- the GUI thread: state changes here only --
 
@@ -230,9 +245,14 @@ class EngineBridge(QObject):
                 self._on_backend_event(item.event)
         elif isinstance(item, _RequestEvent):
             self._on_request_event(item.key, item.event)
-        elif isinstance(item, _Reconfigured):
-            if item.generation == self._generation:
-                self._on_reconfigured(item.future)
+        elif isinstance(item, _Answer) and item.generation == self._generation:
+            item.handle(item.future)
+
+    def _on_counted(self, text: str, future: Future) -> None:
+        try:
+            self.tokens_counted.emit(text, len(future.result()), "")
+        except Exception as error:  # ChatError: longer than the context
+            self.tokens_counted.emit(text, None, str(error))
 
     def _on_backend_event(self, item) -> None:
         if isinstance(item, ModelReady):

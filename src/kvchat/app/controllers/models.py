@@ -9,16 +9,15 @@ from kvchat.core.config import SamplingParams
 from kvchat.core.memory import GiB, plan
 from kvchat.core.model_source import ModelError, source_problem, starter_path
 
+from kvchat.app.controllers.engine_bridge import settings_in_force
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.models.words import saving, saving_tip, weights_label
+from kvchat.app.views.load_bar import show_loading
 from kvchat.app.views.model_library import ModelLibrary
 from kvchat.app.views.settings_dialog import SettingsDialog, trained_context
 from kvchat.app.views.top_bar import model_name, size_label
 
 # a GGUF's first conversion before its tensors count (the starter: ~2.5 s, ~1.3 s, ~1.9 s)
-BUSY_STAGES = {"read": "reading GGUF file…", "tokenizer": "converting GGUF: the tokenizer…",
-               "model": "converting GGUF: building the model…"}
-COUNTED_STAGES = {"convert": "converting GGUF", "weights": "loading weights"}
 LIVE = ("max_context", "kv_precision", "headroom_gib")  # applied without reloading the model
 LIVE_NAMES = {"max_context": "context length", "kv_precision": "memory saving", "headroom_gib": "memory headroom"}
 PENDING = "Applies after this reply: "  # the notice while a live setting waits for the engine
@@ -67,7 +66,7 @@ class ModelController(QObject):
         QShortcut(QKeySequence("Ctrl+L"), win, self.show_library)
 
     def engine_settings(self) -> dict:
-        return self.bridge.current_settings(self.store.setting("engine") or {})
+        return settings_in_force(self.store.setting("engine") or {}, self.bridge.settings)
 
     def memory(self) -> int | None:
         snap = self.win.gauge.snapshot
@@ -185,36 +184,7 @@ class ModelController(QObject):
             self.bridge.use_local(local_settings or self.store.setting("engine") or {})
 
     def set_loading(self, loading: bool, what: str = "loading model") -> None:
-        win = self.win
-        win.load_bar.setVisible(loading)
-        win.cancel_load_button.setVisible(loading and not what.startswith("connecting"))  # nothing loads there
-        if loading:
-            win.load_bar.setRange(0, 0)
-            win.load_bar.setFormat(what)
-            win.precision_label.setText(f"{what}...")
-            win.model_chip.setText("connecting…" if what.startswith("connecting") else "loading…")
-
-    def on_load_progress(self, done: int, total: int, stage: str = "download") -> None:
-        """A download in bytes; a GGUF's first conversion in its stages, the tensors counted; then the
-        weights, tensor by tensor. A busy bar draws no text: the label beside it names the stage."""
-        bar, label = self.win.load_bar, self.win.precision_label
-        if stage in BUSY_STAGES:
-            bar.setRange(0, 0)
-            label.setText(BUSY_STAGES[stage])
-            return
-        if total <= 0:
-            return
-        if stage in COUNTED_STAGES:
-            what = COUNTED_STAGES[stage]
-            bar.setRange(0, total)
-            bar.setValue(done)
-            bar.setFormat(f"{what}: tensor {done} of {total}")
-            label.setText(f"{what}…")
-            return
-        bar.setRange(0, 1000)
-        bar.setValue(int(1000 * done / total))
-        bar.setFormat(f"{done / 1e9:.2f} / {total / 1e9:.2f} GB")
-        label.setText("downloading…")
+        show_loading(self.win, loading, what)
 
     def on_ready(self) -> None:
         win, bridge = self.win, self.bridge

@@ -10,6 +10,7 @@ from PySide6.QtCore import QObject, QTimer
 
 from kvchat.app.controllers.conversations import STREAMING_NOTICE
 from kvchat.app.controllers.loop_guard import LoopGuard
+from kvchat.app.store import engine_messages
 
 SAVE_EVERY_S = 0.5  # a streaming reply is saved this often, marked interrupted until it ends
 RENDER_EVERY_MS = 66  # tokens arriving faster than this are shown together (15 frames a second)
@@ -71,12 +72,6 @@ class ReplyController(QObject):
     def persona_of(self, conversation_id: int) -> dict | None:
         return self.win.personas.persona(self.store.conversation(conversation_id)["persona_id"])
 
-    def engine_messages(self, conversation_id: int, leave_out: int | None = None) -> list[dict]:
-        """The chat as the engine gets it; ``leave_out``: the reply being written again."""
-        persona = self.persona_of(conversation_id)
-        head = [{"role": "system", "content": persona["system_prompt"]}] if persona else []
-        return head + [m.for_engine() for m in self.store.messages(conversation_id) if m.id != leave_out]
-
     def use_prompt(self, text: str) -> None:
         """An example prompt from the empty chat: sent as if typed."""
         self.win.input.setPlainText(text)
@@ -87,6 +82,8 @@ class ReplyController(QObject):
         text = win.input.toPlainText().strip()
         if not text:
             return
+        if win.input.too_long():  # kept in the box: shortened, or sent once the context is raised
+            return win.notify(win.input.too_long())
         reply = self.shown
         if reply is not None:  # never a silent no: say why, and after a Stop send it once the reply has ended
             reply.send_after_stop = reply.stopping
@@ -185,8 +182,8 @@ class ReplyController(QObject):
         """A reply to the chat as it stands; ``version_of``: a reply to write again, as a new version."""
         win = self.win
         conversation_id = conversation_id or win.conversation_id
-        messages = self.engine_messages(conversation_id, leave_out=version_of)
         persona = self.persona_of(conversation_id)  # the author: a later change of persona does not rename it
+        messages = engine_messages(self.store.messages(conversation_id), persona, leave_out=version_of)
         if version_of is not None:
             self.store.new_version(version_of, persona)
             reply = Reply(version_of, conversation_id, new_version=True)

@@ -35,9 +35,18 @@ def decode(content: str) -> tuple[str, list[tuple[str, str]]]:
     return TAG.sub("", content).strip("\n"), found
 
 
-def chip(name: str, text: str) -> dict:
-    """What a chip shows: its name, its size, and its text to expand."""
+def chip(name: str, text: str, counted: tuple[int | None, str] | None = None) -> dict:
+    """What a chip shows: its name, its size, and its text to expand. ``counted``: the model's own
+    count of its tokens, or why it does not fit the context (``EngineBridge.tokens_counted``)."""
+    tokens, problem = counted or (None, "")
+    if problem:
+        return {"name": name, "text": text, "size": f"too long: {len(text):,} characters", "problem": problem,
+                "tip": f"Longer than the context: {problem}. The model cannot read it whole: shorten it, or "
+                       "raise the context length in Settings."}
+    if tokens is not None:
+        return {"name": name, "text": text, "size": f"{tokens:,} tokens · {len(text):,} characters", "problem": "",
+                "tip": f"{tokens:,} tokens, as the model's tokenizer counts it. Click to show or hide the text."}
     tokens = estimate_tokens(text)
-    return {"name": name, "text": text, "size": f"≈{tokens:,} tokens · {len(text):,} characters",
+    return {"name": name, "text": text, "size": f"≈{tokens:,} tokens · {len(text):,} characters", "problem": "",
             "tip": f"About {tokens:,} tokens, estimated from its {len(text):,} characters (the model's "
                    "tokenizer counts it exactly when it is sent). Click to show or hide the text."}

@@ -9,6 +9,7 @@ from kvchat.app.models.row_model import RowModel, role_ids
 ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stats", "streaming", "lastReply", "note",
          "version", "versions"]
 ROLES.append("attachments")  # a user message's pasted documents, as chips (models/attachments.py)
+ROLES.append("unanswered")  # the chat's last message is the user's: its reply was stopped before a word, or never came
 ROLE_IDS = role_ids(ROLES)
 
 
@@ -38,8 +39,9 @@ class ChatModel(RowModel):
             if row["blocks"] is None:  # rendered when first shown: a long chat opens at the cost of a screenful
                 row["blocks"] = blocks(row["content"], self.dark, row["streaming"]) if row["role"] == "assistant" else []
             return row["blocks"]
-        if role == ROLE_IDS["lastReply"]:
-            return index.row() == len(self.rows) - 1 and row["role"] == "assistant"
+        if role in (ROLE_IDS["lastReply"], ROLE_IDS["unanswered"]):
+            return index.row() == len(self.rows) - 1 and row["role"] == ("assistant" if role == ROLE_IDS["lastReply"]
+                                                                          else "user")
         if role == Qt.DisplayRole:
             return row["content"]
         name = next((n for n, rid in ROLE_IDS.items() if rid == role), None)
@@ -72,8 +74,9 @@ class ChatModel(RowModel):
             self.beginInsertRows(QModelIndex(), n, len(rows) - 1)
             self.rows.extend(rows[n:])
             self.endInsertRows()
-            if n:  # the row that was last is no longer: its Regenerate goes
-                self.dataChanged.emit(self.index(n - 1), self.index(n - 1), [ROLE_IDS["lastReply"]])
+            if n:  # the row that was last is no longer: its Regenerate (or Retry) goes
+                self.dataChanged.emit(self.index(n - 1), self.index(n - 1),
+                                      [ROLE_IDS["lastReply"], ROLE_IDS["unanswered"]])
 
     def _row(self, m, author: str, live: bool, live_text: str) -> dict:
         # a reply keeps the name of the persona that wrote it; ``author`` names only one without

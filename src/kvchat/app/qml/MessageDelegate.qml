@@ -15,6 +15,7 @@ Item {
     required property string stats
     required property bool streaming
     required property bool lastReply
+    required property bool unanswered
     required property string note
     required property var attachments
     required property int version
@@ -170,11 +171,12 @@ Item {
             objectName: "actions"
             spacing: 2
             anchors.right: msg.isUser ? parent.right : undefined
-            opacity: hover.hovered && !msg.streaming ? 1 : 0
+            opacity: hover.hovered && !msg.streaming || msg.unanswered ? 1 : 0  // a message left unanswered offers its Retry
             Behavior on opacity { NumberAnimation { duration: 120 } }
             ActionButton { objectName: "copyMessage"; iconName: "copy"; tip: "Copy message"; onClicked: chat.copyText(msg.content) }
             ActionButton { objectName: "editMessage"; iconName: "edit"; tip: "Edit and resend"; visible: msg.isUser; onClicked: chat.edit(msg.position) }
             ActionButton { objectName: "regenerate"; iconName: "regenerate"; tip: "Regenerate"; visible: msg.lastReply; onClicked: chat.regenerate() }
+            ActionButton { objectName: "retry"; iconName: "regenerate"; tip: "Answer this message"; visible: msg.unanswered; onClicked: chat.regenerate() }
             ActionButton { objectName: "stats"; iconName: "info"; tip: msg.stats; visible: msg.stats.length > 0 }
         }
     }

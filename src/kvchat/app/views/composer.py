@@ -16,9 +16,10 @@ TRAY_HEIGHT = 34
 class AttachmentChip(QFrame):
     removed = Signal()
 
-    def __init__(self, name: str, text: str):
+    def __init__(self, name: str, text: str, counted: tuple | None = None):
         super().__init__(objectName="attachmentChip")
-        shown = chip(name, text)
+        shown = chip(name, text, counted)
+        self.setProperty("tooLong", bool(shown["problem"]))  # the theme draws it in its warning colour
         self.label = QLabel(f"{name} · {shown['size']}")
         self.label.setToolTip(shown["tip"])
         self.icon = QLabel()  # the app's icon: an emoji showed as an empty box without an emoji font
@@ -35,10 +36,12 @@ class AttachmentChip(QFrame):
 
 class Composer(QPlainTextEdit):
     attachments_changed = Signal()
+    attached = Signal(str)  # a new attachment's text: the bridge counts its tokens (set_count)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.attachments: list[tuple[str, str]] = []  # (name, text), in the order pasted
+        self.counted: dict[str, tuple] = {}  # text -> (tokens, why it cannot fit), as the model counts
         self.tray = QWidget(self, objectName="attachmentTray")
         self.tray_row = QHBoxLayout(self.tray)
         self.tray_row.setContentsMargins(6, 4, 6, 0)
@@ -59,6 +62,27 @@ class Composer(QPlainTextEdit):
     def attach(self, text: str, name: str | None = None) -> None:
         self.attachments.append((name or name_for(text), text))
         self._show_chips()
+        if text not in self.counted:
+            self.attached.emit(text)
+
+    def set_count(self, text: str, tokens, problem: str) -> None:
+        """The model's count of an attachment's tokens (None and ``problem``: it cannot fit)."""
+        self.counted[text] = (tokens, problem)
+        if any(t == text for _, t in self.attachments):
+            self._show_chips()
+
+    def recount(self) -> None:
+        """The counts are another tokenizer's or context's now: each attachment is counted again."""
+        self.counted = {}
+        self._show_chips()
+        for _, text in self.attachments:
+            self.attached.emit(text)
+
+    def too_long(self) -> str:
+        """Why the message cannot be sent as it is (an attachment longer than the context), or ''."""
+        problem = next((self.counted[t][1] for _, t in self.attachments if self.counted.get(t, (0, ""))[1]), "")
+        return f"Not sent: an attachment is longer than the context ({problem}). Shorten it, or raise the " \
+               "context length in Settings." if problem else ""
 
     def remove(self, index: int) -> None:
         del self.attachments[index]
@@ -87,7 +111,7 @@ class Composer(QPlainTextEdit):
             old.setParent(None)
             old.deleteLater()
         for i, (name, text) in enumerate(self.attachments):
-            item = AttachmentChip(name, text)
+            item = AttachmentChip(name, text, self.counted.get(text))
             item.removed.connect(lambda i=i: self.remove(i))
             self.tray_row.insertWidget(i, item)
         shown = bool(self.attachments)

@@ -21,6 +21,7 @@ from kvchat.app.store import Store
 from kvchat.app.views import window_layout
 from kvchat.app.views.chat_view import ChatView
 from kvchat.app.views.icons import icon
+from kvchat.app.views.load_bar import show_progress
 from kvchat.app.views.memory_panel import MemoryPanel
 from kvchat.app.views.theme import COLOURS, Theme
 
@@ -100,7 +101,7 @@ class MainWindow(QMainWindow):
         b, chats, personas, replies, models = self.bridge, self.chats, self.personas, self.replies, self.models
         b.ready.connect(models.on_ready)
         b.load_failed.connect(models.on_load_failed)
-        b.load_progress.connect(models.on_load_progress)
+        b.load_progress.connect(lambda done, total, stage: show_progress(self, done, total, stage))
         b.token.connect(replies.on_token)
         b.finished.connect(replies.on_finished)
         b.reply_failed.connect(replies.on_reply_failed)
@@ -108,7 +109,11 @@ class MainWindow(QMainWindow):
         b.notice.connect(self.on_notice)
         b.snapshot.connect(models.on_snapshot)
         b.server_memory.connect(models.on_server_memory)
-        b.reconfigured.connect(lambda _: (models.update_chips(), personas.update_badge(), self.clear_notice(PENDING)))
+        b.reconfigured.connect(lambda _: (models.update_chips(), personas.update_badge(), self.clear_notice(PENDING),
+                                          self.input.recount()))
+        b.ready.connect(self.input.recount)  # another model, another tokenizer
+        self.input.attached.connect(b.count_tokens)
+        b.tokens_counted.connect(self.input.set_count)
         self.cancel_load_button.clicked.connect(b.cancel_load)
         self.connection_box.picked.connect(models.use_connection)
         self.send_button.clicked.connect(replies.send)

@@ -56,6 +56,8 @@ QDialog QCheckBox::indicator:checked {{ background: {accent}; border-color: {acc
 QComboBox QAbstractItemView {{ background: {panel}; color: {text}; border: 1px solid {border};
                                selection-background-color: {hover}; selection-color: {text}; outline: none; }}
 QFrame#attachmentChip {{ background: {chip}; border: 1px solid {border}; border-radius: 10px; }}
+QFrame#attachmentChip[tooLong="true"] {{ border-color: {danger}; }}
+QFrame#attachmentChip[tooLong="true"] QLabel {{ color: {danger}; }}
 QLabel[muted="true"] {{ color: {muted}; }}
 QScrollBar:vertical {{ background: transparent; width: 10px; margin: 2px; }}
 QScrollBar::handle:vertical {{ background: {border}; border-radius: 3px; min-height: 24px; }}
