@@ -82,7 +82,7 @@ class ChatFormatter:
             raise ChatError(f"the prompt is {len(text):,} characters, longer than the context of {limit:,} tokens")
         ids = self.tokenizer(text)["input_ids"]
         if len(ids) >= limit:
-            raise ChatError(f"the prompt is {len(ids)} tokens, longer than the context of {limit}")
+            raise ChatError(f"the prompt is {len(ids):,} tokens, longer than the context of {limit:,} tokens")
         return ids
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:

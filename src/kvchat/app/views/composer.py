@@ -80,9 +80,9 @@ class Composer(QPlainTextEdit):
 
     def too_long(self) -> str:
         """Why the message cannot be sent as it is (an attachment longer than the context), or ''."""
-        problem = next((self.counted[t][1] for _, t in self.attachments if self.counted.get(t, (0, ""))[1]), "")
-        return f"Not sent: an attachment is longer than the context ({problem}). Shorten it, or raise the " \
-               "context length in Settings." if problem else ""
+        too_long = any(self.counted.get(t, (0, ""))[1] for _, t in self.attachments)
+        return "Not sent: an attachment is longer than the context. Shorten it, or raise the context length " \
+               "in Settings." if too_long else ""
 
     def remove(self, index: int) -> None:
         del self.attachments[index]
