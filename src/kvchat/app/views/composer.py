@@ -1,16 +1,24 @@
-"""The message box: a plain text editor whose long pastes become attachments, shown as chips in a
-row above the text (each with its name, its estimated size and a remove button). The controllers
+"""The message box: a plain text editor whose long pastes and attached files (dropped, pasted or
+picked: models/files.py) become attachments, shown as chips in a row above the text (each with its name, its estimated size and a remove button). The controllers
 read and set the message as one text (toPlainText, setPlainText, clear), as they did before there
 were attachments: the attachments ride along in it, between tags (models/attachments.py), so that
 sending, editing and resending carry them without knowing of them."""
+from pathlib import Path
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QToolButton, QWidget
 
 from kvchat.app.models.attachments import LONG_PASTE, chip, decode, encode, name_for
+from kvchat.app.models.files import Unreadable, read_text
 from kvchat.app.views.icons import icon
 
 TRAY_HEIGHT = 34
+
+
+def local_files(source) -> list[str]:
+    """The local files a drop or a paste carries (a file manager's copy), if any."""
+    return [url.toLocalFile() for url in source.urls() if url.isLocalFile()] if source.hasUrls() else []
 
 
 class AttachmentChip(QFrame):
@@ -37,6 +45,7 @@ class AttachmentChip(QFrame):
 class Composer(QPlainTextEdit):
     attachments_changed = Signal()
     attached = Signal(str)  # a new attachment's text: the bridge counts its tokens (set_count)
+    refused = Signal(str)  # why a file could not be attached (not text, too large)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -51,8 +60,16 @@ class Composer(QPlainTextEdit):
     def chips(self) -> list[AttachmentChip]:
         return self.tray.findChildren(AttachmentChip)
 
+    def canInsertFromMimeData(self, source) -> bool:
+        return bool(local_files(source)) or super().canInsertFromMimeData(source)
+
     def insertFromMimeData(self, source) -> None:
-        """Every paste (keys, menu, middle click, a drop): a long text becomes an attachment."""
+        """Every paste (keys, menu, middle click, a drop): files are attached, a long text becomes an
+        attachment."""
+        files = local_files(source)
+        if files:
+            self.attach_files(files)
+            return
         text = source.text() if source.hasText() else ""
         if len(text) > LONG_PASTE:
             self.attach(text)
@@ -64,6 +81,15 @@ class Composer(QPlainTextEdit):
         self._show_chips()
         if text not in self.counted:
             self.attached.emit(text)
+
+    def attach_files(self, paths) -> None:
+        """Each file's text as an attachment named after the file; one that cannot be read is
+        refused (``refused`` says why) and the others still come."""
+        for path in paths:
+            try:
+                self.attach(read_text(path), Path(path).name)
+            except Unreadable as why:
+                self.refused.emit(str(why))
 
     def set_count(self, text: str, tokens, problem: str) -> None:
         """The model's count of an attachment's tokens (None and ``problem``: it cannot fit)."""

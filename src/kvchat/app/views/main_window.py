@@ -2,10 +2,11 @@
 (conversations), personas, the reply, and the model. Everything the user does is saved at once; the
 engine is only reached through the bridge's queued signals."""
 import time
+from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import QMainWindow, QMessageBox, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QMainWindow, QMessageBox, QSplitter, QVBoxLayout, QWidget
 
 from kvchat.core.config import SamplingParams
 
@@ -26,6 +27,8 @@ from kvchat.app.views.memory_panel import MemoryPanel
 from kvchat.app.views.theme import COLOURS, Theme
 
 NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
+FILE_TYPES = ("Documents (*.txt *.md *.markdown *.rst *.csv *.tsv *.json *.yaml *.yml *.toml *.log *.pdf *.py *.js *.ts "
+              "*.c *.h *.cpp *.hpp *.rs *.go *.java *.kt *.rb *.php *.sh *.sql *.html *.css *.xml);;All files (*)")
 
 
 class MainWindow(QMainWindow):
@@ -91,7 +94,8 @@ class MainWindow(QMainWindow):
                              (self.persona_edit_button, "edit"), (self.persona_new_button, "persona"),
                              (self.export_button, "export"), (self.memory_button, "memory"),
                              (self.library_button, "library"), (self.settings_button, "settings"),
-                             (self.send_button, "send"), (self.stop_button, "stop")):
+                             (self.send_button, "send"), (self.stop_button, "stop"),
+                             (self.attach_button, "paperclip")):
             button.setIcon(icon(name, COLOURS[self.theme.dark]["accentText"] if button is self.send_button else colour))
         self.theme_button.setIcon(icon("moon" if self.theme.dark else "sun", colour))
         self.theme_button.setText(self.theme.mode.capitalize())
@@ -117,6 +121,8 @@ class MainWindow(QMainWindow):
         self.cancel_load_button.clicked.connect(b.cancel_load)
         self.connection_box.picked.connect(models.use_connection)
         self.send_button.clicked.connect(replies.send)
+        self.attach_button.clicked.connect(self.pick_files)
+        self.input.refused.connect(self.notify)
         self.stop_button.clicked.connect(replies.stop)
         self.running_button.clicked.connect(replies.show_next)
         self.new_button.clicked.connect(chats.new)
@@ -215,6 +221,11 @@ class MainWindow(QMainWindow):
         """A notice about a state (an edit under way, a reply in the way) goes when the state ends."""
         if self.notice_label.text().startswith(prefix):
             self.notice_label.setText("")
+
+    def pick_files(self) -> None:
+        """The paper clip: files picked in the system's dialog are attached."""
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach files", str(Path.home()), FILE_TYPES)
+        self.input.attach_files(paths)
 
     def notify(self, message: str) -> None:
         """The notice line shows the latest; its tooltip the ones before."""

@@ -108,12 +108,15 @@ def composer(win) -> QHBoxLayout:
     win.input = Composer(placeholderText="Message kvchat (Enter sends, Shift+Enter for a new line)")
     win.input.setTabChangesFocus(True)  # Tab moves on (to Send): a chat message has no use for a tab
     win.input_height = ComposerHeight(win.input)
+    win.attach_button = QToolButton(objectName="attach", autoRaise=True,
+                                    toolTip="Attach files: text, code, Markdown, CSV or PDF (or drop them here)")
     win.send_button = QPushButton("Send", objectName="send")
     win.stop_button = QPushButton("Stop")
     win.stop_button.setEnabled(False)
     win.stop_button.hide()
     row = QHBoxLayout()
     row.setContentsMargins(10, 6, 8, 6)
+    row.addWidget(win.attach_button, 0, Qt.AlignBottom)
     row.addWidget(win.input, 1)
     row.addWidget(win.send_button, 0, Qt.AlignBottom)
     row.addWidget(win.stop_button, 0, Qt.AlignBottom)
