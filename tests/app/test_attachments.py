@@ -107,7 +107,7 @@ def test_a_paste_longer_than_the_context_warns_on_its_chip_and_is_not_sent(qtbot
     paste(qtbot, win, doc)
     qtbot.waitUntil(lambda: win.input.chips()[0].property("tooLong"), timeout=30000)
     [chip] = win.input.chips()
-    assert chip.label.text() == f"Quarterly report on the cache · too long for the context · {len(doc):,} characters"
+    assert chip.label.text() == f"Quarterly report on the cache · too long · {len(doc):,} characters"
     assert "longer than the context of 512" in chip.label.toolTip()
     qtbot.mouseClick(win.send_button, Qt.LeftButton)
     assert win.notice_label.text().startswith("Not sent: an attachment is longer than the context.")

@@ -440,3 +440,22 @@ def test_the_running_button_opens_a_chat_the_search_hides_and_the_list_marks_non
     qtbot.mouseClick(win.stop_button, Qt.LeftButton)
     assert not bridge.busy and not win.running_button.isVisible()
     assert [m.role for m in store.messages(first)] == [m.role for m in store.messages(second)] == ["user"]
+
+
+def test_a_long_notice_ends_in_an_ellipsis_beside_the_status_not_cut_under_it(qtbot, app_parts):
+    """At 1,000 px a notice longer than its room is drawn up to an ellipsis, ending before the
+    precision label; the line itself and its tooltip stay whole, and the window does not widen."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    win.resize(1000, 700)
+    qtbot.waitUntil(lambda: win.width() == 1000)
+    message = "Not sent: an attachment is longer than the context. " * 3
+    win.notify(message)
+    label = win.notice_label
+    qtbot.waitUntil(lambda: label.shown_text() != message)
+    assert label.text() == message and message in label.toolTip() and win.width() == 1000
+    assert label.shown_text().endswith("…") and message.startswith(label.shown_text()[:-1])
+    assert label.fontMetrics().horizontalAdvance(label.shown_text()) <= label.contentsRect().width()
+    assert label.geometry().right() < win.precision_label.geometry().left()
+    win.notify("ready")
+    assert label.shown_text() == "ready"

@@ -40,7 +40,7 @@ def chip(name: str, text: str, counted: tuple[int | None, str] | None = None) ->
     count of its tokens, or why it does not fit the context (``EngineBridge.tokens_counted``)."""
     tokens, problem = counted or (None, "")
     if problem:
-        return {"name": name, "text": text, "size": f"too long for the context · {len(text):,} characters",
+        return {"name": name, "text": text, "size": f"too long · {len(text):,} characters",
                 "problem": problem,
                 "tip": f"Longer than the context: {problem}. The model cannot read it whole: shorten it, or "
                        "raise the context length in Settings."}

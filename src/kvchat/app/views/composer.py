@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QTool
 
 from kvchat.app.models.attachments import LONG_PASTE, chip, decode, encode, name_for
 from kvchat.app.models.files import Unreadable, read_text
+from kvchat.app.views.elided_label import ElidedLabel
 from kvchat.app.views.icons import icon
 
 TRAY_HEIGHT = 34
@@ -28,7 +29,7 @@ class AttachmentChip(QFrame):
         super().__init__(objectName="attachmentChip")
         shown = chip(name, text, counted)
         self.setProperty("tooLong", bool(shown["problem"]))  # the theme draws it in its warning colour
-        self.label = QLabel(f"{name} · {shown['size']}")
+        self.label = ElidedLabel(f"{name} · {shown['size']}")  # ends in "…" in a narrow box
         self.label.setToolTip(shown["tip"])
         self.icon = QLabel()  # the app's icon: an emoji showed as an empty box without an emoji font
         self.icon.setPixmap(icon("document", self.palette().color(QPalette.WindowText).name(), 16).pixmap(16, 16))

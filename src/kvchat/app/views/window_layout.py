@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLineEdit
 from kvchat.app.views.composer import Composer
 from kvchat.app.views.composer_height import ComposerHeight
 from kvchat.app.views.connection_box import ConnectionBox
+from kvchat.app.views.elided_label import ElidedLabel
 from kvchat.app.views.running_button import RunningButton
 from kvchat.app.views.conversation_list import ConversationList
 from kvchat.app.views.top_bar import Chip, TopBar
@@ -132,10 +133,11 @@ def composer(win) -> QHBoxLayout:
 
 
 def status_bar(win) -> QFrame:
-    win.precision_label, win.notice_label = QLabel("loading model..."), QLabel()
+    win.precision_label, win.notice_label = QLabel("loading model..."), ElidedLabel()
     for label in (win.precision_label, win.notice_label):
         label.setProperty("muted", True)
-    # a long notice must not widen the window: its size hint is ignored, the tooltip has it whole
+    # a long notice must not widen the window: its size hint is ignored, it ends in "…" where it is
+    # cut, and the tooltip has it whole
     win.notice_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
     win.load_bar = QProgressBar(minimumWidth=240, maximumWidth=360, textVisible=True, format="loading model")
     win.load_bar.setRange(0, 0)  # busy until a download or a conversion reports its size
