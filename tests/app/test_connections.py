@@ -234,6 +234,41 @@ def test_the_app_reopens_on_the_connection_it_was_using(qtbot, ring, server, tmp
     win.bridge.engine.close()
 
 
+def test_a_keyed_server_after_a_restart_asks_for_the_key_and_keeps_it(qtbot, ring, server, tmp_path):
+    """A key kept for one session only (no keyring then) is gone after a restart: the server answers
+    401, and the app asks for the key (hidden as typed) instead of failing for good; with it the
+    connection opens and the key is in the keyring for the next start."""
+    from PySide6.QtWidgets import QInputDialog, QLineEdit
+
+    from kvchat.app.controllers.engine_bridge import EngineBridge
+    from kvchat.app.controllers.engine_starter import EngineStarter
+    from kvchat.app.views.main_window import MainWindow
+    from kvchat.app.store import Store
+    from kvchat.core.config import EngineConfig
+
+    Connections().save(Connection("lab", server))  # its key was this session's only: not saved
+    store = Store(tmp_path / "chat.db")
+    store.set_setting("connection", "lab")
+    asked = []
+
+    def type_key(dialog):
+        asked.append((dialog.textEchoMode(), dialog.labelText()))
+        dialog.setTextValue(KEY)
+        dialog.accept()
+        return True
+
+    with answering(QInputDialog, type_key):
+        win = MainWindow(store, EngineBridge(EngineStarter(EngineConfig(), lambda _: None)))
+        qtbot.addWidget(win)
+        qtbot.waitUntil(lambda: win.bridge.server == server + "/v1" and not win.bridge.switching, timeout=30000)
+    assert asked and asked[0][0] == QLineEdit.Password and "lab" in asked[0][1]
+    assert get_key("lab") == KEY and win.connection_box.currentText() == "lab"
+    win.sampling = SamplingParams(max_new_tokens=4, temperature=0)
+    send(qtbot, win, "Hi!")
+    assert store.messages(win.conversation_id)[-1].stats["kv_precision"] == "server"
+    win.bridge.engine.close()
+
+
 def test_choosing_the_same_connection_again_retries_it(qtbot, ring, app_parts):
     win, _, bridge, _ = app_parts
     Connections().save(Connection("down", "http://127.0.0.1:9"))  # nothing listens there

@@ -30,6 +30,22 @@ def keep_for_session(name: str, api_key: str) -> None:
     _session_keys[name] = api_key
 
 
+def remember_key(name: str, api_key: str) -> bool:
+    """The key of connection ``name`` in the OS keyring (True), else for this session only."""
+    try:
+        set_key(name, api_key)
+        return True
+    except KeyringUnavailable:
+        keep_for_session(name, api_key)
+        return False
+
+
+def refused_key(message: str) -> bool:
+    """Did the server refuse the request for its key (missing or wrong)? ``message`` as the remote
+    client words a server's error (``remote.client.server_error``)."""
+    return any(f"answered {status}" in message for status in (401, 403))
+
+
 @dataclass
 class Connection:
     name: str

@@ -6,12 +6,14 @@ from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QMessageBox
 
 from kvchat.core.config import SamplingParams
+from kvchat.core.connections import refused_key, remember_key
 from kvchat.core.memory import GiB, plan
 from kvchat.core.model_source import ModelError, source_problem, starter_path
 
 from kvchat.app.controllers.engine_bridge import settings_in_force
 from kvchat.app.models.sampling_defaults import model_defaults
 from kvchat.app.models.words import saving, saving_tip, weights_label
+from kvchat.app.views.key_prompt import ask_key
 from kvchat.app.views.load_bar import show_loading
 from kvchat.app.views.model_library import ModelLibrary
 from kvchat.app.views.settings_dialog import SettingsDialog, trained_context
@@ -248,6 +250,9 @@ class ModelController(QObject):
         elif previous is not None:
             win.show_error(f"The model could not be loaded: {message}")
             self.load_model(previous, previous=None)
+        elif refused_key(message) and (key := ask_key(win, self.store.setting("connection"))):
+            remember_key(self.store.setting("connection"), key)  # a session-only key is gone after a restart
+            self.use_connection(self.store.setting("connection"))
         elif self.store.setting("connection"):
             win.precision_label.setText("not connected")
             win.model_chip.setText("not connected")
