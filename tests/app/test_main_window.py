@@ -459,3 +459,23 @@ def test_a_long_notice_ends_in_an_ellipsis_beside_the_status_not_cut_under_it(qt
     assert label.geometry().right() < win.precision_label.geometry().left()
     win.notify("ready")
     assert label.shown_text() == "ready"
+
+
+def test_the_background_compile_shows_its_time_so_far_until_it_is_ready(qtbot, app_parts):
+    """The engine's warm-up notice says what the compile took here the last time; the notice line
+    then counts the time so far each second, and stops at "ready" (another notice meanwhile stays)."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    started = ("preparing fast decoding in the background: replies start at once, faster when it is "
+               "ready (it took 2 min here the last time)")
+    bridge.notice.emit("warm-up", started)
+    assert win.notice_label.text() == f"warm-up: {started}"
+    qtbot.waitUntil(lambda: win.notice_label.text().startswith("warm-up: 0:01 so far"), timeout=3000)
+    assert win.notice_label.text() == f"warm-up: 0:01 so far · {started}"  # first: a narrow line elides its end
+    qtbot.waitUntil(lambda: win.notice_label.text().startswith("warm-up: 0:02 so far"), timeout=3000)
+    win.notify("a reply is being written in this chat")  # another notice: not overwritten by the count
+    qtbot.wait(1200)
+    assert win.notice_label.text() == "a reply is being written in this chat"
+    bridge.notice.emit("warm-up", "fast decoding ready (131 s)")
+    assert win.notice_label.text() == "warm-up: fast decoding ready (131 s)"
+    assert not win.compile_ticker.timer.isActive()

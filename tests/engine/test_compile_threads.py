@@ -122,6 +122,9 @@ class _Warmer:
     def done(self, kind):
         return self.ended
 
+    def expected(self, kind):
+        return None  # the first compile here
+
 
 def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_then_only_when_idle():
     """A compile on a thread here holds the GIL: a reply's tokens slowed to 2 tok/s for the int8
@@ -129,7 +132,7 @@ def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_t
     compile (from the child's cache) only once the child ended, and never between two tokens."""
     from types import SimpleNamespace
 
-    from kvchat.engine.host import PREPARING, ModelHost
+    from kvchat.engine.host import ModelHost, preparing
 
     class Engine:  # held by a weak proxy
         def notice(self, kind, message):
@@ -142,10 +145,30 @@ def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_t
     host.warmer = warmer = _Warmer()
     host.prepare_decode()
     host.prepare_decode(between_tokens=True)
-    assert (warmer.started, notices, step.prepared) == (["traced", "traced"], [("warm-up", PREPARING)], 0)
+    assert (warmer.started, notices, step.prepared) == (["traced", "traced"], [("warm-up", preparing(None))], 0)
     assert batch.prepared == 1  # asked in the idle moment only, never between two tokens
     warmer.ended = True
     host.prepare_decode(between_tokens=True)
     assert step.prepared == 0
     host.prepare_decode()
     assert step.prepared == 1 and len(notices) == 1
+
+
+def test_the_compile_notice_says_what_the_last_compile_took_on_this_machine(tmp_path, monkeypatch):
+    """A child's compile time is kept per model, kind and instruction set; the next start's notice
+    gives it, which the app's progress line counts against."""
+    from kvchat.core.config import EngineConfig
+    from kvchat.engine.compile_child import CacheWarmer
+    from kvchat.engine.host import preparing
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+    warmer = CacheWarmer.for_model(EngineConfig(decode="auto"), "cpu", 64 << 30, 1 << 30)
+    assert warmer.expected("traced") is None
+    assert preparing(None).endswith("(a minute or more the first time)")
+    warmer._remember("traced", 131.4)
+    again = CacheWarmer.for_model(EngineConfig(decode="auto"), "cpu", 64 << 30, 1 << 30)
+    assert again.expected("traced") == 131.4 and again.expected("op") is None
+    assert CacheWarmer.for_model(EngineConfig(decode="auto", weights="int4"), "cpu", 64 << 30, 1 << 30).expected(
+        "traced") is None  # another weight format: another compile
+    assert preparing(131.4).endswith("(it took 2 min here the last time)")
+    assert preparing(42).endswith("(it took 42 s here the last time)")

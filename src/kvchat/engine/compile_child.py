@@ -22,11 +22,14 @@ import time
 
 import torch
 
+from kvchat.core.paths import cache_dir
+
 log = logging.getLogger("kvchat.decode")
 
 HERE = "KVCHAT_COMPILE_HERE"  # set in a child (and in ``kvchat prepare``): compile in this process
 SPARE_BYTES = 2 << 30  # a compiling child's own RAM beyond its weights (torch, inductor, the pool)
 CHILD_CODE = "import sys; from kvchat.engine.precompile import compile_graphs; sys.exit(compile_graphs(sys.argv[1]))"
+TIMES = "compile_seconds.json"  # in the cache dir: how long each model's compile took here, the last time
 
 
 def compiles_here() -> bool:
@@ -85,6 +88,30 @@ class CacheWarmer:
                         seconds, last[0])
         else:
             log.info("the %s graph compiled in a child in %.0f s", kind, seconds)
+            self._remember(kind, seconds)
+
+    def _key(self, kind: str) -> str:
+        """The compile as this machine runs it: the model, its weights and the CPU's instruction set."""
+        return json.dumps([self.spec, kind, torch.backends.cpu.get_cpu_capability()], sort_keys=True)
+
+    def expected(self, kind: str) -> float | None:
+        """Seconds the last compile of ``kind`` took here, where one ended; what a progress line
+        counts against (None: the first time)."""
+        try:
+            return json.loads((cache_dir() / TIMES).read_text()).get(self._key(kind))
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def _remember(self, kind: str, seconds: float) -> None:
+        path = cache_dir() / TIMES
+        try:
+            times = json.loads(path.read_text()) if path.exists() else {}
+            times[self._key(kind)] = round(seconds, 1)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(times))
+            tmp.replace(path)
+        except (OSError, ValueError, TypeError) as e:  # a figure for a progress line: never worth failing for
+            log.info("could not keep the compile's time: %s", e)
 
     def running(self, kind: str) -> bool:
         child = self._children.get(kind)

@@ -30,6 +30,15 @@ log = logging.getLogger("kvchat.engine")
 PREPARING = "preparing fast decoding in the background: replies start at once, faster when it is ready"
 
 
+def preparing(expected: float | None) -> str:
+    """The background compile's notice, with what it took here the last time: the app counts the
+    time against it (a first compile took 2-3 minutes on two quiet cores)."""
+    if not expected:
+        return PREPARING + " (a minute or more the first time)"
+    took = f"{expected / 60:.0f} min" if expected >= 90 else f"{expected:.0f} s"
+    return PREPARING + f" (it took {took} here the last time)"
+
+
 class ModelHost:
     def __init__(self, engine, probe, disk_tier: DiskTier | bool | None = True):
         self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
@@ -228,7 +237,7 @@ class ModelHost:
         kind = step.graph_wanted(kv)
         if warmer is not None and kind is not None:  # a child compiles; this process, from its result when idle
             if warmer.start(kind):
-                e.notice("warm-up", PREPARING)
+                e.notice("warm-up", preparing(warmer.expected(kind)))
             if not between_tokens and warmer.done(kind):
                 step.prepare(kv)
         elif step.prepare(kv):

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QFileDialog, QMainWindow, QMessageBox, QSplitter, 
 
 from kvchat.core.config import SamplingParams
 
+from kvchat.app.controllers.compile_ticker import CompileTicker
 from kvchat.app.controllers.conversations import ConversationController
 from kvchat.app.controllers.desktop import DesktopController
 from kvchat.app.controllers.models import PENDING, ModelController
@@ -111,6 +112,8 @@ class MainWindow(QMainWindow):
         b.reply_failed.connect(replies.on_reply_failed)
         b.failed.connect(replies.on_failed)
         b.notice.connect(self.on_notice)
+        self.compile_ticker = CompileTicker(self)
+        b.notice.connect(self.compile_ticker.on_notice)
         b.snapshot.connect(models.on_snapshot)
         b.server_memory.connect(models.on_server_memory)
         b.reconfigured.connect(lambda _: (models.update_chips(), personas.update_badge(), self.clear_notice(PENDING),
