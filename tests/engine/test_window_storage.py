@@ -124,3 +124,33 @@ def test_a_sequence_whose_window_was_taken_decodes_from_the_pool_not_from_the_ne
     probs = lambda x: x.log_softmax(-1)
     kl = (probs(exact).exp() * (probs(exact) - probs(read_back))).sum(-1)
     assert kl.max() < 3e-4, kl  # measured 1.3e-4; reading the other sequence's rows: 0.085
+
+
+def test_a_checks_rows_taken_back_leave_the_window_as_a_plain_decode_left_it():
+    """A window of 8 rows past 2 sinks: positions 0-18 written, then a check writes its own token
+    (19) and four proposals (20-23), which overwrite the rows of 11-15. Kept through 20, or dropped
+    whole (a failed step: its own token too), the rows it gives for every later read are those of a
+    window that wrote only what was kept."""
+    from kvchat.kernels.quant import RecentWindow
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randn(1, 1, 4, generator=gen), torch.randn(1, 1, 4, generator=gen)) for _ in range(24)]
+
+    def written(upto: int) -> RecentWindow:
+        window = RecentWindow(2, 1, 4, torch.float32, "cpu", size=8, sinks=2)
+        for layer in range(2):
+            for p in range(upto):
+                window.store(layer, p, *rows[p])
+        return window
+
+    for kept_through in (21, 19):  # 21: own token and one proposal kept; 19: the step failed
+        window = written(19)
+        saved = window.save(19, 24)
+        for layer in range(2):
+            for p in range(19, 24):
+                window.store(layer, p, *rows[p])
+        window.restore(saved, kept_through)
+        plain = written(kept_through)
+        for layer in range(2):
+            got, want = window.rows(layer, kept_through), plain.rows(layer, kept_through)
+            assert got[:2] == want[:2] and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])

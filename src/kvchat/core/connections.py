@@ -34,6 +34,7 @@ def remember_key(name: str, api_key: str) -> bool:
     """The key of connection ``name`` in the OS keyring (True), else for this session only."""
     try:
         set_key(name, api_key)
+        _session_keys.pop(name, None)  # an older session-only key would be read first
         return True
     except KeyringUnavailable:
         keep_for_session(name, api_key)

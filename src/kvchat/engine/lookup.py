@@ -35,7 +35,8 @@ class NgramIndex:
             end = self.ends.get(gram)
             if end is not None:
                 found = self.tokens[end:end + k]
-                return found if len(found) == k else max(found, self.tokens[self.firsts[gram]:][:k], key=len)
+                first = self.firsts[gram]
+                return found if len(found) == k else max(found, self.tokens[first:first + k], key=len)
         return []
 
 

@@ -145,7 +145,8 @@ class Scheduler:
                 else:
                     manager.commit(job.seq)  # a block it filled is findable by the next request
                     self._guard(job, job.take, logits[0])
-            self.checks.note(e.kvpool.kv, len(jobs), at, out.decode_seconds)
+            if plan.chunk is None:  # a step with a prefill chunk is no measure of its rows
+                self.checks.note(e.kvpool.kv, len(jobs), at, out.decode_seconds)
         self.retire()
 
     def _end_cancelled_waiting(self) -> None:

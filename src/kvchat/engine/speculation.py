@@ -104,10 +104,12 @@ class CheckGate:
     only where its proposals are near certain (a client's prediction, a copied run)."""
     WEIGHT = 0.25  # of the newest step in a running mean
     FIRST_ROW_GUESS = 0.2
+    EXPLORE = 32  # skipped steps before a check of one proposal runs anyway: a row's cost measured again
 
     def __init__(self):
         self.pool = None
         self.seconds: dict[tuple[int, int], float] = {}
+        self.skipped = 0
 
     def cap(self, pool, sequences: int, offers: list) -> int:
         """The most proposals each sequence checks this step (0: none), ``offers`` holding each
@@ -124,6 +126,9 @@ class CheckGate:
             rate = tokens / self.cost(sequences, rows)
             if rate > best_rate:
                 best, best_rate = cap, rate
+        if best == 0:  # one slow measure (a longer context since) must not stop checks for good
+            self.skipped += 1
+            best = 1 if self.skipped % self.EXPLORE == 0 else 0
         return best
 
     def cost(self, sequences: int, rows: int) -> float:
@@ -188,7 +193,8 @@ def plan_check(manager, job, proposed: list[int]) -> None:
         return
     spec.proposed = proposed
     window = seq.window
-    spec.saved = (window, window.save(len(seq) - len(proposed), len(seq))) if window is not None else None
+    # from the reply's own token: a failed step (``drop``) takes its row back too
+    spec.saved = (window, window.save(len(seq) - len(proposed) - 1, len(seq))) if window is not None else None
 
 
 def rows(job) -> int:

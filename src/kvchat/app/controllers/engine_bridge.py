@@ -251,8 +251,10 @@ class EngineBridge(QObject):
     def _on_counted(self, text: str, future: Future) -> None:
         try:
             self.tokens_counted.emit(text, len(future.result()), "")
-        except Exception as error:  # ChatError: longer than the context
+        except ValueError as error:  # the engine's ChatError: longer than the context
             self.tokens_counted.emit(text, None, str(error))
+        except Exception:  # no model to count with (a failed load): the estimate stays
+            self.tokens_counted.emit(text, None, "")
 
     def _on_backend_event(self, item) -> None:
         if isinstance(item, ModelReady):

@@ -112,10 +112,10 @@ class HostTier:
 def copy_out(layers: list[dict], block_id: int, buffers: PinnedBuffers) -> StoredBlock:
     """A block's tensors, ``[layers, 1, ...]``, copied into host buffers (``buffers``), as a
     ``StoredBlock`` without its tokens (the caller's). On CUDA a side stream copies into pinned
-    buffers while the compute stream goes on: the block's rows were last written by a step whose
-    tokens the host has read (an evicted block is free, a persisted turn is over), so the copy need
-    not wait for the compute stream, which waits for the copy only before its next work, that may
-    overwrite the block. The host waits for it where it reads the copy (``StoredBlock.wait``)."""
+    buffers after the work queued so far (a prefill chunk's step is not waited for by the host: a
+    chunk cancelled by Stop may still be writing the block), and the compute stream waits for the
+    copy before its next work, which may overwrite the block; neither waits on the host, which waits
+    for the copy only where it reads it (``StoredBlock.wait``)."""
     device = layers[0]["k"].device
     out = {n: buffers.take((len(layers), 1, *t.shape[1:]), t.dtype) for n, t in layers[0].items()}
     if device.type != "cuda":
@@ -123,6 +123,7 @@ def copy_out(layers: list[dict], block_id: int, buffers: PinnedBuffers) -> Store
             torch.stack([layer[n][block_id] for layer in layers], out=dst[:, 0])
         return StoredBlock((), None, out, buffers=buffers)
     stream = side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the block's last rows are written
     with torch.cuda.stream(stream):
         for n, dst in out.items():
             src = torch.stack([layer[n][block_id] for layer in layers]).unsqueeze(1)
@@ -142,7 +143,8 @@ def copy_in(blocks: list[StoredBlock], write, names: list[str], device) -> None:
     if device.type != "cuda":
         write({n: torch.cat([b.tensors[n] for b in blocks], dim=1) for n in names})
         return
-    stream = side_stream(device)  # the blocks written were free: no step in flight reads them
+    stream = side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # a step queued before may still use the blocks
     with torch.cuda.stream(stream):
         joined = {}
         for n in names:

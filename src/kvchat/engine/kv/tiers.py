@@ -28,6 +28,7 @@ class KVTiers:
         self.notice = notice or (lambda kind, message: log.warning("%s: %s", kind, message))
         self.host_hits = 0  # blocks restored from each tier
         self.disk_hits = 0
+        self._restoring: set[int] = set()  # ids of the blocks a restore found: their buffers stay theirs
 
     @property
     def block_size(self) -> int:
@@ -67,7 +68,8 @@ class KVTiers:
         for hash_, block in blocks:
             if self.disk is not None and not self.disk.has(hash_):
                 self._save(hash_, block)
-            block.release()
+            if id(block) not in self._restoring:  # pushed out by the restore's own reservation: still read
+                block.release()
         if blocks and self.disk is not None:
             self.disk.trim()
 
@@ -153,12 +155,15 @@ class KVTiers:
             sources.append(source)
         if not found:
             return 0, 0
+        self._restoring = {id(block) for block in found}
         try:
-            manager.reserve(seq, (have + len(found)) * bs)
+            manager.reserve(seq, (have + len(found)) * bs)  # may evict blocks into RAM, and push these out
+            if not self._write(seq, have, found):
+                return 0, 0
         except PoolExhausted:
             return 0, 0
-        if not self._write(seq, have, found):
-            return 0, 0
+        finally:
+            self._restoring = set()
         seq.num_computed = (have + len(found)) * bs
         manager.commit(seq)
         ram = sources.count("host")
