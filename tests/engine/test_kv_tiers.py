@@ -287,3 +287,46 @@ def test_metrics_show_each_tiers_bytes_capacity_hits_and_tokens():
                  'kvchat:kv_tier_prompt_tokens_total{tier="ram"} 32.0',
                  'kvchat:kv_tier_prompt_tokens_total{tier="disk"} 16.0'):
         assert line in text
+
+
+def test_a_restore_whose_own_reservation_pushes_its_blocks_out_of_ram_still_restores_them():
+    """A conversation's 4 blocks in a RAM tier of 4 blocks, the pool full of another's cached
+    blocks: reserving room for the restore evicts 5 of those into RAM, which pushes the very blocks
+    being restored out of it. Their buffers must stay theirs until they are written back (once
+    released to the next evicted block, the restore found empty blocks and computed it all)."""
+    from tiny_models import as_loaded, tiny_model
+
+    from kvchat.bench.decode import IdTokenizer
+    from kvchat.core.config import Precision
+    from kvchat.engine.kv.manager import Sequence
+    from kvchat.engine.kv.pool import KVPool
+
+    lm = as_loaded(tiny_model("llama"), IdTokenizer(512), name="restore-evicts")
+    pool = KVPool.for_tokens(lm, 128, Precision.FP16)  # 8 blocks of 16
+    one = sum(t[0].numel() * t.element_size() for t in pool.kv.layers[0].values()) * len(pool.kv.layers)
+    pool.tiers.host.cap_bytes = 4 * one
+    pool.pool.on_evict = pool.tiers.evicted
+
+    def computed(ids: list[int]) -> Sequence:
+        seq = Sequence(list(ids))
+        pool.manager.reserve(seq, len(seq))
+        seq.num_computed = len(seq)
+        pool.manager.commit(seq)
+        return seq
+
+    talk = list(range(100, 164))
+    for layer in pool.kv.layers:  # rows to tell the blocks apart: nothing is computed here
+        layer["k"].normal_()
+    first = computed(talk)
+    rows = {b.id: [layer["k"][b.id].clone() for layer in pool.kv.layers] for b in first.blocks}
+    first_ids = [b.id for b in first.blocks]
+    pool.manager.free(first)
+    other = computed(list(range(200, 328)))  # all 8 blocks: the conversation's 4 go to RAM
+    pool.manager.free(other)
+    assert len(pool.tiers.host) == 4 and pool.pool.num_reclaimable == 8
+    again = Sequence(talk + [7])
+    ram, _ = pool.match(again)
+    assert ram == 64 and again.num_computed == 64  # restored, though pushed out of RAM meanwhile
+    for i, block in enumerate(again.blocks[:4]):
+        for layer, want in zip(pool.kv.layers, rows[first_ids[i]]):
+            assert torch.equal(layer["k"][block.id], want)
