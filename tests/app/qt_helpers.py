@@ -16,6 +16,18 @@ def back_on_the_starter(qtbot, bridge, store):
     qtbot.waitUntil(lambda: (store.setting("engine") or {}).get("model") == "starter", timeout=10000)
 
 
+def held_reply(qtbot, win, bridge, text="Tell me a story."):
+    """``text`` sent with Enter, its reply held after its first token (the fake's pace): a reply
+    that stays running until the test gives more tokens or frees the pace."""
+    pace = bridge.engine.pace
+    pace.hold()
+    win.input.setPlainText(text)
+    pace.give(1)
+    with qtbot.waitSignal(bridge.token, timeout=60000):
+        qtbot.keyClick(win.input, Qt.Key_Return)
+    return pace
+
+
 def send(qtbot, win, text):
     win.input.setPlainText(text)
     win.replies.send()

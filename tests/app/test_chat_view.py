@@ -12,7 +12,7 @@ from kvchat.app.views.settings_dialog import SettingsDialog
 from kvchat.app.views.theme import COLOURS
 from kvchat.core.config import SamplingParams
 
-from qt_helpers import answering, hover, qml_click, qml_items, send, shown
+from qt_helpers import answering, held_reply, hover, qml_click, qml_items, send, shown
 
 LONG = SamplingParams(max_new_tokens=300, temperature=0.8, seed=1, ignore_eos=True)  # sampled: greedy loops, and the loop guard ends it
 
@@ -34,12 +34,7 @@ def test_a_streaming_reply_changes_only_its_own_row(qtbot, app_parts):
     model.dataChanged.connect(lambda first, last, roles: changed.append((first.row(), last.row())))
     model.modelReset.connect(lambda: resets.append(1))
     win.sampling = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
-    pace = bridge.engine.pace
-    pace.hold()
-    win.input.setPlainText("Tell me a story.")
-    pace.give(1)
-    with qtbot.waitSignal(bridge.token, timeout=60000):
-        qtbot.keyClick(win.input, Qt.Key_Return)
+    pace = held_reply(qtbot, win, bridge)
     # the message and its reply are two new rows; the reply that was last loses its Regenerate
     assert model.rowCount() == 14 and changed[0] == (11, 11) and set(changed) <= {(11, 11), (13, 13)} and not resets
     changed.clear()

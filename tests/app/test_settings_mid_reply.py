@@ -1,19 +1,14 @@
 """A setting that applies without reloading (context, memory saving, headroom), changed while a
 reply streams: the engine rebuilds its pool only once no reply runs, and the window says so until
 it has."""
-from PySide6.QtCore import Qt
-
 from kvchat.app.controllers.models import PENDING
+
+from qt_helpers import held_reply
 
 
 def test_a_live_setting_changed_mid_reply_says_it_applies_after_the_reply(qtbot, app_parts):
     win, store, bridge, _ = app_parts
-    pace = bridge.engine.pace
-    pace.hold()
-    win.input.setPlainText("Tell me a story.")
-    pace.give(1)
-    with qtbot.waitSignal(bridge.token, timeout=60000):
-        qtbot.keyClick(win.input, Qt.Key_Return)
+    pace = held_reply(qtbot, win, bridge)
     assert bridge.busy
     dialog = win.models.settings_dialog()
     qtbot.addWidget(dialog)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from kvchat.core.config import SamplingParams
 
+# the "warm-up" notice that a compile runs in the background (the app counts its time: compile_ticker)
+PREPARING = "preparing fast decoding in the background: replies start at once, faster when it is ready"
+
 
 class EngineError(RuntimeError):
     """A request the engine could not serve; the message is one line for the user."""

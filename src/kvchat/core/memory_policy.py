@@ -17,6 +17,8 @@ from typing import Callable
 
 from kvchat.core.config import LADDER, Precision
 
+DTYPE_FORMATS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # a model left in its dtype
+
 
 @dataclass(frozen=True)
 class StepDown:
@@ -83,5 +85,3 @@ def estimate_weights(setting: str, on_cuda: bool, chosen: str | None = None) -> 
         return full if on_cuda else "int8"
     return {"none": full, "int4": "int4" if not on_cuda else "nf4"}.get(setting, setting)
 
-
-DTYPE_FORMATS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # a model left in its dtype

@@ -14,7 +14,7 @@ import torch
 from kvchat.core.commands import LoadModel, refuse
 from kvchat.core.config import ConfigError, EngineConfig, Precision
 from kvchat.core.errors import first_line
-from kvchat.core.events import EngineError, LoadFailed, LoadProgress, ModelReady
+from kvchat.core.events import PREPARING, EngineError, LoadFailed, LoadProgress, ModelReady
 from kvchat.core.kv_sizes import KVShape, config_value, local_blocks_for, pool_blocks, pool_bytes, quantizable
 from kvchat.core.memory_policy import MemoryPolicy
 from kvchat.core.memory import activations_bytes, pool_span
@@ -27,7 +27,6 @@ from kvchat.engine.memory_probe import MemoryProbe
 from kvchat.engine.model.loading import LoadedModel, ModelError, load
 
 log = logging.getLogger("kvchat.engine")
-PREPARING = "preparing fast decoding in the background: replies start at once, faster when it is ready"
 
 
 def preparing(expected: float | None) -> str:

@@ -6,8 +6,9 @@ import time
 
 from PySide6.QtCore import QObject, QTimer
 
+from kvchat.core.events import PREPARING
+
 WARM_UP = "warm-up: "  # the notice line's prefix for the engine's warm-up notices (MainWindow.on_notice)
-PREPARING = "preparing fast decoding"
 
 
 def elapsed(seconds: float) -> str:
@@ -25,7 +26,7 @@ class CompileTicker(QObject):
         self.timer.timeout.connect(self.tick)
 
     def on_notice(self, kind: str, message: str) -> None:
-        if kind == "warm-up" and message.startswith(PREPARING) and "in the background" in message:
+        if kind == "warm-up" and message.startswith(PREPARING):
             self.started, self.message, self.shown = time.monotonic(), message, ""
             self.timer.start()
         elif kind in ("warm-up", "eager") and self.started is not None:  # ready, or it fell back

@@ -250,9 +250,9 @@ class ModelController(QObject):
         elif previous is not None:
             win.show_error(f"The model could not be loaded: {message}")
             self.load_model(previous, previous=None)
-        elif refused_key(message) and (key := ask_key(win, self.store.setting("connection"))):
-            remember_key(self.store.setting("connection"), key)  # a session-only key is gone after a restart
-            self.use_connection(self.store.setting("connection"))
+        elif refused_key(message) and (key := ask_key(win, connection := self.store.setting("connection"))):
+            remember_key(connection, key)  # a session-only key is gone after a restart
+            self.use_connection(connection)
         elif self.store.setting("connection"):
             win.precision_label.setText("not connected")
             win.model_chip.setText("not connected")

@@ -82,8 +82,8 @@ class ReplyController(QObject):
         text = win.input.toPlainText().strip()
         if not text:
             return
-        if win.input.too_long():  # kept in the box: shortened, or sent once the context is raised
-            return win.notify(win.input.too_long())
+        if problem := win.input.too_long():  # kept in the box: shortened, or sent once the context is raised
+            return win.notify(problem)
         reply = self.shown
         if reply is not None:  # never a silent no: say why, and after a Stop send it once the reply has ended
             reply.send_after_stop = reply.stopping

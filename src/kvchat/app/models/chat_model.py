@@ -11,6 +11,7 @@ ROLES = ["role", "author", "content", "blocks", "position", "interrupted", "stat
 ROLES.append("attachments")  # a user message's pasted documents, as chips (models/attachments.py)
 ROLES.append("unanswered")  # the chat's last message is the user's: its reply was stopped before a word, or never came
 ROLE_IDS = role_ids(ROLES)
+LAST_ROW = {ROLE_IDS["lastReply"]: "assistant", ROLE_IDS["unanswered"]: "user"}  # true on the last row of that role
 
 
 def with_attachments(row: dict) -> dict:
@@ -39,9 +40,8 @@ class ChatModel(RowModel):
             if row["blocks"] is None:  # rendered when first shown: a long chat opens at the cost of a screenful
                 row["blocks"] = blocks(row["content"], self.dark, row["streaming"]) if row["role"] == "assistant" else []
             return row["blocks"]
-        if role in (ROLE_IDS["lastReply"], ROLE_IDS["unanswered"]):
-            return index.row() == len(self.rows) - 1 and row["role"] == ("assistant" if role == ROLE_IDS["lastReply"]
-                                                                          else "user")
+        if role in LAST_ROW:
+            return index.row() == len(self.rows) - 1 and row["role"] == LAST_ROW[role]
         if role == Qt.DisplayRole:
             return row["content"]
         name = next((n for n, rid in ROLE_IDS.items() if rid == role), None)
@@ -75,8 +75,7 @@ class ChatModel(RowModel):
             self.rows.extend(rows[n:])
             self.endInsertRows()
             if n:  # the row that was last is no longer: its Regenerate (or Retry) goes
-                self.dataChanged.emit(self.index(n - 1), self.index(n - 1),
-                                      [ROLE_IDS["lastReply"], ROLE_IDS["unanswered"]])
+                self.dataChanged.emit(self.index(n - 1), self.index(n - 1), list(LAST_ROW))
 
     def _row(self, m, author: str, live: bool, live_text: str) -> dict:
         # a reply keeps the name of the persona that wrote it; ``author`` names only one without

@@ -1,5 +1,6 @@
 """Plain words for the engine's terms, with the expert term kept for a tooltip: the KV cache's
 precision is "memory saving", a weight format is named with what it does."""
+from kvchat.core.memory_policy import DTYPE_FORMATS
 
 SAVING = {"auto": "automatic", "fp16": "off", "int8": "moderate", "fp8": "moderate, GPU", "k8v4": "strong",
           "int4": "maximum"}
@@ -11,7 +12,6 @@ SAVING_HELP = {"auto": "kvchat picks the least saving that holds the context you
                       "GPUs from the RTX 40 series on read it in hardware",
                "k8v4": "keys in 8 bits, values in 4: about a third of the memory",
                "int4": "KV cache in 4 bits: a quarter of the memory, for the longest contexts"}
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 WEIGHTS = {"auto": "automatic", "none": "as stored", "bf16": "bf16", "int8": "8-bit", "int4": "4-bit", "nf4": "4-bit (nf4)"}
 
 
@@ -28,7 +28,7 @@ def saving_tip(setting: str, in_force: str | None) -> str:
 
 def weights_label(setting: str, chosen: str | None) -> str:
     """"8-bit weights (auto)": what the setting says and, under auto, what auto chose."""
-    chosen = DTYPES.get(chosen, chosen) if chosen else None
+    chosen = DTYPE_FORMATS.get(chosen, chosen) if chosen else None
     if setting == "auto":
         return f"{WEIGHTS.get(chosen, chosen)} weights (auto)" if chosen else "weights: automatic"
     if setting == "none":

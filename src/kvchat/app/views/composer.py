@@ -1,5 +1,6 @@
 """The message box: a plain text editor whose long pastes and attached files (dropped, pasted or
-picked: models/files.py) become attachments, shown as chips in a row above the text (each with its name, its estimated size and a remove button). The controllers
+picked: models/files.py) become attachments, shown as chips in a row above the text (each with its
+name, its size in tokens and a remove button). The controllers
 read and set the message as one text (toPlainText, setPlainText, clear), as they did before there
 were attachments: the attachments ride along in it, between tags (models/attachments.py), so that
 sending, editing and resending carry them without knowing of them."""
