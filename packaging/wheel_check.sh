@@ -15,7 +15,8 @@ wheel=$(ls "$work"/dist/kvchat-*.whl)
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 for wanted in ("kvchat/app/qml/ChatView.qml", "kvchat/app/assets/personas.json", "kvchat/app/assets/icons/send.svg",
-               "kvchat/bench/shapes/llama-3.1-8b.json", "kvchat/kernels/int8_rows.cpp"):
+               "kvchat/bench/shapes/llama-3.1-8b.json", "kvchat/kernels/int8_rows.cpp",
+               "kvchat/kernels/decode_attention.cpp"):
     assert wanted in names, f"the wheel lacks {wanted}"
 print(f"wheel: {len(names)} files, package data included")
 EOF

@@ -274,14 +274,14 @@ from pathlib import Path
 import torch
 from kvchat.engine import compile_env
 from kvchat.engine.model import kernel_build
-from kvchat.kernels import cpu_isa, int8_rows
+from kvchat.kernels import cpu_attention, cpu_isa, int8_rows  # noqa: F401 - the attention op
 
 folder = Path(sys.argv[1])
 int8_rows._SOURCE = folder / "int8_rows.cpp"  # the copy the library beside it was built from
 compile_env.cpu_compile_missing = lambda: "no compiler here"  # what the app's user may lack
-x, packed, packed4 = torch.load(folder / "inputs.pt")
+x, packed, packed4, attention = torch.load(folder / "inputs.pt")
 kernel_build.build_kernel()
-outs = {}
+outs = {"attention": torch.ops.kvchat.decode_attention(*attention)}
 for isa in cpu_isa.available():
     int8_rows.use(isa)
     outs[isa] = (torch.ops.kvchat.int8_rows(x, *packed), torch.ops.kvchat.int4_rows(x, *packed4),
@@ -301,7 +301,8 @@ def test_the_prebuilt_kernel_runs_without_a_compiler_and_gives_the_built_kernels
 
     from kvchat.engine.model import kernel_build
 
-    shutil.copy(int8_rows._SOURCE, tmp_path / "int8_rows.cpp")
+    for source in int8_rows.sources():
+        shutil.copy(source, tmp_path / source.name)
     original = int8_rows._SOURCE
     int8_rows._SOURCE = tmp_path / "int8_rows.cpp"
     try:
@@ -313,12 +314,16 @@ def test_the_prebuilt_kernel_runs_without_a_compiler_and_gives_the_built_kernels
     packed = int8_rows.pack(codes, scales)
     packed4 = int8_rows.pack4(*four_bit(80, 352, seed=12))
     x = torch.randn(13, 352) * 5
-    torch.save((x, packed, packed4), tmp_path / "inputs.pt")
+    pool = torch.randn(2, 6, 16, 2, 64)
+    attention = (torch.randn(3, 4, 64), *pool, torch.randperm(6).view(3, 2), torch.tensor([20, 32, 7], dtype=torch.int32),
+                 0.125, 0)
+    torch.save((x, packed, packed4, attention), tmp_path / "inputs.pt")
     proc = subprocess.run([sys.executable, "-c", PREBUILT_CHILD, str(tmp_path)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {"origin": "prebuilt", "runs_here": True}
     outs = torch.load(tmp_path / "outputs.pt")
+    assert torch.equal(outs.pop("attention"), torch.ops.kvchat.decode_attention(*attention))
     assert set(outs) == set(ISAS)
     try:
         for isa, (rows8, rows4, alone) in outs.items():

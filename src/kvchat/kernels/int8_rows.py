@@ -12,6 +12,9 @@ loops ran 5x slower built by g++ than by clang. The kernel rounds each row to in
 ``w = (q - 8) * scale + zero`` with bf16 scale and zero (torch's int4 format, which a GGUF's Q4_1
 blocks are found in again), two codes a byte.
 
+The same library holds the fp32 pool's decode attention (``decode_attention.cpp``, whose op is
+``cpu_attention``): one build, one prebuilt file, one load.
+
 ``torch.ops.kvchat.int8_rows`` is the op a compiled step calls; until the library is built
 (``build``, on a thread of the engine's from a model's load on), it runs the twin. A packaged app
 carries it prebuilt (``prebuilt``: kernel_build.prebuild, by the bundled clang at packaging time),
@@ -33,10 +36,19 @@ GROUP = 32
 _SOURCE = Path(__file__).with_suffix(".cpp")
 
 
+def sources() -> tuple[Path, Path]:
+    """The library's two files: these products and the decode attention (cpu_attention)."""
+    return _SOURCE, _SOURCE.with_name("decode_attention.cpp")
+
+
+def source_text() -> str:
+    return "\n".join(path.read_text() for path in sources())
+
+
 def prebuilt_name() -> str:
     """The prebuilt library's file name, after the source it was built from: a build of other
     source beside it is never loaded."""
-    return f"int8_rows-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    return f"int8_rows-{hashlib.sha256(source_text().encode()).hexdigest()[:16]}.so"
 
 
 def prebuilt() -> Path | None:
@@ -124,6 +136,7 @@ def twin4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: to
 
 _lib = None  # the kernel's entry point, once ``build`` succeeded
 _lib4 = None
+attention = None  # kvchat_decode_attention, likewise (cpu_attention calls it)
 built = False  # a plain bool, which a compiled step's guard can check
 failed = False
 origin = None  # "prebuilt" or "built here", once built
@@ -140,13 +153,14 @@ def use(name: str) -> None:
 
 
 def _bind(lib: ctypes.CDLL, where: str) -> None:
-    global _lib, _lib4, built, origin
+    global _lib, _lib4, attention, built, origin
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn, fn4 = lib.kvchat_int8_rows, lib.kvchat_int4_rows
+    fn, fn4, attend = lib.kvchat_int8_rows, lib.kvchat_int4_rows, lib.kvchat_decode_attention
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32]
     fn4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32, i32]
-    fn.restype = fn4.restype = ctypes.c_int
-    _lib, _lib4, built, origin = fn, fn4, True, where
+    attend.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
+    fn.restype = fn4.restype = attend.restype = ctypes.c_int
+    _lib, _lib4, attention, built, origin = fn, fn4, attend, True, where
 
 
 def load_prebuilt(libomp: Path | None) -> bool:
@@ -182,7 +196,7 @@ def build() -> bool:
     try:
         from torch._inductor.codecache import CppCodeCache
 
-        _bind(CppCodeCache.load(_SOURCE.read_text()), "built here")
+        _bind(CppCodeCache.load(source_text()), "built here")
     except Exception as error:  # noqa: BLE001 - any build failure: the twin and inductor's product are right
         log.warning("int8 decode kernel not built (%s: %s); inductor's product instead", type(error).__name__, error)
         failed = True

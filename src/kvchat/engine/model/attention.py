@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kvchat.kernels import traced
+from kvchat.kernels import cpu_attention, traced
 from kvchat.kernels.quant import RecentWindow
 from kvchat.kernels.reference import PLAIN, Band
 
@@ -101,7 +101,8 @@ def traced_step(step: dict, layer: int, query, key, value, scale: float, band: B
     sequence of a batch."""
     pool = step["layers"][layer]
     traced.write(pool, key, value, step["slot"])
-    return traced.attend(pool, query, step["table"], step["length"], scale, band)
+    attend = cpu_attention.attend if cpu_attention.takes(pool, query, band) else traced.attend
+    return attend(pool, query, step["table"], step["length"], scale, band)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -1,4 +1,5 @@
-"""Building kvchat's CPU kernel (``kernels/int8_rows.cpp``) for a model's int8 and 4-bit weights:
+"""Building kvchat's CPU kernel (``kernels/int8_rows.cpp``, with ``decode_attention.cpp`` in the same
+library) for a model's int8 and 4-bit weights and an fp32 pool's attention:
 once a process, with inductor's compiler and disk cache, on whichever thread asks first (the
 load's own thread, the compile thread's warm-up, Auto's timing), the others waiting for it."""
 import hashlib
@@ -70,7 +71,7 @@ def prebuild(folder: Path) -> Path:
     subprocess.run([str(zig), "c++", "-O3", "-shared", "-fPIC", "-fopenmp", "-fno-exceptions", "-nostdlib++",
                     "-isystem", str(omp / "include"), f"-L{omp / 'lib'}", "-lomp",
                     # the app's layout: kvchat/kernels/ and cmeel.prefix/lib/ side by side
-                    "-Wl,-rpath,$ORIGIN/../../cmeel.prefix/lib", "-o", str(out), str(int8_rows._SOURCE)],
+                    "-Wl,-rpath,$ORIGIN/../../cmeel.prefix/lib", "-o", str(out), *map(str, int8_rows.sources())],
                    check=True)
     return out
 
@@ -81,7 +82,7 @@ def kernel_identity() -> str:
     from kvchat.engine import toolchain
 
     compiler = "prebuilt" if int8_rows.prebuilt() else toolchain.describe().get("compiler", "")
-    text = int8_rows._SOURCE.read_text() + compiler + torch.__version__
+    text = int8_rows.source_text() + compiler + torch.__version__
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -174,13 +174,17 @@ def fused(fn):
 @torch.inference_mode()
 def warm_up(model: nn.Module) -> None:
     """Compile the eager int8 paths (a chunk's rows, one row) for each shape of the model's int8
-    linears, so that the first reply does not wait for it (about 5 s cold, on disk after)."""
+    linears, so that the first reply does not wait for it (about 5 s cold, on disk after); build
+    the CPU kernels' library where a step will call it."""
     shapes = {}
     for module in model.modules():
         if isinstance(module, Int8Linear):
             shapes.setdefault(module.qweight.shape, module)
-    dtype = next(model.parameters()).dtype
-    if any(m.packed for m in shapes.values()):
+    first = next(model.parameters())
+    dtype = first.dtype
+    # the library also holds an fp32 pool's decode attention (kernels/cpu_attention), which a
+    # compiled step of the checkpoint's own fp32 weights calls too
+    if any(m.packed for m in shapes.values()) or (first.device.type == "cpu" and dtype == torch.float32):
         build_kernel()
     _warming.on = True
     try:
