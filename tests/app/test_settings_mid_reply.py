@@ -1,7 +1,7 @@
 """A setting that applies without reloading (context, memory saving, headroom), changed while a
 reply streams: the engine rebuilds its pool only once no reply runs, and the window says so until
 it has."""
-from kvchat.app.controllers.models import PENDING
+from kvchat.app.controllers.model_choice import PENDING
 
 from qt_helpers import held_reply
 

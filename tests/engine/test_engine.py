@@ -20,7 +20,7 @@ def engine(starter):
 
 
 def no_leak(engine):
-    pool = engine.kvpool.pool
+    pool = engine.kvpool.blocks
     return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 

@@ -59,7 +59,7 @@ def started(handle, tokens: int = 3):
 
 
 def no_leak(e):
-    pool = e.kvpool.pool
+    pool = e.kvpool.blocks
     return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
@@ -221,7 +221,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
     from kvchat.kernels import quant
 
     first = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
-    config, kv, blocks = engine.config, engine.kvpool.kv, engine.kvpool.pool.num_blocks
+    config, kv, blocks = engine.config, engine.kvpool.kv, engine.kvpool.blocks.num_blocks
     target = {"calibration": (kv_pool, "calibrate", 1), "allocation": (quant, "layer_tensors", 3),
               "conversion": (quant, "write", 3)}[stage]
     module, name, nth = target
@@ -231,7 +231,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
         engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)
     monkeypatch.undo()
     assert any(isinstance(x, Notice) and "unchanged" in x.message for x in seen)
-    assert engine.config == config and engine.kvpool.kv is kv and engine.kvpool.pool.num_blocks == blocks
+    assert engine.config == config and engine.kvpool.kv is kv and engine.kvpool.blocks.num_blocks == blocks
     assert engine.precision.value == "fp16" and all(t is not None for t in kv.layers)
     again = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
     assert again.token_ids == first.token_ids and again.stats.cached_tokens > 0 and no_leak(engine)
@@ -300,7 +300,7 @@ def lighthouse_chat(e) -> tuple[list[dict], callable]:
     done = e.generate(LIGHTHOUSES, max_new_tokens=8, temperature=0)
     chat = LIGHTHOUSES + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
     hashes = chat_blocks(e.formatter, e.kvpool.manager, chat)[1]
-    return chat, lambda: sum(h in e.kvpool.pool.cached for h in hashes)
+    return chat, lambda: sum(h in e.kvpool.blocks.cached for h in hashes)
 
 
 def test_deleting_a_chat_while_another_replies_is_done_at_once_but_waits_for_a_reply_using_its_blocks(engine):

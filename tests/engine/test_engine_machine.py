@@ -145,7 +145,7 @@ class EngineMachine(RuleBasedStateMachine):
         if alive() != [self.engine.loaded]:
             gc.collect()  # only a cycle may hold a dropped copy now: a real leak outlives it (0.2 s a call)
         assert alive() == [self.engine.loaded]
-        pool = self.engine.kvpool.pool
+        pool = self.engine.kvpool.blocks
         assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
     @invariant()

@@ -33,7 +33,7 @@ def computed_blocks(e: Engine, messages: list[dict]) -> int:
 
 def where(e: Engine, hashes) -> dict:
     tiers = e.kvpool.tiers
-    return {"pool": sum(h in e.kvpool.pool.cached for h in hashes), "ram": sum(h in tiers.host for h in hashes),
+    return {"pool": sum(h in e.kvpool.blocks.cached for h in hashes), "ram": sum(h in tiers.host for h in hashes),
             "disk": sum(tiers.disk.has(h) for h in hashes)}
 
 
@@ -72,7 +72,7 @@ def test_clear_cached_conversations_empties_ram_and_disk_and_keeps_pinned_person
         assert len(e.kvpool.tiers.host) == 0 and e.kvpool.tiers.host.used == 0
         pinned = list(tmp_path.glob("*.pin"))  # the persona's blocks: shared by its chats, kept
         assert list(tmp_path.glob("*.kvb")) == [] and e.kvpool.tiers.disk.used == sum(p.stat().st_size for p in pinned)
-        assert all(b.pinned for b in e.kvpool.pool.cached.values())
+        assert all(b.pinned for b in e.kvpool.blocks.cached.values())
         again = e.generate(first[:2], **GREEDY)
     finally:
         e.close()

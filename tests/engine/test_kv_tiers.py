@@ -305,7 +305,7 @@ def test_a_restore_whose_own_reservation_pushes_its_blocks_out_of_ram_still_rest
     pool = KVPool.for_tokens(lm, 128, Precision.FP16)  # 8 blocks of 16
     one = sum(t[0].numel() * t.element_size() for t in pool.kv.layers[0].values()) * len(pool.kv.layers)
     pool.tiers.host.cap_bytes = 4 * one
-    pool.pool.on_evict = pool.tiers.evicted
+    pool.blocks.on_evict = pool.tiers.evicted
 
     def computed(ids: list[int]) -> Sequence:
         seq = Sequence(list(ids))
@@ -323,7 +323,7 @@ def test_a_restore_whose_own_reservation_pushes_its_blocks_out_of_ram_still_rest
     pool.manager.free(first)
     other = computed(list(range(200, 328)))  # all 8 blocks: the conversation's 4 go to RAM
     pool.manager.free(other)
-    assert len(pool.tiers.host) == 4 and pool.pool.num_reclaimable == 8
+    assert len(pool.tiers.host) == 4 and pool.blocks.num_reclaimable == 8
     again = Sequence(talk + [7])
     ram, _ = pool.match(again)
     assert ram == 64 and again.num_computed == 64  # restored, though pushed out of RAM meanwhile

@@ -101,7 +101,7 @@ def test_persona_blocks_are_pinned_after_use(warm):
     key = list(warm.kvpool.manager.chain(ids, n))[-1][1]  # the chained hash of its last full block
     pinned = [b for b, _ in warm.kvpool.personas.pinned[key]]
     assert len(pinned) == n and all(b.pinned and b.ref_cnt == 0 for b in pinned)
-    assert all(b.id in warm.kvpool.pool.pinned_queue for b in pinned)
+    assert all(b.id in warm.kvpool.blocks.pinned_queue for b in pinned)
 
 
 def test_restart_restores_the_persona_from_disk(short_starter, tmp_path):
@@ -149,7 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
             for _ in h:
                 pass
         self.handles = []
-        pool = self.engine.kvpool.pool
+        pool = self.engine.kvpool.blocks
         assert pool.num_free == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
 
@@ -159,8 +159,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.drain()
-        for b in self.engine.kvpool.pool.blocks:
-            assert (b.id in self.engine.kvpool.pool.free_queue) != (b.id in self.engine.kvpool.pool.pinned_queue)
+        for b in self.engine.kvpool.blocks.blocks:
+            assert (b.id in self.engine.kvpool.blocks.free_queue) != (b.id in self.engine.kvpool.blocks.pinned_queue)
         self.engine.close()
 
 

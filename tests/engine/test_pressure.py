@@ -38,7 +38,7 @@ def test_snapshots_arrive_about_once_a_second_and_add_up(short_starter):
     snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
     e.close()
     assert snap.on_cpu and snap.device == "cpu" and snap.precision == "fp16"
-    assert snap.kv_total == e.kvpool.pool.num_blocks * 16 * e.kvpool.bytes_per_token()
+    assert snap.kv_total == e.kvpool.blocks.num_blocks * 16 * e.kvpool.bytes_per_token()
     assert snap.weights == sum(t.numel() * t.element_size() for t in short_starter.model.state_dict().values())
     assert 0 <= snap.kv_in_use <= snap.kv_total and snap.free >= 0
     assert snap.max_context["int4"] > snap.max_context["int8"] > snap.max_context["fp16"] > 0
@@ -77,13 +77,13 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
     again = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
     assert again.stats.cached_tokens > 0  # converted blocks are still found
-    assert e.kvpool.pool.num_free == e.kvpool.pool.num_blocks
+    assert e.kvpool.blocks.num_free == e.kvpool.blocks.num_blocks
     e.close()
 
 
 def test_a_full_pool_steps_down_instead_of_failing(short_starter):
     e = engine(short_starter, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * PER_TOKEN_FP32)
-    assert e.precision.value == "fp16" and e.kvpool.pool.num_blocks == 16
+    assert e.precision.value == "fp16" and e.kvpool.blocks.num_blocks == 16
     handle = e.submit(Request(messages=[PERSONA, {"role": "user", "content": "Tell me about the Alps. " * 25}],
                               sampling=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
     events = list(handle)
@@ -93,7 +93,7 @@ def test_a_full_pool_steps_down_instead_of_failing(short_starter):
     # one rung at a time down the one ladder (core.memory_policy): "fp16 -> int8", "int8 -> k8v4", ...
     assert shifts and shifts == [f"{a.value} -> {b.value}" for a, b in zip(LADDER, LADDER[1:])][:len(shifts)]
     assert done.stats.kv_precision == shifts[-1].split(" -> ")[1]
-    assert e.kvpool.pool.num_free == e.kvpool.pool.num_blocks
+    assert e.kvpool.blocks.num_free == e.kvpool.blocks.num_blocks
     e.close()
 
 
@@ -123,7 +123,7 @@ def test_downshift_keeps_outputs_close_to_an_unpressured_run(short_starter):
         s = Sequence(list(ids))
         pool.manager.reserve(s, len(ids))
         pool.runner.forward(s, len(ids) - 1, want_logits=False)
-        assert pool.rebuild(target, pool.budget, [s]) and pool.pool.num_blocks > 64
+        assert pool.rebuild(target, pool.budget, [s]) and pool.blocks.num_blocks > 64
         t = Sequence(list(ids), blocks=list(seq.blocks), num_computed=seq.num_computed)
         want = reference.runner.forward(t, len(ids), want_logits=True).log_softmax(-1)
         seq.num_computed = len(ids) - 1
@@ -151,7 +151,7 @@ def test_a_shrink_moves_live_blocks_off_the_dropped_ids(short_starter):
     pool.runner.forward(seq, len(ids) - 1, want_logits=False)
     pool.manager.free(filler)
     assert pool.rebuild("fp16", 12 * per_block, [seq])
-    assert pool.pool.num_blocks == 12 and max(b.id for b in seq.blocks) < 12
+    assert pool.blocks.num_blocks == 12 and max(b.id for b in seq.blocks) < 12
     torch.testing.assert_close(pool.runner.forward(seq, len(ids), want_logits=True), want)
 
 

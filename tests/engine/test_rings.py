@@ -88,7 +88,7 @@ def test_a_long_sequence_in_rings_says_what_the_whole_pool_says(gemma3, precisio
     whole, _ = run(pool_for(gemma3, precision, rings=False), ids, 1024, 150)
     pool = pool_for(gemma3, precision)
     assert pool.rings is not None and pool.kv.local == frozenset(range(5))
-    assert [layer["k"].shape[0] for layer in pool.kv.layers] == [RING * LOCAL_RINGS] * 5 + [pool.pool.num_blocks]
+    assert [layer["k"].shape[0] for layer in pool.kv.layers] == [RING * LOCAL_RINGS] * 5 + [pool.blocks.num_blocks]
     ringed, held = run(pool, ids, 1024, 150)
     assert held == RING
     assert (ringed - whole).abs().max().item() <= 1e-4
@@ -332,7 +332,7 @@ def test_a_step_that_fails_part_way_keeps_no_ring_for_the_next_turn(gemma3):
 def test_a_budget_below_the_rings_holds_no_tokens_and_says_so(gemma3):
     pool = pool_for(gemma3, "fp16")
     assert pool.tokens_for(Precision.FP16, 1000) == 0
-    assert pool.tokens_for(Precision.FP16) == pool.pool.num_blocks * BS
+    assert pool.tokens_for(Precision.FP16) == pool.blocks.num_blocks * BS
 
 
 @torch.inference_mode()

@@ -80,7 +80,7 @@ def test_a_pool_wholly_in_rings_says_what_the_whole_pool_says(mistral, precision
     every row (fp16 exactly; int8 within its rounding, where the ring's chunk reads its window in
     full precision), in three rings of 5 blocks and no whole-context bytes."""
     whole, pool = ring_pool(mistral, precision, rings=False), ring_pool(mistral, precision)
-    assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.pool.num_blocks == LOCAL_RINGS * 2048 // BS
+    assert pool.kv.whole() == [] and pool.local_blocks == LOCAL_RINGS * RING and pool.blocks.num_blocks == LOCAL_RINGS * 2048 // BS
     assert pool.kv.nbytes * 8 < whole.kv.nbytes
     ids = prompt(600, seed=5)
     expect, _ = run(whole, ids, 512, 100)
@@ -94,9 +94,9 @@ def test_block_ids_reused_past_the_span_keep_nothing_in_the_tiers(mistral, caplo
     """Ids are reused once the span's are taken: the evicted ones' rows are not in any whole-context
     layer, so the RAM tier keeps nothing of them, and says nothing."""
     pool = ring_pool(mistral, span=160, host_cap=2**24)
-    assert pool.pool.on_evict is not None and pool.tiers.idle
-    evicted, hook = [], pool.pool.on_evict
-    pool.pool.on_evict = lambda block: (evicted.append(block.id), hook(block))
+    assert pool.blocks.on_evict is not None and pool.tiers.idle
+    evicted, hook = [], pool.blocks.on_evict
+    pool.blocks.on_evict = lambda block: (evicted.append(block.id), hook(block))
     for seed in range(5):  # 5 x 150 tokens in 30 ids: from the fourth on, a request evicts cached blocks
         end_turn(pool, prompt(150, seed=seed))
     assert len(evicted) >= 10 and pool.tiers.usage()["ram_used"] == 0 and not pool.tiers.host.entries
@@ -127,7 +127,7 @@ def test_a_chat_with_every_layer_windowed_goes_on_from_its_ring(mistral, tokeniz
         short = prompt(60, seed=30)
         assert chat(engine, short, 20).token_ids == expected(mistral, short, 20)
         engine.reconfigure(max_context=4096).result()
-        assert engine.kvpool.kv.whole() == [] and engine.kvpool.pool.num_blocks >= 4096 // BS
+        assert engine.kvpool.kv.whole() == [] and engine.kvpool.blocks.num_blocks >= 4096 // BS
         assert chat(engine, history, 20).token_ids == expected(mistral, history, 20)
     finally:
         engine.close()
@@ -199,7 +199,7 @@ def test_a_restore_from_ram_takes_no_ring_before_its_own_kept_one_is_found():
     and the logits are transformers'."""
     model = tiny_model("gemma3", max_position_embeddings=4096)
     pool = ring_pool(model, tokens=320, host_cap=2**24)
-    assert pool.rings is not None and pool.pool.num_blocks == 20
+    assert pool.rings is not None and pool.blocks.num_blocks == 20
     chats = [prompt(150, seed=seed) for seed in range(3)]
     for ids in chats:
         end_turn(pool, ids)

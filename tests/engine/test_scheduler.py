@@ -37,7 +37,7 @@ def one_by_one(lm, questions, n: int = 24, **kw) -> list[Finished]:
 
 
 def no_leak(e: Engine) -> bool:
-    pool = e.kvpool.pool
+    pool = e.kvpool.blocks
     return pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
@@ -171,7 +171,7 @@ def test_a_short_request_does_not_wait_for_a_long_prompts_every_chunk(short_star
     """Prompts take turns a chunk at a time, a new one first: a short question sent with a long
     prompt gets its first token after a chunk or two, before the long prompt's 16 chunks are done
     (it waited for all of them when the oldest prompt was prefilled to its end first)."""
-    from kvchat.engine.generate import Job
+    from kvchat.engine.job import Job
 
     firsts, real = [], Job.take
 

@@ -67,11 +67,11 @@ def wait_idle(served, deadline_s=60):
     _, engine, counters = served
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if counters.active == 0 and engine.kvpool.pool.num_free == engine.kvpool.pool.num_blocks:
+        if counters.active == 0 and engine.kvpool.blocks.num_free == engine.kvpool.blocks.num_blocks:
             return
         time.sleep(0.05)
     raise AssertionError(f"still busy: {counters.active} open, "
-                         f"{engine.kvpool.pool.num_blocks - engine.kvpool.pool.num_free} blocks held")
+                         f"{engine.kvpool.blocks.num_blocks - engine.kvpool.blocks.num_free} blocks held")
 
 
 # counting goes on for as long as it is let: a reply that would take minutes, unless cancelled

@@ -64,7 +64,7 @@ def run(config: EngineConfig, lm, messages, n=48, **sampling):
         engine.wait_ready(60)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, **{"temperature": 0, **sampling})
         done = engine.submit(Request(messages=messages, sampling=params)).result()
-        pool = engine.kvpool.pool
+        pool = engine.kvpool.blocks
         leaked = pool.num_free != pool.num_blocks or any(b.ref_cnt for b in pool.blocks)
         return done, leaked
     finally:
@@ -134,7 +134,7 @@ def test_a_windowed_model_speculates_past_its_window_and_replies_as_without(toke
             with mock.patch.object(engine.loaded.tokenizer, "encode", lambda text, **kw: predicted):
                 replies[speculate] = engine.submit(Request(prompt_ids=ids, prediction="the reply", sampling=SamplingParams(
                     max_new_tokens=new, temperature=0, ignore_eos=True))).result()
-            pool = engine.kvpool.pool
+            pool = engine.kvpool.blocks
             assert pool.num_free == pool.num_blocks and not any(b.ref_cnt for b in pool.blocks)
         finally:
             engine.close()
@@ -188,7 +188,7 @@ def test_random_replies_with_proposals_leak_no_block_over_a_thousand_steps(short
             stats = handle.result().stats
             steps["kept"] += stats.accepted_prediction_tokens
             steps["dropped"] += stats.rejected_prediction_tokens
-        pool = engine.kvpool.pool
+        pool = engine.kvpool.blocks
         assert pool.num_free == pool.num_blocks and not any(b.ref_cnt for b in pool.blocks)
 
     try:

@@ -1,4 +1,4 @@
-"""One request's life in the fake backend, as engine/generate.py lives it: the prompt fitted to the
+"""One request's life in the fake backend, as engine/job.py lives it: the prompt fitted to the
 context (oldest messages trimmed, with a notice), its cached prefix matched, tokens streamed until
 EOS, max_new_tokens, the context's end or a cancel, one Finished or Error at the end."""
 from kvchat.core.config import ConfigError

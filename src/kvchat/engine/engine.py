@@ -2,7 +2,7 @@
 them, and takes typed commands (Submit, Tokenize, PersonaQuery, Cancel, Reconfigure, LoadModel,
 Shutdown) from one queue; each command's future always resolves. The work is delegated: loading to the model host
 (host.py), memory to the governor (governor.py), which requests run each step to the scheduler
-(scheduler.py), a request's life to its job (generate.py), its prompt to the prompt builder
+(scheduler.py), a request's life to its job (job.py), its prompt to the prompt builder
 (prompt.py). Requests run together, a step at a time; a command that changes the model or the
 pool waits until none runs, and requests sent after it wait for it. A question about the pool (the
 persona badge's) and a deleted chat's Forget are answered between two steps: the thread that steps

@@ -74,7 +74,7 @@ class MemoryGovernor:
         allowed = self.kv_room(total, other)
         if allowed >= pool.budget - min(PRESSURE_SLACK, pool.budget // 8):
             return
-        needed = (pool.pool.num_blocks - pool.pool.num_free) * pool.block_size
+        needed = (pool.blocks.num_blocks - pool.blocks.num_free) * pool.block_size
         old = pool.precision
         choice = e.policy.under_pressure(old, lambda p: pool.tokens_for(p, allowed), max(needed, pool.block_size),
                                          e.config.max_context)

@@ -2,7 +2,7 @@
 first chunk (pool, RAM, disk; an earlier reply's persona counts), the rest in chunks of at most
 the step's budget, a windowed model's persona ending a chunk (its ring is copied there), and the
 first token sampled from the last chunk's logits. Prompts take turns a chunk a step."""
-from kvchat.engine.generate import DECODE, PREFILL
+from kvchat.engine.job import DECODE, PREFILL
 from kvchat.engine.model.step_plan import Chunk
 
 

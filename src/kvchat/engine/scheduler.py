@@ -18,7 +18,7 @@ from kvchat.core.config import ConfigError
 from kvchat.core.events import EngineError, Error, Finished, Stats
 from kvchat.core.memory_policy import StepDown
 from kvchat.engine.chat import ChatError
-from kvchat.engine.generate import DECODE, DONE, NEW, PREFILL, Job
+from kvchat.engine.job import DECODE, DONE, NEW, PREFILL, Job
 from kvchat.engine.kv.block_pool import PoolExhausted
 from kvchat.engine.kv.rings import RingsExhausted
 from kvchat.engine.model.step_plan import StepOutput, StepPlan
@@ -157,7 +157,7 @@ class Scheduler:
             self._put_last(job)
 
     def _admit(self) -> None:
-        pool = self.engine.kvpool.pool
+        pool = self.engine.kvpool.blocks
         while self.waiting and len(self.running) < self.engine.config.max_running:
             job = self.waiting[0]
             if job.wait_free is not None and self.running and pool.num_free <= job.wait_free:
@@ -215,7 +215,7 @@ class Scheduler:
         e.kvpool.manager.free(job.seq)
         self.preempted += 1
         job.requeue()
-        job.wait_free = e.kvpool.pool.num_free
+        job.wait_free = e.kvpool.blocks.num_free
         self.running.remove(job)
         self.waiting.appendleft(job)
         log.info("request %d waits for KV blocks (%d tokens to compute again)", job.order, len(job.seq) - 1)
@@ -266,7 +266,7 @@ class Scheduler:
     def _guard(self, job: Job, fn, *args) -> bool:
         """``fn(*args)`` for one job; a failure ends that job only. True when it ran through. The
         cached blocks its allocations evicted are counted on it, told once when it ends."""
-        pool = self.engine.kvpool.pool
+        pool = self.engine.kvpool.blocks
         evictions = pool.evictions
         try:
             fn(*args)

@@ -13,7 +13,7 @@ from kvchat.core.config import SamplingParams
 from kvchat.app.controllers.compile_ticker import CompileTicker
 from kvchat.app.controllers.conversations import ConversationController
 from kvchat.app.controllers.desktop import DesktopController
-from kvchat.app.controllers.models import PENDING, ModelController
+from kvchat.app.controllers.model_choice import PENDING, ModelController
 from kvchat.app.controllers.memory_tally import MemoryTally
 from kvchat.app.controllers.personas import PersonaController
 from kvchat.app.controllers.replies import WAITING_NOTE, ReplyController

@@ -69,7 +69,7 @@ def chat_in_use(engine, command: Forget) -> bool:
 def forget_chat(engine, command: Forget) -> int:
     kvpool = engine.kvpool
     hashes = set(named(engine, command)[1])
-    pool = kvpool.pool
+    pool = kvpool.blocks
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
     blocks = [b for b in pool.cached.values() if b.hash in hashes or b.parent in hashes]
     if kvpool.rings is not None:  # the kept rings: this chat's windowed rows may be among them
@@ -83,7 +83,7 @@ def clear_conversations(engine) -> int:
     if kvpool is None:
         disk = engine.host.disk_tier(engine.config)
         return disk.clear() if disk is not None else 0
-    pool = kvpool.pool
+    pool = kvpool.blocks
     if kvpool.rings is not None:
         kvpool.rings.forget()
     return pool.drop([b for b in list(pool.free_queue.values()) if b.hash is not None]) + kvpool.tiers.clear()

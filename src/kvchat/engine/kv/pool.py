@@ -46,8 +46,8 @@ class KVPool:
         num_blocks = self.blocks_for(precision, budget)
         self.kv = KVCache(self.shape, num_blocks, block_size, self.dtype, lm.device, precision, self.local_blocks)
         self.kv.calibrated(*self.key_stats(precision))
-        self.pool = BlockPool(num_blocks)
-        self.manager = KVCacheManager(self.pool, block_size, self.extra_key())
+        self.blocks = BlockPool(num_blocks)
+        self.manager = KVCacheManager(self.blocks, block_size, self.extra_key())
         self.rings = None
         self._new_rings()
         self.runner = ModelRunner(lm.model, self.kv, self.manager, decode)
@@ -55,7 +55,7 @@ class KVPool:
         self.ring_prefix = RingPrefix(self)
         self.tiers = KVTiers(self, HostTier(host_cap, lm.device), disk, notice)
         if self.tiers.host.cap_bytes or disk is not None:  # host_cap None: the default share of RAM
-            self.pool.on_evict = self.tiers.evicted
+            self.blocks.on_evict = self.tiers.evicted
 
     @classmethod
     def for_tokens(cls, lm, num_tokens: int, precision: Precision, block_size: int = BLOCK_SIZE) -> "KVPool":
@@ -140,7 +140,7 @@ class KVPool:
         if reringed and (live or self.rings is not None and self.rings.available() < self.local_blocks):
             return False  # running sequences' windowed rows would be lost: change them between replies
         n = self.blocks_for(precision, budget, local, span)
-        if n < self.pool.num_blocks and not self._clear_tail(n):
+        if n < self.blocks.num_blocks and not self._clear_tail(n):
             return False
         stats = self.key_stats(precision)
         windows = self._new_windows(precision, live)
@@ -148,10 +148,10 @@ class KVPool:
                            local_blocks=local)
         for seq, window, _ in windows:
             seq.window = window
-        if n < self.pool.num_blocks:
-            self.pool.shrink(n)  # cannot fail: _clear_tail moved every live block below n
+        if n < self.blocks.num_blocks:
+            self.blocks.shrink(n)  # cannot fail: _clear_tail moved every live block below n
         self.kv = new_kv
-        self.pool.grow(n)
+        self.blocks.grow(n)
         self.budget, self.span = budget, self.span if span is None else span
         self.manager.relayout(self.extra_key(), list(live))
         self.runner.kv = self.kv
@@ -164,16 +164,16 @@ class KVPool:
 
     def clear_cache(self) -> None:
         """Forget every cached prefix no sequence holds: the blocks' and the kept rings'."""
-        self.pool.clear_cache()
+        self.blocks.clear_cache()
         if self.rings is not None:
             self.rings.forget(personas=True)
 
     def _clear_tail(self, n: int) -> bool:
         """Move live blocks off the ids a shrink to ``n`` blocks drops (data copied within this
         pool, to free ids); False when too few ids below ``n`` are free."""
-        if not any(b.ref_cnt for b in self.pool.blocks[n:]):
+        if not any(b.ref_cnt for b in self.blocks.blocks[n:]):
             return True
-        moves = self.pool.compact(n)
+        moves = self.blocks.compact(n)
         if moves is None:
             return False
         self.kv.move_blocks(moves)
@@ -229,7 +229,7 @@ class KVPool:
         self.manager.free(seq, keep_tail=True)
 
     def usage(self) -> dict:
-        pool, rings = self.pool, self.rings
+        pool, rings = self.blocks, self.rings
         # the windowed layers' blocks: rings of running requests, and kept ones for next turns
         kept = rings.kept_blocks() if rings is not None else 0
         held = self.local_blocks - len(rings.free) - kept if rings is not None else 0
