@@ -143,7 +143,8 @@ def test_a_decode_step_makes_no_tensor_from_host_values(model, precision):
                 runner.forward(seq, len(seq), want_logits=True)
             made.append(sum(e.name == "aten::lift_fresh" for e in prof.events()))
     window = 1 if precision == "int4" else 0
-    assert made[0] <= 1 + window and made[1:] == [window] * 9, made  # the table's ids may be there from before
+    # the table's ids may be there from before, and a window's bounds (kept by value) from an earlier step
+    assert made[0] <= 1 + window and all(n <= window for n in made[1:]), made
 
 
 def test_the_ram_tier_copies_blocks_out_and_back_exactly_on_the_device():

@@ -5,6 +5,7 @@ decode through the paged decode kernel; prefill chunks use SDPA over the context
 buffer (the reference path), which a quantized pool's rows reach dequantized by a kernel in one pass.
 """
 import functools
+from collections import OrderedDict
 
 import torch
 
@@ -62,16 +63,25 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
                   quant.rotate(value.float(), rotation))
 
 
-_STEP: dict = {}
+_STEP: dict = {}  # (name, device) -> {values: tensor}, newest last
+STEP_TENSORS = 64  # per name: every row of a batch (MAX_RUNNING) with room to spare
 
 
 def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
-    """``values`` as an int32 tensor on ``device``, made again only when they change: a step's
-    length or window bounds are the same for every layer, so one host-to-device copy a step."""
-    hit = _STEP.get((name, device))
-    if hit is None or hit[0] != values:
-        _STEP[(name, device)] = hit = (values, torch.tensor(values, device=device, dtype=torch.int32))
-    return hit[1]
+    """``values`` as an int32 tensor on ``device``, made once while they are among the last
+    ``STEP_TENSORS`` asked for: a step's length or window bounds are the same for every layer, so
+    one host-to-device copy per row a step. Kept by value, not only the last: a batch's rows
+    alternate, and each row's values were copied again at each layer (about 512 blocking copies a
+    step at 8 rows and 32 layers). Nothing writes to these tensors."""
+    made = _STEP.setdefault((name, device), OrderedDict())
+    hit = made.get(values)
+    if hit is None:
+        hit = made[values] = torch.tensor(values, device=device, dtype=torch.int32)
+        if len(made) > STEP_TENSORS:
+            made.popitem(last=False)
+    else:
+        made.move_to_end(values)
+    return hit
 
 
 def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
