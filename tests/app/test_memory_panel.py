@@ -48,3 +48,26 @@ def test_kvchat_itself_is_a_row_and_the_rows_add_up_to_the_machine(qtbot, app_pa
     assert panel.values["kvchat itself"].text() == f"{RUNTIME / GiB:.2f} GiB"  # 600 MiB: 0.59 GiB
     rows = ("other_processes", "runtime", "weights", "kv_total", "activations_reserve", "free")
     assert snap["runtime"] == RUNTIME and sum(snap[k] for k in rows) == MACHINE_RAM
+
+
+def test_opening_the_panel_in_a_1000_px_window_keeps_its_width_and_the_top_bar_whole(qtbot, app_parts):
+    """The trial's window grew to 1,095 px when the panel opened (the chat column's share went under
+    the top bar's minimum), and at 1,000 px the bar's chips were clipped."""
+    win, *_ = app_parts
+    win.resize(1000, 700)
+    qtbot.waitUntil(lambda: win.width() == 1000)
+    win.memory_button.click()
+    qtbot.waitUntil(lambda: win.memory_panel.isVisible() and win.splitter.sizes()[2] > 0)
+    qtbot.wait(100)  # a growth would come with the layout's next pass
+    assert win.width() == 1000
+    side, centre, panel = win.splitter.sizes()
+    assert panel == win.memory_panel.width() and centre >= win.top_bar.minimumSizeHint().width()
+    row = win.top_bar.layout()
+    shown = [row.itemAt(i).widget() for i in range(row.count())
+             if row.itemAt(i).widget() is not None and row.itemAt(i).widget().isVisible()]
+    spans = sorted((w.geometry().left(), w.geometry().right()) for w in shown)
+    assert spans[-1][1] < win.top_bar.width()  # nothing past the bar's edge
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))  # nor over its neighbour
+    win.memory_button.click()
+    qtbot.waitUntil(lambda: not win.memory_panel.isVisible())
+    assert win.width() == 1000

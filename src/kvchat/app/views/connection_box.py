@@ -1,7 +1,7 @@
 """The top bar's "runs on" box: this computer, each saved connection, and "Manage connections…",
 which opens the list where connections are added, edited and removed."""
-from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QComboBox
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QComboBox, QStyle, QStyleOptionComboBox, QStylePainter
 
 from kvchat.core.connections import Connections
 
@@ -26,6 +26,17 @@ class ConnectionBox(QComboBox):
         self.setMinimumContentsLength(10)
         self.activated.connect(self._on_activated)  # the user's choices only, not fill()'s
         self.fill()
+
+    def paintEvent(self, event) -> None:
+        """The chosen entry elided ("This comp…") in a narrow bar: a plain combo box cut it
+        mid-letter at its minimum width."""
+        painter = QStylePainter(self)
+        option = QStyleOptionComboBox()
+        self.initStyleOption(option)
+        painter.drawComplexControl(QStyle.CC_ComboBox, option)
+        field = self.style().subControlRect(QStyle.CC_ComboBox, option, QStyle.SC_ComboBoxEditField, self)
+        option.currentText = self.fontMetrics().elidedText(option.currentText, Qt.ElideRight, field.width())
+        painter.drawControl(QStyle.CE_ComboBoxLabel, option)
 
     def fill(self, current: str | None = ...) -> None:
         if current is not ...:

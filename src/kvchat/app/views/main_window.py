@@ -181,11 +181,18 @@ class MainWindow(QMainWindow):
         return super().eventFilter(obj, event)
 
     def show_memory_panel(self, shown: bool) -> None:
-        self.memory_panel.setVisible(shown)
+        """The panel's room comes from the chat column down to its minimum (the top bar's), then
+        from the list of chats down to its own, so a window of 1,000 px keeps its width (it grew to
+        1,095 px when the column's share went under its minimum)."""
         if shown:  # the splitter remembers it at zero width
-            sizes = self.splitter.sizes()
-            side = max(220, sizes[0] - 40)  # the sidebar gives some of the room: the top bar's chips need it
-            self.splitter.setSizes([side, max(200, sizes[1] + sizes[0] - side - 280), 280])
+            side, centre, _ = self.splitter.sizes()
+            total, panel = side + centre, self.memory_panel.width()
+            centre = max(self.splitter.widget(1).minimumSizeHint().width(), total - side - panel)
+            side = max(self.splitter.widget(0).minimumSizeHint().width(), total - centre - panel)
+            self.memory_panel.setVisible(True)
+            self.splitter.setSizes([side, centre, panel])
+        else:
+            self.memory_panel.setVisible(False)
         self.store.set_setting("memory_panel", shown)
 
     def cycle_theme(self) -> None:

@@ -9,6 +9,7 @@ from kvchat.core.memory import GiB
 
 from kvchat.app.views.gauge import MemoryGauge, colours, is_dark, segments
 
+PANEL_WIDTH = 220  # beside the list of chats and the top bar, each at its minimum, within 1,000 px
 ROWS = ["weights", "KV in use", "prefix cache", "KV free", "activations", "kvchat itself", "other programs", "free"]
 ROW_TIPS = {"kvchat itself": "What kvchat holds besides the weights and the KV cache: Python, Qt and torch, and on "
                              "the CPU the copy of cached conversations kept in RAM"}
@@ -35,11 +36,11 @@ def server_text(memory: dict | None, url: str) -> str:
 
 
 def tiers_text(tiers: dict) -> str:
-    """The KV tiers under the pool: where evicted and earlier conversations wait to be reused."""
-    rows = [f"<tr><td>{name}</td><td align='right'>{gib(tiers[key + '_used'])} of {gib(tiers[key + '_capacity'])}</td>"
-            f"<td align='right'>{tiers[key + '_hits']:,} hits</td></tr>"
+    """The KV tiers under the pool: where evicted and earlier conversations wait to be reused. A line
+    each, not a table: in the panel's width a table's cells broke "0 MiB of 5.47 GiB" in two."""
+    rows = [f"{name}: {gib(tiers[key + '_used'])} of {gib(tiers[key + '_capacity'])}, {tiers[key + '_hits']:,} hits"
             for name, key in (("RAM cache", "ram"), ("disk cache", "disk")) if tiers.get(key + "_capacity")]
-    return "Saved conversations:<table cellspacing='4'>" + "".join(rows) + "</table>" if rows else ""
+    return "Saved conversations:<br>" + "<br>".join(rows) if rows else ""
 
 
 def gib(n: int) -> str:
@@ -50,7 +51,7 @@ class MemoryPanel(QFrame):
     def __init__(self):
         super().__init__()
         self.setObjectName("memoryPanel")
-        self.setFixedWidth(280)
+        self.setFixedWidth(PANEL_WIDTH)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 14, 16, 14)
         title = QLabel("<b>Memory</b>")

@@ -44,7 +44,7 @@ def sidebar(win) -> QFrame:
     side.addLayout(row)
     frame = QFrame(objectName="sidebar")
     frame.setLayout(side)
-    frame.setMinimumWidth(220)
+    frame.setMinimumWidth(180)  # beside the memory panel and the top bar at their minimum, within 1,000 px
     return frame
 
 
