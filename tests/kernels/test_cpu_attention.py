@@ -45,7 +45,7 @@ def test_a_batchs_rows_each_equal_the_traced_ops_and_an_empty_row_is_zeros(built
     layer = pool(64, 3, 64, seed=3)
     g = torch.Generator().manual_seed(4)
     lengths = torch.tensor([1, 100, 640, 300, 17, 0], dtype=torch.int32)
-    table = torch.stack([torch.randperm(64, generator=g)[:40] for _ in lengths]).int()  # a batch's int32 table
+    table = torch.stack([torch.randperm(64, generator=g)[:40] for _ in lengths]).int()  # converted to int64 by the op
     q = torch.randn(len(lengths), 9, 64, generator=g)
     want = traced.attend(layer, q, table, lengths, 0.125)
     got = torch.ops.kvchat.decode_attention(q, layer["k"], layer["v"], table, lengths, 0.125, 0)
@@ -53,7 +53,32 @@ def test_a_batchs_rows_each_equal_the_traced_ops_and_an_empty_row_is_zeros(built
     assert torch.isnan(want[-1]).all() and torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
-def test_the_twin_serves_until_the_library_is_loaded(built, monkeypatch):
+def test_a_batch_with_a_window_and_head_dim_96_equals_the_traced_ops(built):
+    layer = pool(64, 2, 96, seed=8)
+    g = torch.Generator().manual_seed(9)
+    lengths = torch.tensor([300, 33, 129, 64], dtype=torch.int32)
+    table = torch.stack([torch.randperm(64, generator=g)[:20] for _ in lengths])
+    q = torch.randn(len(lengths), 8, 96, generator=g)
+    band = Band(100, None)
+    want = traced.attend(layer, q, table, lengths, 96 ** -0.5, band)
+    got = cpu_attention.attend(layer, q, table, lengths, 96 ** -0.5, band)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_what_the_kernel_cannot_take_is_refused_not_misread(built):
+    layer = pool(4, 2, 64, seed=10)
+    q, table = torch.randn(1, 4, 64), torch.arange(4)
+    with pytest.raises(ValueError, match="past a table of 4 blocks"):  # 65 positions in 4 blocks of 16
+        torch.ops.kvchat.decode_attention(q, layer["k"], layer["v"], table, torch.tensor([65], dtype=torch.int32), 0.1, 0)
+    with pytest.raises(ValueError, match="query"):  # 3 query heads over 2 KV heads
+        torch.ops.kvchat.decode_attention(torch.randn(1, 3, 64), layer["k"], layer["v"], table,
+                                          torch.tensor([9], dtype=torch.int32), 0.1, 0)
+    with pytest.raises(ValueError, match="query"):  # a bf16 pool
+        torch.ops.kvchat.decode_attention(q, layer["k"].bfloat16(), layer["v"].bfloat16(), table,
+                                          torch.tensor([9], dtype=torch.int32), 0.1, 0)
+
+
+def test_the_twin_serves_until_the_library_is_loaded(monkeypatch):
     layer = pool(8, 2, 64, seed=5)
     q, table, lens = torch.randn(1, 4, 64), torch.arange(8), torch.tensor([70], dtype=torch.int32)
     monkeypatch.setattr(int8_rows, "attention", None)

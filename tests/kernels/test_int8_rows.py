@@ -314,8 +314,9 @@ def test_the_prebuilt_kernel_runs_without_a_compiler_and_gives_the_built_kernels
     packed = int8_rows.pack(codes, scales)
     packed4 = int8_rows.pack4(*four_bit(80, 352, seed=12))
     x = torch.randn(13, 352) * 5
-    pool = torch.randn(2, 6, 16, 2, 64)
-    attention = (torch.randn(3, 4, 64), *pool, torch.randperm(6).view(3, 2), torch.tensor([20, 32, 7], dtype=torch.int32),
+    pool = torch.randn(2, 30, 16, 2, 64)
+    # over 64 positions: several chunks to merge, whose sums a fused multiply-add would round otherwise
+    attention = (torch.randn(3, 4, 64), *pool, torch.randperm(30).view(3, 10), torch.tensor([150, 97, 7], dtype=torch.int32),
                  0.125, 0)
     torch.save((x, packed, packed4, attention), tmp_path / "inputs.pt")
     proc = subprocess.run([sys.executable, "-c", PREBUILT_CHILD, str(tmp_path)], capture_output=True, text=True,

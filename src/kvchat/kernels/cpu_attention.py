@@ -23,10 +23,11 @@ _library.define("decode_attention(Tensor query, Tensor k, Tensor v, Tensor table
 def takes(pool: dict, query: torch.Tensor, band: Band) -> bool:
     """Whether the kernel serves this layer: an fp32 pool and query, rows a multiple of 8 wide,
     no soft cap (Gemma 2's stays traced), on a CPU that runs the int8 kernel (AVX2 and up). Decided when the step is
-    traced, the same way in the compile child as here, whether or not the library is loaded yet."""
+    traced, the same way in the compile child as here, whether or not the library is loaded yet;
+    where its build failed, the traced ops (the twin, run eagerly as an opaque op, is slower)."""
     k = pool["k"]
     return (k.dtype == torch.float32 and query.dtype == torch.float32 and k.shape[-1] % 8 == 0
-            and band.softcap is None and _CPU_RUNS)
+            and band.softcap is None and _CPU_RUNS and not int8_rows.failed)
 
 
 def attend(pool: dict, query: torch.Tensor, table: torch.Tensor, length: torch.Tensor, scale: float,
@@ -46,21 +47,27 @@ def decode_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tabl
     positions only where it is above 0. A row of no positions gives zeros (the twin: NaN)."""
     if int8_rows.attention is None:
         return twin(query, k, v, table, length, scale, window)
-    # the compiled step's tensors are already of these kinds (a batched step's table is int32):
-    # each conversion or check here costs microseconds, 30 times a token
+    # the compiled step's tensors are already of these kinds: each conversion or check here costs
+    # microseconds, 30 times a token; the kernel checks each row's length against the table itself
     if table.dtype != torch.int64:
         table = table.long()
     if length.dtype != torch.int32:
         length = length.int()
+    query = query.contiguous()
     rows, heads, d = query.shape
-    if not (query.is_contiguous() and k.is_contiguous() and v.is_contiguous() and table.is_contiguous()
-            and table.numel() // rows * rows == table.numel() and length.numel() == rows):
-        raise ValueError(f"decode_attention: {rows} rows against a table of {tuple(table.shape)} and "
-                         f"{length.numel()} lengths, or tensors not contiguous")
+    blocks, block, kv_heads, _ = k.shape
+    if not (k.dtype == v.dtype == query.dtype == torch.float32 and k.shape == v.shape and k.shape[3] == d
+            and d % 8 == 0 and heads % kv_heads == 0 and k.is_contiguous() and v.is_contiguous()
+            and table.is_contiguous() and table.numel() // rows * rows == table.numel() and length.numel() == rows):
+        raise ValueError(f"decode_attention: query {tuple(query.shape)} {query.dtype} against a pool "
+                         f"{tuple(k.shape)} {k.dtype}, {tuple(table.shape)} table and {length.numel()} lengths")
     out = torch.empty_like(query)
     status = int8_rows.attention(query.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
-                                 table.numel() // rows, length.data_ptr(), rows, heads, k.shape[2], d, k.shape[1],
+                                 table.numel() // rows, length.data_ptr(), rows, heads, kv_heads, d, block,
                                  window, scale, out.data_ptr(), torch.get_num_threads())
+    if status == 2:
+        raise ValueError(f"decode_attention: a length in {length.tolist()} is past a table of {table.numel() // rows} "
+                         f"blocks of {block}, or below 0")
     if status:
         raise MemoryError(f"decode_attention: no scratch for {rows} rows of {heads} heads")
     return out

@@ -3,10 +3,10 @@
 // Why its own kernel: traced into the compiled step, inductor made one dot product per position
 // and query head, each ending in a horizontal sum, and ran the softmax on one thread: 127-135 us a
 // layer of the starter at 576 positions (AVX-512 and AVX2 alike), a quarter of a token. Here the
-// positions are cut into chunks of 64 spread over the threads, each chunk's K row is read once
-// for its query group (a KV head's query heads), four positions' dot products are summed across
-// at once, and each chunk keeps its own maximum, sum and weighted V (split-K, as flash decoding
-// does on a GPU), merged at the end.
+// positions are cut into chunks of 32 spread over the threads, a chunk taking every KV head so its
+// blocks are read in order, eight positions' dot products are summed across at once, and each
+// chunk keeps its own maximum, sum and weighted V per query head (split-K, as flash decoding does
+// on a GPU), merged at the end.
 //
 // AVX2 and FMA only: every x86-64 CPU the int8 kernels serve runs it, and an AVX-512 CPU gains
 // little from wider registers on 64-wide rows. Its torch twin is cpu_attention.twin.
@@ -178,7 +178,7 @@ static void prefetch(const Step& s, int64_t row, int64_t lo, int64_t hi) {
 // q [rows, heads, d]; k, v the pool [blocks, block, kv_heads, d] (v at the same strides); table
 // [rows, table_stride] block ids; lengths [rows]: row r attends to positions [max(0, length -
 // window), length) (window 0: from 0); out [rows, heads, d]. d % 8 == 0, heads % kv_heads == 0.
-// Returns 0, or 1 when the scratch could not be allocated.
+// Returns 0, 1 when the scratch could not be allocated, 2 when a length is past its row's table.
 extern "C" int kvchat_decode_attention(const float* q, const float* k, const float* v, const int64_t* table,
                                        int64_t table_stride, const int32_t* lengths, int64_t rows, int64_t heads,
                                        int64_t kv_heads, int64_t d, int64_t block, int64_t window, float scale,
@@ -189,12 +189,13 @@ extern "C" int kvchat_decode_attention(const float* q, const float* k, const flo
     for (int64_t r = 0; r < rows; r++) {
         int64_t start, end;
         span(s, r, &start, &end);
+        if (end > table_stride * block) return 2;  // it would read past the table and the pool
         int64_t c = (end - start + CHUNK - 1) / CHUNK;
         chunks = c > chunks ? c : chunks;
     }
     const int64_t items = rows * kv_heads * chunks, part_size = g_count * (d + 2);
     float* parts = (float*)malloc(sizeof(float) * items * part_size);
-    float* scores = (float*)malloc(sizeof(float) * items * g_count * CHUNK);
+    float* scores = (float*)malloc(sizeof(float) * rows * chunks * g_count * CHUNK);
     if (!parts || !scores) {
         free(parts);
         free(scores);

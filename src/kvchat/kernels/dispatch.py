@@ -5,6 +5,7 @@ decode through the paged decode kernel; prefill chunks use SDPA over the context
 buffer (the reference path), which a quantized pool's rows reach dequantized by a kernel in one pass.
 """
 import functools
+import threading
 from collections import OrderedDict
 
 import torch
@@ -65,6 +66,7 @@ def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_ch
 
 _STEP: dict = {}  # (name, device) -> {values: tensor}, newest last
 STEP_TENSORS = 64  # per name: every row of a batch (MAX_RUNNING) with room to spare
+_STEP_LOCK = threading.Lock()
 
 
 def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
@@ -72,16 +74,19 @@ def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
     ``STEP_TENSORS`` asked for: a step's length or window bounds are the same for every layer, so
     one host-to-device copy per row a step. Kept by value, not only the last: a batch's rows
     alternate, and each row's values were copied again at each layer (about 512 blocking copies a
-    step at 8 rows and 32 layers). Nothing writes to these tensors."""
-    made = _STEP.setdefault((name, device), OrderedDict())
-    hit = made.get(values)
-    if hit is None:
-        hit = made[values] = torch.tensor(values, device=device, dtype=torch.int32)
-        if len(made) > STEP_TENSORS:
-            made.popitem(last=False)
-    else:
-        made.move_to_end(values)
-    return hit
+    step at 8 rows and 32 layers). Nothing writes to these tensors, and no captured graph reads
+    them: a captured step hands in tensors of its own (``context_lens``, ``wmeta``), which a batch
+    captured per bucket will need too, as these may be dropped."""
+    with _STEP_LOCK:  # two engines' threads (a model switch, a bench) may ask at once
+        made = _STEP.setdefault((name, device), OrderedDict())
+        hit = made.get(values)
+        if hit is None:
+            hit = made[values] = torch.tensor(values, device=device, dtype=torch.int32)
+            if len(made) > STEP_TENSORS:
+                made.popitem(last=False)
+        else:
+            made.move_to_end(values)
+        return hit
 
 
 def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:

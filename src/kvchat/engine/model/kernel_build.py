@@ -68,7 +68,10 @@ def prebuild(folder: Path) -> Path:
     if zig is None or omp is None:
         raise RuntimeError("prebuilding the int8 kernel needs the bundled clang (ziglang) and cmeel-libomp")
     out = folder / int8_rows.prebuilt_name()
-    subprocess.run([str(zig), "c++", "-O3", "-shared", "-fPIC", "-fopenmp", "-fno-exceptions", "-nostdlib++",
+    # no fused multiply-adds the source did not write: inductor builds with -ffp-contract=off, and
+    # the prebuilt library must give its bits (the attention's merge has a plain a += w * b)
+    subprocess.run([str(zig), "c++", "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp", "-fno-exceptions",
+                    "-nostdlib++",
                     "-isystem", str(omp / "include"), f"-L{omp / 'lib'}", "-lomp",
                     # the app's layout: kvchat/kernels/ and cmeel.prefix/lib/ side by side
                     "-Wl,-rpath,$ORIGIN/../../cmeel.prefix/lib", "-o", str(out), *map(str, int8_rows.sources())],
