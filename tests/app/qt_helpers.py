@@ -111,8 +111,6 @@ def last_stats(win):
     return [i.property("tip") for i in win.chat_view.items() if i.objectName() == "stats" and i.isVisible()]
 
 
-
-
 class _Relay(QObject):
     def __init__(self, bridge):
         super().__init__(bridge)

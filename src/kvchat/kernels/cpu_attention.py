@@ -21,10 +21,11 @@ _library.define("decode_attention(Tensor query, Tensor k, Tensor v, Tensor table
 
 
 def takes(pool: dict, query: torch.Tensor, band: Band) -> bool:
-    """Whether the kernel serves this layer: an fp32 pool and query, rows a multiple of 8 wide,
-    no soft cap (Gemma 2's stays traced), on a CPU that runs the int8 kernel (AVX2 and up). Decided when the step is
-    traced, the same way in the compile child as here, whether or not the library is loaded yet;
-    where its build failed, the traced ops (the twin, run eagerly as an opaque op, is slower)."""
+    """Whether the kernel serves this layer: an fp32 pool and query, rows a multiple of 8 wide, no
+    soft cap (Gemma 2's stays traced), on a CPU that runs the int8 kernel (AVX2 and up). Decided
+    when the step is traced, the same way in the compile child as here, whether or not the library
+    is loaded yet; where its build failed, the traced ops (the twin, run eagerly as an opaque op,
+    is slower)."""
     k = pool["k"]
     return (k.dtype == torch.float32 and query.dtype == torch.float32 and k.shape[-1] % 8 == 0
             and band.softcap is None and _CPU_RUNS and not int8_rows.failed)
@@ -55,19 +56,19 @@ def decode_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tabl
         length = length.int()
     query = query.contiguous()
     rows, heads, d = query.shape
-    blocks, block, kv_heads, _ = k.shape
+    _, block, kv_heads, _ = k.shape
+    stride = table.numel() // rows  # blocks a row's table holds
     if not (k.dtype == v.dtype == query.dtype == torch.float32 and k.shape == v.shape and k.shape[3] == d
             and d % 8 == 0 and heads % kv_heads == 0 and k.is_contiguous() and v.is_contiguous()
-            and table.is_contiguous() and table.numel() // rows * rows == table.numel() and length.numel() == rows):
+            and table.is_contiguous() and stride * rows == table.numel() and length.numel() == rows):
         raise ValueError(f"decode_attention: query {tuple(query.shape)} {query.dtype} against a pool "
                          f"{tuple(k.shape)} {k.dtype}, {tuple(table.shape)} table and {length.numel()} lengths")
     out = torch.empty_like(query)
-    status = int8_rows.attention(query.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
-                                 table.numel() // rows, length.data_ptr(), rows, heads, kv_heads, d, block,
-                                 window, scale, out.data_ptr(), torch.get_num_threads())
+    status = int8_rows.attention(query.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), stride,
+                                 length.data_ptr(), rows, heads, kv_heads, d, block, window, scale, out.data_ptr(),
+                                 torch.get_num_threads())
     if status == 2:
-        raise ValueError(f"decode_attention: a length in {length.tolist()} is past a table of {table.numel() // rows} "
-                         f"blocks of {block}, or below 0")
+        raise ValueError(f"decode_attention: a length in {length.tolist()} is past a table of {stride} blocks of {block}")
     if status:
         raise MemoryError(f"decode_attention: no scratch for {rows} rows of {heads} heads")
     return out

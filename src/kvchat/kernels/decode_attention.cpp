@@ -159,22 +159,6 @@ KVCHAT_ATTN static void merge(const Step& s, const float* parts, int64_t chunks,
     for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), inv));
 }
 
-// Asks for a chunk's K and V rows (all heads: contiguous per block) before the first head reads
-// them: read head by head, a row at a time, they came from memory at a third of its speed.
-static void prefetch(const Step& s, int64_t row, int64_t lo, int64_t hi) {
-    const int64_t* table = s.table + row * s.table_stride;
-    const int64_t width = s.kv_heads * s.d;  // floats a position
-    for (int64_t p = lo; p < hi;) {
-        int64_t entry = p / s.block, in_block = p % s.block, n = s.block - in_block < hi - p ? s.block - in_block : hi - p;
-        int64_t at = (table[entry] * s.block + in_block) * width;
-        for (int64_t b = 0; b < n * width; b += 16) {
-            _mm_prefetch((const char*)(s.k + at + b), _MM_HINT_T0);
-            _mm_prefetch((const char*)(s.v + at + b), _MM_HINT_T0);
-        }
-        p += n;
-    }
-}
-
 // q [rows, heads, d]; k, v the pool [blocks, block, kv_heads, d] (v at the same strides); table
 // [rows, table_stride] block ids; lengths [rows]: row r attends to positions [max(0, length -
 // window), length) (window 0: from 0); out [rows, heads, d]. d % 8 == 0, heads % kv_heads == 0.
@@ -210,14 +194,12 @@ extern "C" int kvchat_decode_attention(const float* q, const float* k, const flo
             int64_t c = item % chunks, r = item / chunks, start, end;
             span(s, r, &start, &end);
             int64_t lo = start + c * CHUNK, hi = lo + CHUNK < end ? lo + CHUNK : end;
-            prefetch(s, r, lo, hi);
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
                 float* part = parts + ((r * kv_heads + kvh) * chunks + c) * part_size;
-                if (lo >= hi) {  // a row shorter than the longest: this chunk adds nothing
+                if (lo < hi)
+                    chunk(s, r, kvh, lo, hi, scores + item * g_count * CHUNK, part);
+                else  // a row shorter than the longest: this chunk adds nothing
                     for (int64_t g = 0; g < g_count; g++) part[g * (d + 2)] = -INFINITY, part[g * (d + 2) + 1] = 0.0f;
-                    continue;
-                }
-                chunk(s, r, kvh, lo, hi, scores + item * g_count * CHUNK, part);
             }
         }
 #pragma omp for schedule(static)
