@@ -156,3 +156,27 @@ def test_the_torch_free_layers_load_no_torch(layer_name):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def engine_holders(text: str) -> list[str]:
+    """Where a class other than the Engine keeps the engine: a weak proxy, or an ``engine``
+    argument stored on ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr == "proxy" and getattr(node.value, "id", "") == "weakref":
+            found.append(f"line {node.lineno}: weakref.proxy")
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "engine":
+            found += [f"line {node.lineno}: self.{t.attr} = engine" for t in node.targets
+                      if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"]
+    return found
+
+
+def test_no_part_of_the_engine_holds_the_engine():
+    """Issue 51 step 1: the parts take the session they work on and an outbox to speak through.
+    Five parts held the engine through a weak proxy and reached through it (188 times)."""
+    held = [f"{path.relative_to(SRC)}: {where}" for name, path in MODULES.items() if name.startswith("kvchat.engine")
+            for where in engine_holders(path.read_text())]
+    assert held == []
+    caught = engine_holders("import weakref\nclass Host:\n    def __init__(self, engine):\n"
+                            "        self.engine = engine\n        self.e = weakref.proxy(engine)\n")
+    assert sorted(caught) == ["line 4: self.engine = engine", "line 5: weakref.proxy"]

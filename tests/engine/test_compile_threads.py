@@ -132,25 +132,27 @@ def test_with_a_compile_child_this_process_compiles_nothing_until_it_ended_and_t
     compile (from the child's cache) only once the child ended, and never between two tokens."""
     from types import SimpleNamespace
 
+    from kvchat.core.config import EngineConfig
     from kvchat.engine.host import ModelHost, preparing
+    from kvchat.engine.load_order import LoadOrder
 
-    class Engine:  # held by a weak proxy
+    class Outbox:
         def notice(self, kind, message):
             notices.append((kind, message))
 
-    step, notices, engine = _Step(), [], Engine()
+    step, notices = _Step(), []
     batch = _Batch()
-    engine.kvpool = SimpleNamespace(runner=SimpleNamespace(step=step, batch=batch), kv=object())
-    host = ModelHost(engine, None, None)
+    session = SimpleNamespace(kvpool=SimpleNamespace(runner=SimpleNamespace(step=step, batch=batch), kv=object()))
+    host = ModelHost(Outbox(), LoadOrder(), EngineConfig(), None, None)
     host.warmer = warmer = _Warmer()
-    host.prepare_decode()
-    host.prepare_decode(between_tokens=True)
+    host.prepare_decode(session)
+    host.prepare_decode(session, between_tokens=True)
     assert (warmer.started, notices, step.prepared) == (["traced", "traced"], [("warm-up", preparing(None))], 0)
     assert batch.prepared == 1  # asked in the idle moment only, never between two tokens
     warmer.ended = True
-    host.prepare_decode(between_tokens=True)
+    host.prepare_decode(session, between_tokens=True)
     assert step.prepared == 0
-    host.prepare_decode()
+    host.prepare_decode(session)
     assert step.prepared == 1 and len(notices) == 1
 
 

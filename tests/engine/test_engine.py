@@ -53,7 +53,7 @@ def test_second_identical_request_hits_the_prefix_cache(engine):
 def test_stop_on_eos_is_reported_as_stop(engine):
     done = engine.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=64, temperature=0)
     assert done.finish_reason == "stop"
-    assert done.token_ids[-1] in engine.eos_ids
+    assert done.token_ids[-1] in engine.session.eos_ids
     assert "<|im_end|>" not in done.text
 
 

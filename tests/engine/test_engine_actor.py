@@ -189,7 +189,7 @@ def test_a_context_past_the_trained_length_is_capped_and_said(short_starter):
     seen = events_of(e)
     e.wait_ready(60)
     trained = short_starter.model.config.max_position_embeddings
-    assert e.config.max_context == trained and e.prompts.context_limit() == trained
+    assert e.config.max_context == trained and e.session.context_limit() == trained
     assert e.kvpool.budget <= trained * 1.25 * e.kvpool.bytes_per_token() + 1
     assert any(isinstance(x, Notice) and "capped" in x.message for x in seen)
     huge = EngineConfig(max_context=10 ** 12, allow_long_context=True, kv_precision="fp16")
@@ -248,7 +248,7 @@ def test_a_shrink_that_cannot_fit_next_to_the_old_pool_is_refused_with_the_figur
     e.wait_ready(60)
     seen = events_of(e)
     kv, budget = e.kvpool.kv, e.kvpool.budget
-    probe._own = e.weights_bytes + e.activations + kv.nbytes
+    probe._own = e.session.weights_bytes + e.session.activations + kv.nbytes
     probe.other = 8 * gib - probe._own + budget // 2  # the pool must halve, and nothing is free to build it in
     assert wait_for(lambda: any(isinstance(x, Notice) for x in seen))
     notice = next(x for x in seen if isinstance(x, Notice))

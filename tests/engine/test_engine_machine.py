@@ -177,7 +177,7 @@ class EngineMachine(RuleBasedStateMachine):
             ends = encoded.message_starts[2:] + [len(encoded.token_ids)]
             for m, start, end in zip(rows, encoded.message_starts[1:], ends):
                 if m.role == "assistant" and not m.interrupted and m.token_ids:
-                    assert _contains(encoded.token_ids[start:end], _without_eos(m.token_ids, self.engine.eos_ids))
+                    assert _contains(encoded.token_ids[start:end], _without_eos(m.token_ids, self.engine.session.eos_ids))
 
     def teardown(self):
         self.engine.close()

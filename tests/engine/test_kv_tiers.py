@@ -18,6 +18,7 @@ from kvchat.core.events import Notice, Request
 from kvchat.core.config import SamplingParams
 from kvchat.core.kv_sizes import KVShape, bytes_per_token
 from kvchat.engine.engine import Engine
+from kvchat.engine.governor import snapshot
 from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.host_tier import HostTier, StoredBlock, copy_out
 from kvchat.engine.model.loading import LoadedModel
@@ -62,7 +63,7 @@ def test_the_tiers_give_the_tokens_of_a_pool_that_never_lost_the_conversation(sh
     tiered = engine(short_starter, precision, 384, ram=1 << 30)  # 24 blocks: the others evict the conversation
     try:
         want, from_ram = script(reference), script(tiered)
-        tiers = tiered.governor.snapshot(64 << 30, 0).tiers  # what the memory panel and /metrics show
+        tiers = snapshot(tiered.session, 64 << 30, 0).tiers  # what the memory panel and /metrics show
     finally:
         reference.close()
         tiered.close()

@@ -50,7 +50,7 @@ def test_the_process_itself_has_its_own_row_and_is_not_counted_free(short_starte
     probe = ScriptedProbe(total=8 * GiB, other=GiB)
     e = engine(short_starter, probe=probe, max_context=512, headroom_bytes=GiB)
     runtime = 700 << 20
-    probe._own = e.weights_bytes + e.kvpool.usage()["kv_total"] + runtime
+    probe._own = e.session.weights_bytes + e.kvpool.usage()["kv_total"] + runtime
     events = collect(e)
     assert wait_for(lambda: any(isinstance(x, MemorySnapshot) for x in events), timeout=6)
     snap = [x for x in events if isinstance(x, MemorySnapshot)][-1]
@@ -68,7 +68,7 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
                        temperature=0)
     assert e.precision.value == "fp16" and first.stats.cached_tokens == 0
     budget = e.kvpool.budget
-    in_use = e.weights_bytes + e.activations + GiB
+    in_use = e.session.weights_bytes + e.session.activations + GiB
     probe.other = 8 * GiB - in_use - budget // 3  # the KV cache may keep a third of its bytes
     assert wait_for(lambda: any(isinstance(x, Notice) for x in events), timeout=6)
     notice = next(x for x in events if isinstance(x, Notice))

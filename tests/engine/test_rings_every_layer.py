@@ -252,7 +252,7 @@ def test_memory_pressure_on_a_pool_wholly_in_rings_that_already_fits_rebuilds_no
         nbytes, kv = pool.kv.nbytes, pool.kv
         assert nbytes == rings and pool.budget == 4 * rings
         allowed = pool.budget // 3  # above the rings
-        probe.other = 8 * gib - (engine.weights_bytes + engine.activations + gib) - allowed
+        probe.other = 8 * gib - (engine.session.weights_bytes + engine.session.activations + gib) - allowed
         assert wait_for(lambda: engine.kvpool.budget < 4 * rings, timeout=6)
         seen = sum(isinstance(x, MemorySnapshot) for x in events)
         assert wait_for(lambda: sum(isinstance(x, MemorySnapshot) for x in events) >= seen + 2, timeout=6)

@@ -459,7 +459,7 @@ def test_a_completion_prompt_past_the_context_in_characters_is_refused_untokeniz
             tokenized.append(len(text))
             return real(text, *a, **kw)
 
-    cap = engine.formatter.max_chars(engine.prompts.context_limit())
+    cap = engine.formatter.max_chars(engine.session.context_limit())
     tokenizer.__class__ = Spy
     try:
         too_long = post(f"{base_url}/completions", {"prompt": "a" * (cap + 1), "max_tokens": 1})

@@ -42,7 +42,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
     base = _allocated(dev)
     result = {"device": str(dev), "shape": random_weights, "memory_gib": memory / GiB,
               "precision": engine.precision.value, "pool_gib": engine.kvpool.kv.nbytes / GiB,
-              "activations_reserve_gib": engine.activations / GiB, "phases": []}
+              "activations_reserve_gib": engine.session.activations / GiB, "phases": []}
     figure(result)
     vocab = lm.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -3,23 +3,23 @@ them, and takes typed commands (Submit, Tokenize, PersonaQuery, Cancel, Reconfig
 Shutdown) from one queue; each command's future always resolves. The work is delegated: loading to the model host
 (host.py), memory to the governor (governor.py), which requests run each step to the scheduler
 (scheduler.py), a request's life to its job (job.py), its prompt to the prompt builder
-(prompt.py). Requests run together, a step at a time; a command that changes the model or the
+(prompt.py), what it says to the listeners to the outbox (outbox.py). What a load makes is one
+``Session`` (session.py), which the engine holds and swaps whole, and hands to its parts: none of
+them holds the engine. Requests run together, a step at a time; a command that changes the model or the
 pool waits until none runs, and requests sent after it wait for it. A question about the pool (the
 persona badge's) and a deleted chat's Forget are answered between two steps: the thread that steps
 is the one that reads and drops."""
 import logging
 import queue
 import threading
-import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict
 
 from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit,
                                   Tokenize, refuse)
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
-from kvchat.core.memory_policy import MemoryPolicy
-from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Notice, Request, RequestHandle
+from kvchat.core.events import EngineError, Error, Finished, Request, RequestHandle
+from kvchat.engine.outbox import Outbox
 from kvchat.engine.prompt import PromptBuilder
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.governor import SNAPSHOT_PERIOD, MemoryGovernor
@@ -30,6 +30,7 @@ from kvchat.engine.kv.disk_tier import DiskTier
 from kvchat.engine.kv.pool import KVPool
 from kvchat.engine.load_order import LoadOrder
 from kvchat.engine.model.loading import LoadedModel
+from kvchat.engine.session import Session, config_settings
 
 log = logging.getLogger("kvchat.engine")
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
@@ -38,30 +39,22 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  probe=None, disk_tier: DiskTier | bool | None = True):
-        # what the model host loads, and what the governor and the runner work on
-        self.config = config or EngineConfig()
-        self.loaded: LoadedModel | None = None
-        self.kvpool: KVPool | None = None
-        self.formatter = None  # the loaded model's ChatFormatter
-        self.eos_ids: set[int] = set()
-        self.probe = probe
-        self.weights_bytes = self.activations = 0
-        self.policy = MemoryPolicy(Precision.AUTO)  # what Auto decides about the pool; set with the config
+        self.session: Session | None = None  # what the model host loaded; the engine thread swaps it
         self.ready = threading.Event()  # set while no load is under way
-        self.load_error: str | None = None  # why no model is loaded, when none is
-        self.host = ModelHost(self, probe, disk_tier)
-        self.governor = MemoryGovernor(self)
-        self.prompts = PromptBuilder(weakref.proxy(self))
-        self.scheduler = Scheduler(self)
+        self.loads = LoadOrder()  # which LoadModel is the newest
+        self._stopping = threading.Event()
+        self.out = Outbox()
+        self.host = ModelHost(self.out, self.loads, config or EngineConfig(), probe, disk_tier)
+        self.governor = MemoryGovernor(self.out)
+        stopping, loads = self._stopping, self.loads  # not self: no part holds the engine
+        switching = lambda: stopping.is_set() or loads.switching()  # a request taken now is cancelled at once
+        self.scheduler = Scheduler(self.out.notice, PromptBuilder(self.out.notice), switching)
+        self.out.handles = self.scheduler.handles
         # the actor's own bookkeeping
-        self._listeners: list = []
-        self._status: ModelReady | LoadFailed | None = None  # how the last load ended
         self._commands: queue.Queue = queue.Queue()
         self._held: deque[Command] = deque()  # taken, waiting for no request to run (and what came after)
         self._lock = threading.Lock()  # orders _closed against puts, so no command is queued after the drain
         self._closed = False
-        self._stopping = threading.Event()
-        self.loads = LoadOrder()  # which LoadModel is the newest
         self.load_model(self.config, loaded)
         self._thread = threading.Thread(target=self._main, name="kvchat-engine", daemon=True)
         self._thread.start()
@@ -121,11 +114,7 @@ class Engine:
         ModelReady, LoadFailed and Reconfigured events. It runs on the engine thread: it must only
         hand the event on (a queue, a queued Qt signal). With ``replay``, a listener that comes
         after the last load ended gets its ModelReady or LoadFailed at once (on this thread)."""
-        with self._lock:
-            self._listeners.append(callback)
-            status = self._status if replay else None
-        if status is not None:
-            callback(status)
+        self.out.add_listener(callback, replay)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self.ready.wait(timeout):
@@ -149,17 +138,35 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    # -- what is loaded, read from the session (None while no model is) --
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.session.config if self.session is not None else self.host.config
+
+    @property
+    def load_error(self) -> str | None:
+        return self.host.load_error
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.session.loaded if self.session is not None else None
+
+    @property
+    def kvpool(self) -> KVPool | None:
+        return self.session.kvpool if self.session is not None else None
+
+    @property
+    def formatter(self):
+        return self.session.formatter if self.session is not None else None
+
     @property
     def precision(self) -> Precision:
-        return self.kvpool.precision
+        return self.session.precision
 
     def settings(self) -> dict:
         """The config as the GUI shows it, plain values only."""
-        out = asdict(self.config)
-        out["kv_precision"] = self.config.kv_precision.value
-        if self.kvpool is not None:
-            out["precision"] = self.kvpool.precision.value
-        return out
+        return self.session.settings() if self.session is not None else config_settings(self.config)
 
     def _put(self, command: Command) -> Future:
         with self._lock:
@@ -188,10 +195,10 @@ class Engine:
                 if command is not None:
                     self._take(command)  # every queued command before the next step
                 elif busy:
-                    self.scheduler.step()
+                    self._step()
                 else:
-                    self.host.prepare_decode()
-                    self.governor.tick()
+                    self.host.prepare_decode(self.session)
+                    self.governor.tick(self.session)
                 self._run_held()
         finally:  # even a bug here leaves no caller waiting
             with self._lock:
@@ -211,32 +218,52 @@ class Engine:
             return
         self._run(command)
 
+    def _step(self) -> None:
+        if self.scheduler.step(self.session):  # a token came
+            self.governor.tick(self.session, self.scheduler.live())
+            # after a first token, not before it: a compile shares the GIL with the prefill
+            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
+            self.host.prepare_decode(self.session, between_tokens=True)
+
     def _run_held(self) -> None:
         while self._held and not _waits(self, self._held[0]):
             self._run(self._held.popleft())
-            self.governor.tick()
+            self.governor.tick(self.session)
 
     def _run(self, command: Command) -> None:
         if self._stopping.is_set():
             return refuse(command, "the engine is shutting down")
         if isinstance(command, LoadModel):
-            return self.host.load(command)
+            return self._load(command)
         if isinstance(command, PersonaQuery):
-            return answer_persona_query(self, command)
+            return answer_persona_query(self.session, command)
         if isinstance(command, Forget):
-            return answer_forget(self, command)
-        if self.kvpool is None:
+            return answer_forget(self.session, command, lambda: self.host.disk_tier(self.config))
+        if self.session is None:
             return refuse(command, self.load_error or "no model is loaded")
         if isinstance(command, Tokenize):
-            return self.prompts.tokenize(command)
+            return self.scheduler.prompts.tokenize(self.session, command)
         try:
             if isinstance(command, Submit):
-                self.scheduler.add(command.handle)  # its first token starts the compile (scheduler.py)
+                self.scheduler.add(command.handle, self.session)  # its first token starts the compile
             else:
-                self.governor.control(command)
+                self.session = self.governor.control(self.session, command)
         except Exception as e:  # control resolves its own; this is a last resort
             log.exception("command failed")
             _fail(command, f"internal error: {type(e).__name__}: {e}")
+
+    def _load(self, command: LoadModel) -> None:
+        """The current session closed, the new one opened (or the previous one again)."""
+        if self.loads.superseded(command.seq):
+            return refuse(command, "replaced by a later model choice")
+        self.ready.clear()
+        try:
+            current, self.session = self.session, None
+            self.session = self.host.load(command, current)
+            self.governor.soon()
+        finally:
+            if self.loads.ended(command.seq):
+                self.ready.set()
 
     def _shutdown(self, command: Shutdown) -> None:
         with self._lock:
@@ -244,7 +271,7 @@ class Engine:
         self.scheduler.cancel_all()
         self.scheduler.refuse_waiting("the engine is shut down")
         while self.scheduler.running:  # cancelled: each ends at this step, its blocks released
-            self.scheduler.step()
+            self.scheduler.step(self.session)
         self.host.end_compiles()
         self._refuse_queued("the engine is shut down")
         command.future.set_result(None)  # the model stays readable (stats, tests); the process is ending
@@ -259,32 +286,6 @@ class Engine:
             except queue.Empty:
                 return
 
-    def switching(self) -> bool:
-        """A shutdown or a newer model is on its way: a request taken now is cancelled at once."""
-        return self._stopping.is_set() or self.loads.switching()
-
-    # -- events --
-
-    def notice(self, kind: str, message: str) -> None:
-        notice = Notice(kind, message)
-        log.info("%s: %s", kind, message)
-        for handle in self.scheduler.handles():
-            handle.put(notice)
-        self.emit(notice)
-
-    def announce(self, status: ModelReady | LoadFailed) -> None:
-        """How a load ended, to the listeners and to any that comes later (add_listener's replay)."""
-        with self._lock:
-            self._status = status
-            listeners = list(self._listeners)
-        self.emit(status, listeners)
-
-    def emit(self, event, listeners: list | None = None) -> None:
-        for callback in list(self._listeners) if listeners is None else listeners:
-            try:
-                callback(event)
-            except Exception:
-                log.exception("an engine listener failed")
 
 
 def _waits(engine: Engine, command: Command) -> bool:
@@ -294,7 +295,7 @@ def _waits(engine: Engine, command: Command) -> bool:
     if not engine.scheduler.busy() or isinstance(command, (Submit, Tokenize, PersonaQuery)):
         return False
     if isinstance(command, Forget) and command.messages is not None:
-        return chat_in_use(engine, command)
+        return chat_in_use(engine.session, (*engine.scheduler.running, *engine.scheduler.waiting), command)
     return True
 
 

@@ -15,8 +15,10 @@ NEW, PREFILL, DECODE, DONE = "new", "prefill", "decode", "done"
 
 
 class Job:
-    def __init__(self, engine, handle: RequestHandle):
-        self.engine = engine  # a weak proxy (the scheduler's)
+    def __init__(self, session, handle: RequestHandle, prompts, switching):
+        self.session = session  # what it runs on: a session is swapped only while no request runs
+        self.prompts = prompts  # the engine's PromptBuilder
+        self.switching = switching  # () -> True when a shutdown or another model is on its way
         self.handle = handle
         self.order = 0  # admission order, for choosing whom to preempt (set when admitted)
         self.phase = NEW
@@ -39,24 +41,24 @@ class Job:
     def start(self) -> None:
         """Tokenize the prompt (no blocks yet). A request cancelled while it waited, or taken
         during a model switch, ends here untokenized."""
-        e = self.engine
-        if self.handle.cancelled or e.switching():
+        s = self.session
+        if self.handle.cancelled or self.switching():
             return self.finish("cancelled")
         try:
-            prompt, self.persona_len, trimmed = e.prompts.prompt_ids(self.handle.request,
-                                                                     stop=lambda: self.handle.cancelled)
+            prompt, self.persona_len, trimmed = self.prompts.prompt_ids(s, self.handle.request,
+                                                                        stop=lambda: self.handle.cancelled)
         except Stopped:
             return self.finish("cancelled")
         self.seq = Sequence(list(prompt))
         self.prompt_len = self.target = len(prompt)
         self.stats = Stats(prompt_tokens=len(prompt), trimmed_messages=trimmed)
-        self.limit = e.prompts.context_limit()
+        self.limit = s.context_limit()
         sampling = self.handle.request.sampling
-        self.sampler = Sampler(sampling, device=e.loaded.device)
-        self.detok, self.stops = StreamDetokenizer(e.loaded.tokenizer), StopChecker(sampling.stop)
-        if e.config.speculate and sampling.speculate:
+        self.sampler = Sampler(sampling, device=s.loaded.device)
+        self.detok, self.stops = StreamDetokenizer(s.loaded.tokenizer), StopChecker(sampling.stop)
+        if s.config.speculate and sampling.speculate:
             text = self.handle.request.prediction
-            predicted = e.loaded.tokenizer.encode(text, add_special_tokens=False) if text else None
+            predicted = s.loaded.tokenizer.encode(text, add_special_tokens=False) if text else None
             self.spec = Speculator(predicted[:sampling.max_new_tokens] if predicted else None)
         self.phase = PREFILL
 
@@ -72,7 +74,7 @@ class Job:
             self.first_at = time.perf_counter()
         seq.token_ids.append(token)
         self.generated.append(token)
-        if token in self.engine.eos_ids and not sampling.ignore_eos:
+        if token in self.session.eos_ids and not sampling.ignore_eos:
             self.finish("stop")
             return token
         delta = self.stops.feed(self.detok.add(token))
@@ -104,7 +106,7 @@ class Job:
             stats.ttft_ms = (self.first_at - self.handle.sent) * 1000
             stats.decode_tok_s = (n - 1) / (time.perf_counter() - self.first_at) if n > 1 else 0.0
         stats.generated_tokens = n
-        stats.kv_precision = self.engine.precision.value
+        stats.kv_precision = self.session.precision.value
         self.end(Finished("".join(self.text), list(self.generated), reason, stats))
 
     def end(self, last: Finished | Error) -> None:

@@ -9,32 +9,24 @@ from kvchat.engine.chat import ChatError, validate
 
 
 class PromptBuilder:
-    def __init__(self, engine):
-        self.engine = engine  # a weak proxy: the engine owns this
+    def __init__(self, notice):
+        self.notice = notice  # a trim is told to the request's reply and to the listeners
 
-    def tokenize(self, command: Tokenize) -> None:
+    def tokenize(self, session, command: Tokenize) -> None:
         try:
-            command.future.set_result(self.engine.formatter.prompt_ids(command.text, self.context_limit()))
+            command.future.set_result(session.formatter.prompt_ids(command.text, session.context_limit()))
         except Exception as error:  # the future resolves whatever happens
             command.future.set_exception(error if isinstance(error, ChatError)
                                          else EngineError(f"internal error: {first_line(error)}"))
 
-    def context_limit(self) -> int:
-        """Tokens a sequence may reach: the context setting, and what the pool holds at the lowest
-        precision it may step down to."""
-        e = self.engine
-        floor = e.policy.lowest()
-        return min(e.config.max_context, e.kvpool.tokens_for(floor))
-
-    def prompt_ids(self, request: Request, stop=None) -> tuple[list[int], int, int]:
+    def prompt_ids(self, session, request: Request, stop=None) -> tuple[list[int], int, int]:
         """The prompt's token ids, how many of them are the persona (the system message), and how
         many of the oldest messages were left out so that the rest fits the context. ``stop()``
         True (the request was cancelled) raises ``chat.Stopped`` between messages."""
-        e = self.engine
-        limit = self.context_limit()
+        limit = session.context_limit()
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
-            vocab = e.loaded.model.config.vocab_size
+            vocab = session.loaded.model.config.vocab_size
             if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ChatError(f"prompt_ids must be a non-empty list of token ids below {vocab}")
             if len(ids) >= limit:
@@ -44,14 +36,14 @@ class PromptBuilder:
         messages = keep_newest(request.messages, MAX_MESSAGES)
         trimmed = len(request.messages) - len(messages)
         validate(messages)
-        cap = e.formatter.max_chars(limit)
+        cap = session.formatter.max_chars(limit)
         # a message alone past the context: trimmed or refused, untokenized
         shorter = drop_long(messages, cap)
         if shorter is None:
             raise EngineError(f"a message is longer than the context of {limit} tokens ({cap:,} characters at most)")
         trimmed, messages = trimmed + len(messages) - len(shorter), shorter
         room = min(request.sampling.max_new_tokens, limit // 4)
-        encoded = e.formatter.encode(messages, stop=stop)
+        encoded = session.formatter.encode(messages, stop=stop)
         while len(encoded.token_ids) + room > limit:
             shorter = drop_to_fit(messages, encoded, limit - room)
             if shorter is None:
@@ -59,9 +51,9 @@ class PromptBuilder:
                                   f"{limit} (with room for a {room}-token reply)")
             trimmed += len(messages) - len(shorter)
             messages = shorter
-            encoded = e.formatter.encode(messages, stop=stop)
+            encoded = session.formatter.encode(messages, stop=stop)
         if trimmed:
-            e.notice("trim", f"{trimmed} oldest message(s) are outside the context of {limit} tokens")
+            self.notice("trim", f"{trimmed} oldest message(s) are outside the context of {limit} tokens")
         persona_len = 0
         if messages[0]["role"] == "system":
             persona_len = encoded.message_starts[1] if len(messages) > 1 else encoded.prompt_start

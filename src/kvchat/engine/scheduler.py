@@ -11,7 +11,6 @@ Cancelled requests end at the next step. Nothing here survives a model switch: t
 switch, a reconfigure or a query only once no request runs."""
 import logging
 import threading
-import weakref
 from collections import deque
 
 from kvchat.core.config import ConfigError
@@ -28,8 +27,8 @@ log = logging.getLogger("kvchat.engine")
 
 
 class Scheduler:
-    def __init__(self, engine):
-        self.engine = weakref.proxy(engine)  # the engine owns this: no cycle keeps a closed engine's model alive
+    def __init__(self, notice, prompts, switching):
+        self.notice, self.prompts, self.switching = notice, prompts, switching  # the engine's, handed to jobs
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self._admitted = 0
@@ -39,10 +38,10 @@ class Scheduler:
         self._lock = threading.Lock()  # the handles, which other threads cancel
         self._handles: set = set()
 
-    def add(self, handle) -> None:
+    def add(self, handle, session) -> None:
         with self._lock:
             self._handles.add(handle)
-        self.waiting.append(Job(self.engine, handle))
+        self.waiting.append(Job(session, handle, self.prompts, self.switching))
 
     def busy(self) -> bool:
         return bool(self.running or self.waiting)
@@ -61,37 +60,32 @@ class Scheduler:
         for handle in handles:
             handle.cancel()
 
-    def step(self) -> None:
+    def step(self, session) -> bool:
+        """One step on ``session``'s pool; True when a token came (the engine then looks at memory
+        and the compiles: after a first token, not before it)."""
         try:
-            self._step()
+            plan = self.schedule(session)
+            if not plan.empty:
+                self.postprocess(session, plan, session.kvpool.runner.execute(plan))
+            return bool(plan.decode) or any(job.phase == DECODE for job in self.running)
         except Exception as error:  # a job's own failure ends that job (_guard); this is a last resort
             log.exception("engine step failed")
             for job in self.running:
                 if job.last is None:
                     job.end(_error(error))
             self.retire()
+            return False
 
-    def _step(self) -> None:
-        e = self.engine
-        plan = self.schedule()
-        if not plan.empty:
-            self.postprocess(plan, e.kvpool.runner.execute(plan))
-        if plan.decode or any(job.phase == DECODE for job in self.running):  # a token came this step
-            e.governor.tick(self.live())
-            # after a first token, not before it: a compile shares the GIL with the prefill
-            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
-            e.host.prepare_decode(between_tokens=True)
-
-    def schedule(self) -> StepPlan:
+    def schedule(self, session) -> StepPlan:
         """What this step computes, decided before anything runs: admissions, cancellations and
         every block the step writes (a full pool steps Auto down, preempts a newer reply or makes a
         prefill wait). The batch's blocks first, so a prefill that finds the pool full waits; the
         prefill's chunk runs before the batch's token: a request that comes while others decode
         waits for one forward less for its first token (bench api, 7 decoding: 2.10x an idle TTFT
         with the chunk after, 1.37x with it before), and the others still get a token a step."""
-        e = self.engine
+        s = session
         self._end_cancelled_waiting()
-        self._admit()
+        self._admit(s)
         for job in self.running:
             if job.handle.cancelled and job.phase != DONE:
                 self._guard(job, job.finish, "cancelled")
@@ -105,28 +99,28 @@ class Scheduler:
         if prefilling is not None:
             planned = []
             self._guard(prefilling, lambda: planned.append(
-                prefill.plan_chunk(e.kvpool, prefilling, e.config.prefill_chunk, self.reserve)))
+                prefill.plan_chunk(s.kvpool, prefilling, s.config.prefill_chunk, self.reserve)))
             chunk = planned[0] if planned else None
             self.retire()
             self._reserve_tokens(decoding)  # kept by a rebuild the chunk's reservation made; a no-op
         decoding = [job for job in decoding if job.phase == DECODE and job in self.running]  # not preempted
-        speculation.plan_checks(e.kvpool.manager, e.kvpool.runner, decoding, self.checks)
+        speculation.plan_checks(s.kvpool.manager, s.kvpool.runner, decoding, self.checks)
         return StepPlan(chunk, tuple(job.seq for job in decoding))
 
-    def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
+    def postprocess(self, session, plan: StepPlan, out: StepOutput) -> None:
         """The blocks the step filled become findable, a windowed persona's or prompt's ring is
         kept, and each job samples and streams its token; a failure ends its own job."""
-        e = self.engine
+        kvpool = session.kvpool
         owner = {id(job.seq): job for job in self.running if job.seq is not None}
         if plan.chunk is not None:
             job = owner[id(plan.chunk.seq)]
             if out.chunk_error is not None:
                 job.end(_error(out.chunk_error))
             else:
-                self._guard(job, prefill.prefilled, e.kvpool, job, plan.chunk, out.chunk_logits)
+                self._guard(job, prefill.prefilled, kvpool, job, plan.chunk, out.chunk_logits)
             self.retire()
         jobs = [owner[id(seq)] for seq in plan.decode]
-        manager = e.kvpool.manager
+        manager = kvpool.manager
         if out.decode_error is not None:
             for job in jobs:
                 speculation.drop(manager, job)
@@ -146,7 +140,7 @@ class Scheduler:
                     manager.commit(job.seq)  # a block it filled is findable by the next request
                     self._guard(job, job.take, logits[0])
             if plan.chunk is None:  # a step with a prefill chunk is no measure of its rows
-                self.checks.note(e.kvpool.kv, len(jobs), at, out.decode_seconds)
+                self.checks.note(kvpool.kv, len(jobs), at, out.decode_seconds)
         self.retire()
 
     def _end_cancelled_waiting(self) -> None:
@@ -156,9 +150,9 @@ class Scheduler:
                 job.finish("cancelled")
             self._put_last(job)
 
-    def _admit(self) -> None:
-        pool = self.engine.kvpool.blocks
-        while self.waiting and len(self.running) < self.engine.config.max_running:
+    def _admit(self, session) -> None:
+        pool = session.kvpool.blocks
+        while self.waiting and len(self.running) < session.config.max_running:
             job = self.waiting[0]
             if job.wait_free is not None and self.running and pool.num_free <= job.wait_free:
                 return  # it gave its blocks back to wait: until some more are free, it would only fail again
@@ -176,11 +170,11 @@ class Scheduler:
                 self._guard(job, self.reserve, job, len(job.seq))
 
     def _decode_alone(self, job: Job) -> None:
-        e = self.engine
-        out = e.kvpool.runner.execute(StepPlan(decode=(job.seq,)))
+        kvpool = job.session.kvpool
+        out = kvpool.runner.execute(StepPlan(decode=(job.seq,)))
         if out.decode_error is not None:
             raise out.decode_error
-        e.kvpool.manager.commit(job.seq)
+        kvpool.manager.commit(job.seq)
         job.take(out.decode_logits[0])
 
     def reserve(self, job: Job, tokens: int) -> bool:
@@ -188,18 +182,20 @@ class Scheduler:
         already evicted): Auto steps the precision down; else a prefilling job waits for the
         others, or the newest other running job is preempted for a decoding one. False when
         ``job`` itself went back to wait; PoolExhausted when it cannot fit even alone."""
-        e = self.engine
+        s = job.session
+        kvpool = s.kvpool
         while True:
             try:
-                e.kvpool.manager.reserve(job.seq, tokens)
+                kvpool.manager.reserve(job.seq, tokens)
                 return True
             except PoolExhausted as full:
-                old = e.precision
+                old = kvpool.precision
                 rings = isinstance(full, RingsExhausted)  # a lower precision frees no ring
-                step = e.policy.when_full(old, rings, e.kvpool.kv.whole())
-                if isinstance(step, StepDown) and e.kvpool.rebuild(step.precision, e.kvpool.budget, self.live()):
-                    e.notice("downshift", f"KV cache full: {old.value} -> {e.precision.value}, "
-                                          f"room for {e.kvpool.tokens_for(e.precision):,} tokens")
+                step = s.policy.when_full(old, rings, kvpool.kv.whole())
+                if isinstance(step, StepDown) and kvpool.rebuild(step.precision, kvpool.budget, self.live()):
+                    new = kvpool.precision
+                    self.notice("downshift", f"KV cache full: {old.value} -> {new.value}, "
+                                             f"room for {kvpool.tokens_for(new):,} tokens")
                     continue
                 others = [j for j in self.running if j is not job and j.phase != DONE and j.seq is not None
                           and j.seq.blocks and (j.seq.ring or not rings)]  # only a ring frees a ring
@@ -211,11 +207,11 @@ class Scheduler:
                     return False
 
     def _preempt(self, job: Job) -> None:
-        e = self.engine
-        e.kvpool.manager.free(job.seq)
+        kvpool = job.session.kvpool
+        kvpool.manager.free(job.seq)
         self.preempted += 1
         job.requeue()
-        job.wait_free = e.kvpool.blocks.num_free
+        job.wait_free = kvpool.blocks.num_free
         self.running.remove(job)
         self.waiting.appendleft(job)
         log.info("request %d waits for KV blocks (%d tokens to compute again)", job.order, len(job.seq) - 1)
@@ -223,18 +219,18 @@ class Scheduler:
     def retire(self) -> None:
         """Ended jobs leave: blocks released before the last event, so a caller that saw Finished
         or Error sees the pool as the engine leaves it."""
-        e = self.engine
         for job in [job for job in self.running if job.phase == DONE]:
             self.running.remove(job)
             try:
                 if job.seq is not None and job.seq.blocks:
-                    e.kvpool.release(job.seq, job.persona_len)
+                    job.session.kvpool.release(job.seq, job.persona_len)
             except Exception as error:  # its last event still goes out
                 job.end(_error(error))
             finally:
                 if job.evicted:
-                    e.notice("evict", f"{job.evicted} cached block(s) ({job.evicted * e.config.block_size} tokens of "
-                                      "earlier prefixes) evicted to make room")
+                    tokens = job.evicted * job.session.config.block_size
+                    self.notice("evict", f"{job.evicted} cached block(s) ({tokens} tokens of "
+                                         "earlier prefixes) evicted to make room")
                 self._put_last(job)
 
     def _put_last(self, job: Job) -> None:
@@ -266,7 +262,7 @@ class Scheduler:
     def _guard(self, job: Job, fn, *args) -> bool:
         """``fn(*args)`` for one job; a failure ends that job only. True when it ran through. The
         cached blocks its allocations evicted are counted on it, told once when it ends."""
-        pool = self.engine.kvpool.blocks
+        pool = job.session.kvpool.blocks
         evictions = pool.evictions
         try:
             fn(*args)

@@ -12,13 +12,14 @@ from kvchat.core.events import EngineError
 log = logging.getLogger("kvchat.engine")
 
 
-def answer_forget(engine, command: Forget) -> None:
-    """On the engine thread, between two steps; the future resolves whatever happens."""
+def answer_forget(session, command: Forget, disk_tier) -> None:
+    """On the engine thread, between two steps; the future resolves whatever happens. With no
+    model loaded (``session`` None) Forget(None) still clears ``disk_tier()``."""
     try:
         if command.messages is None:
-            n = clear_conversations(engine)
+            n = clear_conversations(session, disk_tier)
         else:
-            n = forget_chat(engine, command) if engine.kvpool is not None else 0
+            n = forget_chat(session, command) if session is not None else 0
     except Exception as error:
         log.exception("forgetting cached KV failed")
         return command.future.set_exception(EngineError(f"could not delete cached KV: {first_line(error)}"))
@@ -32,30 +33,30 @@ def chat_blocks(formatter, manager, messages: list[dict]) -> tuple[int, list[byt
     return first, [h for _, h in manager.chain(ids, len(ids) // manager.block_size)][first:]
 
 
-def named(engine, command: Forget) -> tuple[int, list[bytes]]:
+def named(session, command: Forget) -> tuple[int, list[bytes]]:
     """``chat_blocks`` of the Forget's chat, once per pool key: a held Forget is asked each step,
     and a precision change (the governor's, under memory pressure) renames every block."""
-    manager = engine.kvpool.manager
+    manager = session.kvpool.manager
     if command.named is None or command.named[0] != manager.extra_key:
-        command.named = (manager.extra_key, *chat_blocks(engine.formatter, manager, command.messages))
+        command.named = (manager.extra_key, *chat_blocks(session.formatter, manager, command.messages))
     return command.named[1:]
 
 
-def chat_in_use(engine, command: Forget) -> bool:
+def chat_in_use(session, jobs, command: Forget) -> bool:
     """A request of the scheduler's continues the chat: what it holds would be skipped (a held
     block is not dropped), and what it computes cached again as it ends. A request whose prompt is
     not made yet might, and counts. The app deletes no chat that has a reply under way; this keeps
     another caller's Forget exact."""
-    if engine.kvpool is None:
+    if session is None:
         return False
     try:
-        first, hashes = named(engine, command)
+        first, hashes = named(session, command)
     except Exception:  # answer_forget runs it again and says what is wrong with the messages
         return False
     if not hashes:
         return False
-    manager = engine.kvpool.manager
-    for job in (*engine.scheduler.running, *engine.scheduler.waiting):
+    manager = session.kvpool.manager
+    for job in jobs:
         if job.seq is None:
             return True
         # hashes chain: a request that shares any of the chat's blocks shares its first one, so
@@ -66,9 +67,9 @@ def chat_in_use(engine, command: Forget) -> bool:
     return False
 
 
-def forget_chat(engine, command: Forget) -> int:
-    kvpool = engine.kvpool
-    hashes = set(named(engine, command)[1])
+def forget_chat(session, command: Forget) -> int:
+    kvpool = session.kvpool
+    hashes = set(named(session, command)[1])
     pool = kvpool.blocks
     # full blocks by hash, and the partly filled tails that follow them (free(keep_tail=True))
     blocks = [b for b in pool.cached.values() if b.hash in hashes or b.parent in hashes]
@@ -77,12 +78,12 @@ def forget_chat(engine, command: Forget) -> int:
     return pool.drop(blocks) + kvpool.tiers.forget(hashes)
 
 
-def clear_conversations(engine) -> int:
+def clear_conversations(session, disk_tier) -> int:
     """Every cached conversation: the pool's free cached blocks (pinned personas stay), RAM, disk."""
-    kvpool = engine.kvpool
-    if kvpool is None:
-        disk = engine.host.disk_tier(engine.config)
+    if session is None:
+        disk = disk_tier()
         return disk.clear() if disk is not None else 0
+    kvpool = session.kvpool
     pool = kvpool.blocks
     if kvpool.rings is not None:
         kvpool.rings.forget()

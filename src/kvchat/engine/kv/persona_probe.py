@@ -31,11 +31,11 @@ def persona_state(formatter, manager, tiers, system_prompt: str) -> str:
     return "cold"
 
 
-def answer_persona_query(engine, command) -> None:
-    """A ``PersonaQuery``, on the engine thread: "cold" while no model is loaded."""
+def answer_persona_query(session, command) -> None:
+    """A ``PersonaQuery``, on the engine thread: "cold" while no model is loaded (``session`` None)."""
     try:
-        state = "cold" if engine.kvpool is None else persona_state(
-            engine.formatter, engine.kvpool.manager, engine.kvpool.tiers, command.system_prompt)
+        state = "cold" if session is None else persona_state(
+            session.formatter, session.kvpool.manager, session.kvpool.tiers, command.system_prompt)
     except Exception as error:  # the future resolves whatever happens
         return command.future.set_exception(error)
     command.future.set_result(state)

@@ -7,7 +7,6 @@ block restored is the bytes that were evicted: greedy tokens are those of a pool
 evicted. A chain's first block of a quantized pool carries its full-precision sink rows."""
 import hashlib
 import logging
-import weakref
 
 import torch
 
@@ -23,7 +22,7 @@ log = logging.getLogger("kvchat.tiers")
 
 class KVTiers:
     def __init__(self, kvpool, host: HostTier, disk: DiskTier | None, notice=None):
-        self.kvpool = weakref.proxy(kvpool)  # the pool owns this
+        self.kvpool = kvpool  # its cache and manager are read live: a rebuild replaces them
         self.host, self.disk = host, disk
         self.notice = notice or (lambda kind, message: log.warning("%s: %s", kind, message))
         self.host_hits = 0  # blocks restored from each tier
