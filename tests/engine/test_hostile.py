@@ -218,3 +218,21 @@ def test_two_hundred_thousand_one_character_messages_are_refused_and_the_next_re
     after = send(url, "chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hi"}],
                                                       "max_tokens": 1, "temperature": 0}).encode())
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 1, after.text
+
+
+@pytest.mark.parametrize("head", ["Content-Length: -1", "Content-Length: 12, 13", "Transfer-Encoding: gzip"])
+def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
+    """h11 refuses these before the app sees them; uvicorn answered in plain text, which an OpenAI
+    client cannot read as an error."""
+    url, _, _ = server
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n{head}\r\n\r\n{{}}".encode())
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"content-type: application/json" in head_part.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")

@@ -9,9 +9,13 @@ held for ever (3,000 of them for 90 s in a probe), nor for a client that stops r
 The protocol below adds those two deadlines; the body's is the app's (``server.read_body``),
 where the bytes are counted. On Ctrl-C uvicorn waited for every reply in flight to end (a long
 stream: minutes); it now cancels them after SHUTDOWN_S."""
+import json
 import logging
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvchat.serve.schema import error_body
 
 KEEP_ALIVE_S = 5.0  # an idle connection between requests (uvicorn's default, said here)
 HEAD_TIMEOUT_S = KEEP_ALIVE_S  # from connecting, or from the last response, to a complete request head
@@ -79,6 +83,20 @@ class DeadlineProtocol(H11Protocol):
         self.paused_at = paused_at = self.loop.time()
         self.loop.call_later(STALL_S, lambda: self.flow.write_paused and self.paused_at == paused_at
                              and self._stalled())
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (``Content-Length: -1``, a broken head) gets the API's JSON
+        error, as every other refusal does; uvicorn's own answer is plain text."""
+        body = json.dumps(error_body(f"malformed HTTP request: {msg}")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # h11 past the point of answering: close, as uvicorn would
+            pass
+        self.transport.close()
 
     def _stalled(self) -> None:
         incident(f"a client stopped reading its reply (write buffer full for {STALL_S:g} s): dropped")
