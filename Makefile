@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: install run test package clean
+.PHONY: install run test test-fast package clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ $(VENV)/.prepared: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
+
+# the inner loop: no real model, server, interpreted Triton kernel or test over about 3 s
+test-fast: install
+	$(BIN)/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # -- the packaged app -----------------------------------------------------------------------------
 # dist/kvchat/: a one-folder app (PyInstaller), rebuilt when the code or the spec changed. Its

@@ -63,7 +63,29 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "engine"))  # tiny_models and the other helpers there
 
 
+# what makes a test slow: the starter loaded (5-10 s a worker, then a model's forward passes), or a
+# kvchat serve process started; a test using none of them runs in about a second at most
+SLOW_FIXTURES = {"starter", "served", "server"}
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(items)
+    _gpu_on_cuda_only(items)
+
+
+def _mark_slow(items) -> None:
+    """``-m "not slow"`` is the inner loop: every test that loads a real model, starts a server or
+    interprets a Triton kernel is marked here (the time spreads over hundreds of 2-15 s model tests: marking only the few over
+    20 s left a ten-minute tier), the others by hand where they compile or run long."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            continue
+        # a gpu test on the CPU runs its kernels in Triton's interpreter: 1-4 s each
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.slow)
+
+
+def _gpu_on_cuda_only(items) -> None:
     """A ``gpu`` test hands its tensors to Triton, which compiles for a GPU unless TRITON_INTERPRET=1:
     CPU tensors would reach a compiled kernel as CUDA pointers, a FAILED that says nothing about the
     kernels. So with the interpreter off a ``gpu`` test runs on CUDA tensors (its module's DEVICE),

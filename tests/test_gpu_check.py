@@ -9,9 +9,12 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_without_cuda_or_the_interpreter_every_gpu_test_is_skipped(tmp_path):
     """With TRITON_INTERPRET=0 Triton compiles for a GPU, whose kernels take CUDA pointers: a ``gpu``
     test that ran there on CPU tensors (test_cuda_path's did) would fail with the kernels fine. So
@@ -181,6 +184,7 @@ def test_third():
 SPECIALISATION_BAR = 60  # seconds each on the GPU, serial, within the kernel step's 240 s
 
 
+@pytest.mark.slow
 def test_the_gpu_kernel_step_compiles_at_most_60_specialisations_and_runs_every_engine_variant(tmp_path):
     """The kernel step's tests (tools/gpu_kernel_tests.txt), run here under the interpreter with
     every launch bound as Triton binds it for sm_90 (tools/triton_specialisations.py): the distinct

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow
 def test_bench_ui_streams_into_the_real_window_and_reports_per_token_cost():
     kvchat = str(Path(sys.executable).parent / "kvchat")
     r = subprocess.run([kvchat, "bench", "ui", "--tokens", "30", "--json"], capture_output=True, text=True,

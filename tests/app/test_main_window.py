@@ -2,6 +2,8 @@
 paths on a real engine: test_end_to_end.py."""
 import json
 
+import pytest
+
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
 
@@ -461,6 +463,7 @@ def test_a_long_notice_ends_in_an_ellipsis_beside_the_status_not_cut_under_it(qt
     assert label.shown_text() == "ready"
 
 
+@pytest.mark.slow
 def test_the_background_compile_shows_its_time_so_far_until_it_is_ready(qtbot, app_parts):
     """The engine's warm-up notice says what the compile took here the last time; the notice line
     then counts the time so far each second, and stops at "ready" (another notice meanwhile stays)."""

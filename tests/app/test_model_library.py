@@ -4,6 +4,8 @@ the window's staged load bar, and it is saved only once it has loaded. The fake 
 loads them, but for the hub model, loaded end to end by a real engine."""
 import json
 
+import pytest
+
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QApplication
@@ -196,6 +198,8 @@ def test_a_hub_download_offline_says_so_in_one_line(qtbot, monkeypatch):
     text = library.status
     assert "Qwen/Qwen2.5-0.5B-Instruct" in text and "unreachable" in text and "\n" not in text
 
+
+@pytest.mark.slow
 def test_a_gguf_conversion_moves_the_load_bar_tensor_by_tensor(qtbot, app_parts, tmp_path, monkeypatch):
     """A fresh cache: while there is no count (reading the file, making the tokenizer and the
     model) the bar is busy and the label beside it says which; then it counts the tensors up to

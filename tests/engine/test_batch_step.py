@@ -74,6 +74,7 @@ def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny, precision):
         assert all(w.current for w in windows) and len({id(w.k) for w in windows}) == len(seqs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_a_compiled_batch_padded_to_its_bucket_decodes_as_eager(tiny, precision):
     """fp16 pools trace their attention into the graph, quantized ones call the op: one of each."""

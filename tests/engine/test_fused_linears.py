@@ -29,6 +29,7 @@ def quantized(arch, fuse: bool, monkeypatch):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norms
 def test_fused_groups_give_the_unfused_logits_bit_for_bit(kernel, arch, monkeypatch):
     fused, plain = quantized(arch, True, monkeypatch), quantized(arch, False, monkeypatch)

@@ -30,6 +30,7 @@ def snapshot(kv: KVCache) -> list[dict]:
     return [{name: t.clone() for name, t in layer.items()} for layer in kv.layers]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source,target", [("fp16", "int8"), ("int8", "int4"), ("int4", "fp16")])
 def test_working_memory_is_one_slice_whatever_the_pool_size(source, target):
     """Before slicing, a layer was converted whole in fp32: the working set grew with the pool

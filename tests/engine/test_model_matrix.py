@@ -129,6 +129,7 @@ def near_transformers(arch: str, precision: str, window: int) -> None:
     assert (got - expected).abs().max().item() <= bound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(WINDOWED))
 @pytest.mark.parametrize("precision", PRECISIONS)
 @torch.inference_mode()
@@ -136,6 +137,7 @@ def test_quantized_decode_past_the_window_stays_near_transformers(arch, precisio
     near_transformers(arch, precision, WINDOW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "mistral-window"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @torch.inference_mode()
@@ -143,6 +145,7 @@ def test_quantized_rows_inside_a_wider_window_stay_near_transformers(arch, preci
     near_transformers(arch, precision, 160)
 
 
+@pytest.mark.slow
 def test_the_compiled_decode_step_past_the_window_equals_eager():
     """Gemma 2 has both a window and soft caps: the CPU's compiled step masks and caps in its traced
     attention (fp16) and passes them to the op in its graph (int4). One model: both graphs compile

@@ -152,6 +152,7 @@ def test_a_gguf_conversion_reports_each_tensor_and_a_cancel_stops_it(monkeypatch
     assert models.gguf_to_folder(path, digest, lambda *a: seen.append(a)) == folder and not seen  # cached
 
 
+@pytest.mark.slow
 def test_the_gguf_header_reads_as_gguf_reader_does(tmp_path):
     """The library's header reader against gguf's own on the starter: every field (an array as its
     type and length), every tensor's element count; a cut or foreign file is a ValueError."""

@@ -78,6 +78,7 @@ def test_gemma_2s_kv_bytes_at_32k_count_its_local_layers_at_their_rings():
     assert pool_bytes(shape, Precision.FP16, 8192, 2, BS) == 42 * 8192 * 8192
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 @torch.inference_mode()
 def test_a_long_sequence_in_rings_says_what_the_whole_pool_says(gemma3, precision):
@@ -166,6 +167,7 @@ def compiled_ring_pool(model, precision):
     return pool
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_the_compiled_step_over_rings_decodes_as_eager(gemma3):
     ids = prompt(100, seed=8)

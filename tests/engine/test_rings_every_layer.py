@@ -232,6 +232,7 @@ def test_a_pool_wholly_in_rings_never_steps_down_and_a_failed_copy_loses_no_ring
     assert pool.rings.available() == before and not pool.rings.kept and "could not keep a copy" in caplog.text
 
 
+@pytest.mark.slow
 def test_memory_pressure_on_a_pool_wholly_in_rings_that_already_fits_rebuilds_nothing_and_says_nothing(mistral):
     """Its bytes are its rings, whatever the budget: a pool rebuilt under pressure came back the same
     size and said it had shrunk. Its budget is lowered, so the next second does not ask again."""

@@ -63,6 +63,7 @@ def compiled() -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_the_kernels_compile_for_sm86_sm89_sm90_without_spills_at_the_designed_occupancy():
     rows = compiled()
     seen = {(r["shape"], r["variant"], r["target"]) for r in rows}

@@ -127,6 +127,7 @@ def test_the_override_picks_the_variant_and_refuses_what_the_cpu_cannot_run(monk
         assert cpu_isa.chosen() is None and "cannot run" in cpu_isa.override_problem()
 
 
+@pytest.mark.slow
 def test_int8_layer_runs_the_kernel_in_a_compiled_graph_and_eagerly(built):
     layer = torch.nn.Linear(96, 64, bias=True)
     q = weights.Int8Linear(layer, packed=True)
@@ -291,6 +292,7 @@ print(json.dumps({"origin": int8_rows.origin, "runs_here": kernel_build.kernel_r
 """
 
 
+@pytest.mark.slow
 def test_the_prebuilt_kernel_runs_without_a_compiler_and_gives_the_built_kernels_bits(built, tmp_path):
     """The packaged app's kernel (kernel_build.prebuild: the bundled clang, no -march) loads in a
     process where nothing can compile, and every variant gives what the kernel built here gives."""
