@@ -22,7 +22,7 @@ from tiny_models import as_loaded
 PERSONA = "You are Ada, a patient tutor of mathematics. " * 50  # about 500 tokens
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-FUZZ_EXAMPLES = int(os.environ.get("KVCHAT_FUZZ_EXAMPLES", "150"))  # the README's figure ran 2,000
+FUZZ_EXAMPLES = int(os.environ.get("KVCHAT_FUZZ_EXAMPLES", "150"))  # docs/performance.md's fuzz figure ran 2,000
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ fraction of a second on the starter) and identical on every run, so cached block
 text mixes the kinds users paste: prose, code, a chat, other languages, a table, JSON, SQL. Against
 one English paragraph with a little code, int4's perplexity increase at context 4096 fell from
 +1.15% to +0.59% on Python's documentation and from +1.09% to +0.68% on French; code and chat
-moved by a tenth of a point (docs/performance.md).
+moved by a tenth of a point (docs/CHANGELOG-performance.md, 2026-12-03).
 
 - centre: the mean key per layer and KV head, subtracted before quantizing (see kernels/quant.py);
 - channel scale s: keys are multiplied by s and queries divided by it, which leaves q . k exact and
