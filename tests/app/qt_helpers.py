@@ -64,6 +64,30 @@ def press(button):
     return act
 
 
+def yes(question):
+    """A ``sheet.Question`` answered with its action (Delete, Remove...): returns what it asked."""
+    text = question.text.text()
+    question.action.click()
+    return text
+
+
+def no(question):
+    """A ``sheet.Question`` cancelled: returns what it asked."""
+    text = question.text.text()
+    question.cancel.click()
+    return text
+
+
+def typed(text):
+    """A ``sheet.TextAsk`` answered with ``text``: returns the prompt and whether it was hidden."""
+    def act(sheet):
+        asked = (sheet.subtitle.text(), sheet.field.echoMode())
+        sheet.field.setText(text)
+        sheet.action.click()
+        return asked
+    return act
+
+
 def click_chat(qtbot, win, title):
     chats = win.conversation_list
     item = next(i for i in chats.chat_items() if i.text() == title)

@@ -8,15 +8,16 @@ import keyring
 import pytest
 from keyring.backends.fail import Keyring as NoKeyring
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
+from PySide6.QtWidgets import QDialogButtonBox
 
 from kvchat.app.views.connection_box import LOCAL, MANAGE
+from kvchat.app.views.sheet import Question, TextAsk
 from kvchat.core.config import SamplingParams
 from kvchat.core.connections import Connection, Connections, get_key
 from kvchat.remote.metrics import parse
 
 from fake_keyring import MemoryKeyring
-from qt_helpers import answering, hover, last_stats, press, qml_click, qml_items, send, shown
+from qt_helpers import answering, hover, last_stats, qml_click, qml_items, send, shown, yes
 from serve_process import kvchat_serve
 
 KEY = "app-remote-key"
@@ -189,7 +190,7 @@ def test_the_editor_says_why_it_cannot_save(qtbot, ring, server, app_parts):
     assert dialog.list.count() == 1
     qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Cancel), Qt.LeftButton)  # now "Close"
     assert not editor.isVisible()
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+    with answering(Question, yes) as asked:
         qtbot.mouseClick(dialog.remove_button, Qt.LeftButton)
     assert "lab" in asked[0] and Connections().all() == [] and dialog.list.count() == 0
 
@@ -238,7 +239,7 @@ def test_a_keyed_server_after_a_restart_asks_for_the_key_and_keeps_it(qtbot, rin
     """A key kept for one session only (no keyring then) is gone after a restart: the server answers
     401, and the app asks for the key (hidden as typed) instead of failing for good; with it the
     connection opens and the key is in the keyring for the next start."""
-    from PySide6.QtWidgets import QInputDialog, QLineEdit
+    from PySide6.QtWidgets import QLineEdit
 
     from kvchat.app.controllers.engine_bridge import EngineBridge
     from kvchat.app.controllers.engine_starter import EngineStarter
@@ -251,13 +252,13 @@ def test_a_keyed_server_after_a_restart_asks_for_the_key_and_keeps_it(qtbot, rin
     store.set_setting("connection", "lab")
     asked = []
 
-    def type_key(dialog):
-        asked.append((dialog.textEchoMode(), dialog.labelText()))
-        dialog.setTextValue(KEY)
-        dialog.accept()
+    def type_key(sheet):
+        asked.append((sheet.field.echoMode(), sheet.subtitle.text()))
+        sheet.field.setText(KEY)
+        sheet.action.click()
         return True
 
-    with answering(QInputDialog, type_key):
+    with answering(TextAsk, type_key):
         win = MainWindow(store, EngineBridge(EngineStarter(EngineConfig(), lambda _: None)))
         qtbot.addWidget(win)
         qtbot.waitUntil(lambda: win.bridge.server == server + "/v1" and not win.bridge.switching, timeout=30000)

@@ -3,14 +3,14 @@ focus keys, shortcuts, a chat's context menu, the window and last chat restored,
 file, and a message box that grows."""
 from PySide6.QtCore import QStandardPaths, Qt
 from PySide6.QtGui import QContextMenuEvent
-from PySide6.QtWidgets import (QApplication, QFileDialog, QInputDialog, QLineEdit, QMenu, QMessageBox, QStyle,
-                               QStyleOptionSlider)
+from PySide6.QtWidgets import QApplication, QFileDialog, QLineEdit, QMenu, QStyle, QStyleOptionSlider
 
 from kvchat.app.views.composer_height import MAX_LINES
 from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.sheet import Question, TextAsk
 
 from conftest import fake_engine, window
-from qt_helpers import answering, press, send
+from qt_helpers import answering, send, typed, yes
 
 
 def focused(win):
@@ -87,11 +87,7 @@ def test_a_chats_context_menu_renames_exports_and_deletes_the_chat_it_was_opened
     qtbot.mouseClick(win.new_button, Qt.LeftButton)
     send(qtbot, win, "Name a fruit.")
 
-    def rename(dialog):
-        dialog.setTextValue("Colours")
-        dialog.accept()
-
-    with answering(QInputDialog, rename) as renamed:
+    with answering(TextAsk, typed("Colours")) as renamed:
         menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."), "Rename…")
     assert renamed and store.conversation(first)["title"] == "Colours" and win.conversation_id == first
     target = tmp_path / "exported.md"
@@ -108,7 +104,7 @@ def test_a_chats_context_menu_renames_exports_and_deletes_the_chat_it_was_opened
     assert QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation) == str(tmp_path / "Documents")
     assert defaults == [str(tmp_path / "Documents" / "Colours.md")]  # named after the chat, in Documents
     assert target.read_text().startswith("# Colours")
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+    with answering(Question, yes) as asked:
         menu_action(qtbot, right_click_chat(qtbot, win, "Colours"), "Delete…")
     assert "Colours" in asked[0] and first not in {c["id"] for c in store.conversations()}
     assert [i.text() for i in win.conversation_list.chat_items()] == ["Name a fruit."]

@@ -1,13 +1,13 @@
 """The app's side of the KV tiers: a deleted chat is forgotten by the engine, Settings hold both
 caps and clear every cached conversation."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QMessageBox
 
 from kvchat.app.controllers.engine_bridge import settings_config
+from kvchat.app.views.sheet import Question
 from kvchat.core.config import DISK_CACHE_BYTES
 from kvchat.core.memory import GiB
 
-from qt_helpers import answering, click_chat, press, shown
+from qt_helpers import answering, click_chat, shown, yes
 
 
 def test_deleting_a_chat_tells_the_engine_to_forget_its_messages(qtbot, app_parts):
@@ -20,7 +20,7 @@ def test_deleting_a_chat_tells_the_engine_to_forget_its_messages(qtbot, app_part
     store.add_message(doomed, "assistant", "Day one: Alfama.", token_ids=[5, 6, 7])
     win.chats.refresh()
     click_chat(qtbot, win, "Trip to Lisbon")
-    with answering(QMessageBox, press(QMessageBox.Yes)):
+    with answering(Question, yes):
         qtbot.mouseClick(win.delete_button, Qt.LeftButton)
     assert forgotten == [[{"role": "user", "content": "Plan three days in Lisbon"},
                           {"role": "assistant", "content": "Day one: Alfama.", "token_ids": [5, 6, 7]}]]

@@ -3,11 +3,12 @@ thread), and what goes wrong at launch (a damaged database, a saved model that i
 that cannot be made) is said, not a window loading for ever. The real launcher where no model loads;
 the fake backend (tests/support) where one does."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QLabel
 
 from kvchat.app.controllers.replies import WAITING_NOTE
 from kvchat.app.store import Store
 from kvchat.app.views.main_window import MainWindow
+from kvchat.app.views.sheet import Sheet
 from kvchat.cli.launcher import local_engine
 from kvchat.core.config import SamplingParams
 
@@ -39,7 +40,8 @@ def test_a_saved_model_that_fails_at_launch_is_reported_not_loading_for_ever(qtb
         win = next(w for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow) and w.isVisible())
         qtbot.waitUntil(lambda: "could not be loaded" in win.notice_label.text(), timeout=10000)
         seen.update(label=win.precision_label.text(), bar=win.load_bar.isVisible(),
-                    boxes=[b.text() for b in win.findChildren(QMessageBox) if b.isVisible()])
+                    boxes=[label.text() for sheet in win.findChildren(Sheet) if sheet.isVisible()
+                           for label in sheet.findChildren(QLabel, "sheetText")])
         win.close()
         return 0
 

@@ -4,10 +4,12 @@ an untagged block's language; a search with no match says so; a shrinking window
 reply in view; in dark mode, hovering "New chat" shows."""
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QApplication, QInputDialog, QLabel, QMessageBox
+from PySide6.QtWidgets import QApplication, QFrame, QLabel
 
 from kvchat.app.views.connection_box import MANAGE
+from kvchat.app.views.persona_dialog import PersonaDialog
 from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.sheet import Question, TextAsk
 from kvchat.app.views.theme import COLOURS
 
 from qt_helpers import answering, qml_items, send, shown
@@ -68,16 +70,47 @@ def test_every_dialog_is_drawn_in_the_themes_colours_light_and_dark(qtbot, app_p
         want = [COLOURS[mode == "dark"]["bg"]]
         assert seen_in(SettingsDialog, lambda: qtbot.mouseClick(win.settings_button, Qt.LeftButton),
                        lambda d: d.reject()) == want, mode
-        assert seen_in(QInputDialog, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
-                                                         "Rename…"), lambda d: d.reject()) == want, mode
-        assert seen_in(QMessageBox, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
-                                                        "Delete…"), lambda d: d.button(QMessageBox.Cancel).click()) == want
+        assert seen_in(TextAsk, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
+                                                    "Rename…"), lambda d: d.reject()) == want, mode
+        assert seen_in(Question, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."),
+                                                     "Delete…"), lambda d: d.cancel.click()) == want
         box = win.connection_box
         box.activated.emit(box.findText(MANAGE))  # the list's last entry, as a click on it picks it
         qtbot.waitUntil(lambda: box.dialog is not None and box.dialog.isVisible())
         assert background(box.dialog) == want[0], mode
         box.dialog.reject()
     assert [i.text() for i in win.conversation_list.chat_items()] == ["Name a color."]  # nothing was deleted
+
+
+def test_every_dialog_speaks_the_librarys_language(qtbot, app_parts):
+    """Issue 49 point 8: settings, personas, connections, a rename and a delete were stock Qt
+    boxes. Each now opens, through its own control, with a heading that names it, its content in
+    a card, and its acting button in the theme's accent, or red where it deletes (light and dark)."""
+    win, _, _, _ = app_parts
+    shown(qtbot, win)
+    send(qtbot, win, "Name a color.")
+    paint = lambda button: button.grab().toImage().pixelColor(button.width() // 2, 3).name()
+
+    def look(dialog):
+        acting = [b for b in dialog.buttons.buttons() if b.property("kind") in ("accent", "danger")]
+        colours = COLOURS[win.theme.dark]
+        seen = (dialog.heading.text(), [colours[b.property("kind")] == paint(b) for b in acting],
+                bool(dialog.findChildren(QFrame, "sheetCard")) or isinstance(dialog, (Question, TextAsk)))  # one line
+        dialog.reject()
+        return seen
+
+    for mode in ("light", "dark"):
+        to_mode(qtbot, win, mode)
+        for kind, opened, heading in (
+                (SettingsDialog, lambda: qtbot.mouseClick(win.settings_button, Qt.LeftButton), "Settings"),
+                (PersonaDialog, lambda: qtbot.mouseClick(win.persona_edit_button, Qt.LeftButton), "Edit persona"),
+                (TextAsk, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."), "Rename…"),
+                 "Rename chat"),
+                (Question, lambda: menu_action(qtbot, right_click_chat(qtbot, win, "Name a color."), "Delete…"),
+                 "Delete chat")):
+            with answering(kind, look) as got:
+                opened()
+            assert got and got[0][0] == heading and got[0][1] == [True] and got[0][2], (mode, kind, got)
 
 
 def test_settings_show_every_help_line_whole(qtbot, app_parts):

@@ -5,17 +5,17 @@ import json
 import pytest
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
 
 from kvchat.app.controllers.replies import WAITING_NOTE
 from kvchat.app.views.main_window import MainWindow
 from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.sheet import Question
 from kvchat.app.store import Store
 from kvchat.core.commands import LoadModel
 from kvchat.core.config import SamplingParams
 
-from qt_helpers import (answering, back_on_the_starter, chat_ids, click_chat, hover, last_stats, press, qml_click,
-                        qml_items, send, settled, shown)
+from qt_helpers import (answering, back_on_the_starter, chat_ids, click_chat, hover, last_stats, no, qml_click,
+                        qml_items, send, settled, shown, yes)
 
 
 def test_quit_mid_reply_saves_every_word_the_window_showed(qtbot, app_parts, monkeypatch):
@@ -292,12 +292,12 @@ def test_delete_asks_with_the_chats_title_and_deletes_only_on_yes(qtbot, app_par
     win.chats.refresh()
     click_chat(qtbot, win, "Trip to Lisbon")
     assert "Plan three days in Lisbon" in win.chat_view.toPlainText()
-    with answering(QMessageBox, press(QMessageBox.Cancel)) as asked:
+    with answering(Question, no) as asked:
         qtbot.mouseClick(win.delete_button, Qt.LeftButton)  # clicked(bool) once filled confirm=False
     assert len(asked) == 1 and "Trip to Lisbon" in asked[0]
     assert chat_ids(Store(store.path)) == {kept, doomed}  # read back from the file
     assert win.conversation_id == doomed and "Plan three days in Lisbon" in win.chat_view.toPlainText()
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+    with answering(Question, yes) as asked:
         qtbot.mouseClick(win.delete_button, Qt.LeftButton)
     assert len(asked) == 1 and "Trip to Lisbon" in asked[0]
     assert chat_ids(Store(store.path)) == {kept}
@@ -320,13 +320,13 @@ def test_a_chat_clicked_during_a_reply_opens_and_delete_removes_that_one(qtbot, 
     assert bridge.busy  # the reply still streams, into its own chat
     assert win.conversation_id == other and win.conversation_list.currentItem().text() == "Older chat"
     assert "An older question" in win.chat_view.toPlainText()  # the view followed the highlight
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+    with answering(Question, yes) as asked:
         qtbot.mouseClick(win.delete_button, Qt.LeftButton)
     assert len(asked) == 1 and "Older chat" in asked[0]
     assert chat_ids(store) == {streaming}
     click_chat(qtbot, win, "Write a very long story.")
     assert win.conversation_id == streaming and "Write a very long story." in win.chat_view.toPlainText()
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked:
+    with answering(Question, yes) as asked:
         qtbot.mouseClick(win.delete_button, Qt.LeftButton)  # refused while its reply streams
     assert not asked and chat_ids(store) == {streaming} and "stop it" in win.notice_label.text()
     qtbot.mouseClick(win.stop_button, Qt.LeftButton)
@@ -349,7 +349,7 @@ def test_a_mistyped_model_fails_at_once_and_the_model_in_use_stays(qtbot, app_pa
     def mistype(dialog):
         dialog.model.clear()
         qtbot.keyClicks(dialog.model, "startr")
-        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.Ok).click()
+        dialog.save_button.click()
         return dialog.engine_settings()["model"]
 
     with answering(SettingsDialog, mistype) as typed:

@@ -1,14 +1,15 @@
 """A reply's history, through the window's controls on the fake backend: the persona that wrote it,
 the versions regenerate keeps, and replies stopped before their first word (none is kept)."""
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDialogButtonBox, QMessageBox, QPushButton
+from PySide6.QtWidgets import QApplication, QPushButton
 
 from kvchat.app.controllers.replies import SEND_AFTER_STOP
 from kvchat.app.views.persona_dialog import PersonaDialog
 from kvchat.app.views.settings_dialog import SettingsDialog
+from kvchat.app.views.sheet import Question
 from kvchat.core.commands import LoadModel, Submit
 
-from qt_helpers import answering, click_chat, hover, press, qml_click, qml_items, send
+from qt_helpers import answering, click_chat, held_reply, hover, no, qml_click, qml_items, send, shown, yes
 
 
 def authors(win):
@@ -35,7 +36,7 @@ def test_a_reply_keeps_the_persona_that_wrote_it(qtbot, app_parts):
 
     def rename(dialog):
         dialog.name.setText("Patient tutor")
-        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.Ok).click()
+        dialog.save_button.click()
 
     with answering(PersonaDialog, rename) as renamed:
         qtbot.mouseClick(win.persona_edit_button, Qt.LeftButton)
@@ -59,10 +60,10 @@ def test_a_persona_is_deleted_from_its_button_and_its_replies_keep_its_name(qtbo
         dialog.findChild(QPushButton, "deletePersona").click()
 
     # from the persona's editor: the top bar has no room for another button
-    with answering(QMessageBox, press(QMessageBox.Cancel)) as asked, answering(PersonaDialog, delete):
+    with answering(Question, no) as asked, answering(PersonaDialog, delete):
         qtbot.mouseClick(win.persona_edit_button, Qt.LeftButton)
     assert "Writing coach" in asked[0] and "Writing coach" in [p["name"] for p in store.personas()]
-    with answering(QMessageBox, press(QMessageBox.Yes)), answering(PersonaDialog, delete):
+    with answering(Question, yes), answering(PersonaDialog, delete):
         qtbot.mouseClick(win.persona_edit_button, Qt.LeftButton)
     assert "Writing coach" not in [p["name"] for p in store.personas()]
     assert [win.persona_box.itemText(i) for i in range(win.persona_box.count())] == [
@@ -221,16 +222,16 @@ def test_a_weights_change_during_a_reply_asks_before_stopping_it(qtbot, app_part
 
     def int4_weights(dialog):
         dialog.weights.setCurrentText("int4")
-        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.Ok).click()
+        dialog.save_button.click()
 
-    with answering(QMessageBox, press(QMessageBox.Cancel)) as asked, answering(SettingsDialog, int4_weights):
+    with answering(Question, no) as asked, answering(SettingsDialog, int4_weights):
         qtbot.mouseClick(win.settings_button, Qt.LeftButton)
     assert "A reply is being written" in asked[0] and "int4" in asked[0]
     # no switch asked of the engine (it sets loading at once); the reply streams on
     assert bridge.busy and not bridge.loading and "reply goes on" in win.notice_label.text()
     bridge.engine.pace.give(2)
     qtbot.waitUntil(lambda: len(win.replies.shown.ids) == 4, timeout=10000)  # it went on
-    with answering(QMessageBox, press(QMessageBox.Yes)) as asked, answering(SettingsDialog, int4_weights):
+    with answering(Question, yes) as asked, answering(SettingsDialog, int4_weights):
         qtbot.mouseClick(win.settings_button, Qt.LeftButton)
     assert asked
     qtbot.waitUntil(lambda: not bridge.loading and win.send_button.isEnabled(), timeout=10000)
@@ -260,3 +261,23 @@ def test_a_message_waiting_for_a_stop_is_not_sent_once_another_chat_is_open(qtbo
     qtbot.waitUntil(lambda: not bridge.busy, timeout=10000)
     assert [m.role for m in store.messages(first)] == ["user", "assistant"] and not store.messages(other)
     assert win.input.toPlainText() == "Name a color."
+
+
+def test_escape_stops_a_reply_right_after_two_dialogs_closed(qtbot, app_parts):
+    """Issue 49 point 9: after two modal dialogs closed, no window was active (no window manager
+    gives the focus back under Xvfb, nor under some desktops), so Escape reached nothing until a
+    click. A dialog now hands the keyboard back to the window it came from."""
+    win, store, bridge, _ = app_parts
+    shown(qtbot, win)
+    win.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is win)
+    held_reply(qtbot, win, bridge)
+    with answering(SettingsDialog, lambda d: d.reject()) as closed:
+        qtbot.mouseClick(win.settings_button, Qt.LeftButton)
+    with answering(PersonaDialog, lambda d: d.reject()) as closed_too:
+        qtbot.mouseClick(win.persona_edit_button, Qt.LeftButton)
+    assert closed and closed_too
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is win, timeout=3000)
+    qtbot.keyClick(QApplication.focusWidget() or win, Qt.Key_Escape)  # where the keyboard is now
+    qtbot.waitUntil(lambda: win.send_button.isEnabled(), timeout=10000)
+    assert not bridge.busy

@@ -3,9 +3,10 @@
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QStandardPaths, Qt
-from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
+from PySide6.QtWidgets import QFileDialog
 
 from kvchat.app.store import engine_messages
+from kvchat.app.views.sheet import ask_text, confirm, give_keys_back
 
 STREAMING_NOTICE = "a reply is being written in this chat: stop it (Escape) before deleting the chat"
 NOT_IN_FILE_NAMES = '/\\:*?"<>|'
@@ -69,8 +70,9 @@ class ConversationController(QObject):
         cid = self.win.conversation_id
         if cid is None:
             return
-        title, ok = QInputDialog.getText(self.win, "Rename chat", "Title:", text=self.store.conversation(cid)["title"])
-        if ok:
+        title = ask_text(self.win, "Rename chat", "The chat's new title, as the list shows it.",
+                         self.store.conversation(cid)["title"], action="Rename")
+        if title:
             self.store.rename_conversation(cid, title)
             self.refresh()
             self.win.replies.update_buttons()  # the running replies' tooltip names the chats
@@ -85,8 +87,8 @@ class ConversationController(QObject):
             win.notify(STREAMING_NOTICE)
             return
         title = self.store.conversation(doomed)["title"]
-        if QMessageBox.question(win, "Delete chat", f"Delete “{title}” for good?",
-                                QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel) != QMessageBox.Yes:
+        if not confirm(win, "Delete chat", f"Delete “{title}” for good? Its messages and its cached memory go.",
+                       "Delete chat"):
             return
         messages = engine_messages(self.store.messages(doomed), win.replies.persona_of(doomed))
         self.store.delete_conversation(doomed)
@@ -104,6 +106,7 @@ class ConversationController(QObject):
         title = self.store.conversation(self.win.conversation_id)["title"]
         path, _ = QFileDialog.getSaveFileName(self.win, "Export chat", str(export_folder() / file_name(title, ".md")),
                                               "Markdown (*.md);;JSON (*.json)")
+        give_keys_back(self.win)
         if path:
             self.export_to(Path(path))
 

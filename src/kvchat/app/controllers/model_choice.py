@@ -3,7 +3,6 @@ connections to servers, and what the top bar and status bar say about them. Ever
 the engine comes from the bridge's state, which the engine's events set."""
 from PySide6.QtCore import QObject, Qt
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import QMessageBox
 
 from kvchat.core.config import SamplingParams
 from kvchat.core.connections import refused_key, remember_key
@@ -17,6 +16,7 @@ from kvchat.app.views.key_prompt import ask_key
 from kvchat.app.views.load_bar import show_loading
 from kvchat.app.views.model_library import ModelLibrary
 from kvchat.app.views.settings_dialog import SettingsDialog, trained_context
+from kvchat.app.views.sheet import confirm
 from kvchat.app.views.top_bar import model_name, size_label
 
 # a GGUF's first conversion before its tensors count (the starter: ~2.5 s, ~1.3 s, ~1.9 s)
@@ -151,8 +151,7 @@ class ModelController(QObject):
         if not count:
             return True
         title, question, declined = stop_question(count, change)
-        if QMessageBox.question(self.win, title, question, QMessageBox.Yes | QMessageBox.Cancel,
-                                QMessageBox.Cancel) == QMessageBox.Yes:
+        if confirm(self.win, title, question, "Stop and change"):
             return True
         self.win.notify(declined)
         return False

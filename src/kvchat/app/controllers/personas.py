@@ -1,10 +1,10 @@
 """Personas: the box at the top, the editor, and the badge that says whether the persona's prefix is
 in the KV cache."""
 from PySide6.QtCore import QObject
-from PySide6.QtWidgets import QMessageBox
 
 from kvchat.app.views.persona_badge import LABELS, BadgeAsker
 from kvchat.app.views.persona_dialog import DELETE, PersonaDialog
+from kvchat.app.views.sheet import confirm
 from kvchat.app.views.theme import COLOURS
 
 TOOLTIPS = {"warm": "This persona's prefix is in the KV cache: it is not computed again.",
@@ -80,9 +80,8 @@ class PersonaController(QObject):
     def delete(self, persona: dict) -> None:
         """After a confirmation: the replies it wrote keep their text and its name (the store keeps a
         reply's author); chats that used it go on without one, the open chat with the one now shown."""
-        if QMessageBox.question(self.win, "Delete persona", f"Delete the persona “{persona['name']}”? Chats that "
-                                "used it keep their replies, under its name.", QMessageBox.Yes | QMessageBox.Cancel,
-                                QMessageBox.Cancel) != QMessageBox.Yes:
+        if not confirm(self.win, "Delete persona", f"Delete the persona “{persona['name']}”? Chats that used it "
+                       "keep their replies, under its name.", "Delete persona"):
             return
         self.store.delete_persona(persona["id"])
         self.reload()

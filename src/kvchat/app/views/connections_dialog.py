@@ -4,12 +4,13 @@ on /v1/models, asked off the GUI thread."""
 import threading
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
-                               QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout)
+from PySide6.QtWidgets import (QComboBox, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QPushButton, QVBoxLayout)
 
 from kvchat.core.connections import (SESSION_NOTE, Connection, Connections, KeyringUnavailable, connection_problem,
                                      get_key, keep_for_session)
 from kvchat.remote.client import list_models
+from kvchat.app.views.sheet import Sheet, confirm, mark
 
 FIRST_MODEL = "(the server's first model)"
 
@@ -36,14 +37,14 @@ def check(name: str, url: str, taken: set[str]) -> str | None:
     return connection_problem(name, url)
 
 
-class ConnectionEditor(QDialog):
+class ConnectionEditor(Sheet):
     """One connection's name, base URL, API key and model. Saves on OK; stays open with the reason
     when it cannot (a name taken, no keyring for the key)."""
     saved = Signal(str)  # the connection's name
 
     def __init__(self, parent, connections: Connections, connection: Connection | None = None):
-        super().__init__(parent)
-        self.setWindowTitle("Edit connection" if connection else "Add connection")
+        super().__init__(parent, "Edit connection" if connection else "Add connection",
+                         "A server that speaks the OpenAI API, at its base URL; the key stays in the OS keyring.")
         self.connections, self.original = connections, connection
         self.has_key = bool(connection and get_key(connection.name))
         self.name = QLineEdit(connection.name if connection else "", objectName="connectionName")
@@ -63,16 +64,18 @@ class ConnectionEditor(QDialog):
         model_row = QHBoxLayout()
         model_row.addWidget(self.model, 1)
         model_row.addWidget(self.fetch)
-        form = QFormLayout(self)
+        form = self.card(QFormLayout)
         form.addRow("Name", self.name)
         form.addRow("Base URL", self.url)
         form.addRow("API key", self.key)
         form.addRow("Model", model_row)
         form.addRow("", self.status)
-        self.buttons = QDialogButtonBox(QDialogButtonBox.Save | QDialogButtonBox.Cancel)
+        self.buttons.accepted.disconnect(self.accept)  # Save checks first, and stays open with the reason
         self.buttons.accepted.connect(self.save)
-        self.buttons.rejected.connect(self.reject)
-        form.addRow(self.buttons)
+        self.buttons.setStandardButtons(QDialogButtonBox.Save | QDialogButtonBox.Cancel)
+        mark(self.buttons.button(QDialogButtonBox.Save), "accent")
+        mark(self.buttons.button(QDialogButtonBox.Cancel), "plain")
+        self.setMinimumWidth(480)
         self.lister = ModelLister()
         self.lister.listed.connect(self.on_models)
         self.lister.failed.connect(lambda why: self.say(why, error=True))
@@ -137,14 +140,14 @@ class ConnectionEditor(QDialog):
             self.connections.remove(self.original.name)
 
 
-class ConnectionsDialog(QDialog):
+class ConnectionsDialog(Sheet):
     """The list of saved connections. ``chosen`` names the one to run on; None is this computer."""
     chosen = Signal(object)
 
     def __init__(self, parent, connections: Connections | None = None, current: str | None = None):
-        super().__init__(parent)
-        self.setWindowTitle("Connections")
-        self.resize(520, 320)
+        super().__init__(parent, "Connections", "Servers that speak the OpenAI API: vLLM, SGLang, llama.cpp's "
+                         "llama-server, Ollama, another kvchat. API keys are kept in the OS keyring.")
+        self.resize(560, 380)
         self.connections = connections or Connections()
         self.current = current
         self.editor: ConnectionEditor | None = None
@@ -154,24 +157,16 @@ class ConnectionsDialog(QDialog):
         self.remove_button = QPushButton("Remove", objectName="removeConnection")
         self.use_button = QPushButton("Use", objectName="useConnection", default=True)
         self.local_button = QPushButton("Use this computer", objectName="useLocal")
-        note = QLabel("Servers that speak the OpenAI API: vLLM, SGLang, llama.cpp's llama-server, Ollama, "
-                      "another kvchat. API keys are kept in the OS keyring.", wordWrap=True)
-        note.setProperty("muted", True)
         buttons = QVBoxLayout()
         for b in (self.add_button, self.edit_button, self.remove_button):
             buttons.addWidget(b)
         buttons.addStretch(1)
         buttons.addWidget(self.use_button)
         buttons.addWidget(self.local_button)
-        row = QHBoxLayout()
+        row = self.card(QHBoxLayout)
         row.addWidget(self.list, 1)
         row.addLayout(buttons)
-        close = QDialogButtonBox(QDialogButtonBox.Close)
-        close.rejected.connect(self.reject)
-        layout = QVBoxLayout(self)
-        layout.addWidget(note)
-        layout.addLayout(row)
-        layout.addWidget(close)
+        self.button("Close", QDialogButtonBox.RejectRole, "plain")
         self.add_button.clicked.connect(lambda: self.open_editor(None))
         self.edit_button.clicked.connect(lambda: self.open_editor(self.selected()))
         self.remove_button.clicked.connect(self.remove)
@@ -214,9 +209,8 @@ class ConnectionsDialog(QDialog):
         connection = self.selected()
         if connection is None:
             return
-        if QMessageBox.question(self, "Remove connection", f"Remove the connection “{connection.name}” and its "
-                                "saved key?", QMessageBox.Yes | QMessageBox.Cancel,
-                                QMessageBox.Cancel) != QMessageBox.Yes:
+        if not confirm(self, "Remove connection", f"Remove the connection “{connection.name}” and its saved key?",
+                       "Remove"):
             return
         self.connections.remove(connection.name)
         if connection.name == self.current:  # removed while in use: the app goes back to this computer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import QFileDialog, QMainWindow, QMessageBox, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QMainWindow, QSplitter, QVBoxLayout, QWidget
 
 from kvchat.core.config import SamplingParams
 
@@ -25,6 +25,7 @@ from kvchat.app.views.chat_view import ChatView
 from kvchat.app.views.icons import icon
 from kvchat.app.views.load_bar import show_progress
 from kvchat.app.views.memory_panel import MemoryPanel
+from kvchat.app.views.sheet import give_keys_back, tell_later
 from kvchat.app.views.theme import COLOURS, Theme
 
 NOTICES_KEPT = 20  # the notice line's tooltip lists this many of the latest
@@ -235,6 +236,7 @@ class MainWindow(QMainWindow):
     def pick_files(self) -> None:
         """The paper clip: files picked in the system's dialog are attached."""
         paths, _ = QFileDialog.getOpenFileNames(self, "Attach files", str(Path.home()), FILE_TYPES)
+        give_keys_back(self)
         self.input.attach_files(paths)
 
     def notify(self, message: str) -> None:
@@ -246,6 +248,4 @@ class MainWindow(QMainWindow):
     def show_error(self, message: str) -> None:
         """In the notice line, and in a dialog that does not block the event loop."""
         self.notify(message)
-        box = QMessageBox(QMessageBox.Warning, "kvchat", message, QMessageBox.Ok, self)
-        box.setAttribute(Qt.WA_DeleteOnClose)
-        box.open()
+        tell_later(self, "Something went wrong", message)

@@ -3,14 +3,15 @@ planner's estimate updated as the values change, capped at the context the model
 Context and precision apply without a reload. On a connection, only sampling is ours to set: the
 model, context and KV precision are the server's."""
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel,
-                               QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit,
+                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.core.memory import GiB, plan
 from kvchat.core.memory_policy import estimate_weights
 
 from kvchat.app.models.sampling_defaults import FALLBACK
 from kvchat.app.models.words import SAVING, SAVING_HELP, WEIGHTS
+from kvchat.app.views.sheet import Sheet
 from kvchat.app.views.value_combo import ValueCombo
 from kvchat.core.config import DEFAULT_CONTEXT, DISK_CACHE_BYTES, KV_CHOICES
 
@@ -34,12 +35,20 @@ def trained_context(config) -> int | None:
 MIN_WIDTH = 620  # pixels: the help lines wrap in two or three lines
 
 
-class SettingsDialog(QDialog):
+SECTIONS = {  # a card each, as the library's model cards: what the rows have in common
+    "The model and its memory": ("Model", "Context length", "Memory saving", "Model weights", "Memory kept free"),
+    "Conversations kept": ("RAM cache", "Disk cache", ""),
+    "Replies": ("Temperature", "Top-p", "Top-k (0: off)", "Min-p", "Repetition penalty", "Max new tokens", "Seed",
+                "Speculation"),
+}
+
+
+class SettingsDialog(Sheet):
     clear_cache = Signal()  # "Clear cached conversations": the engine empties its RAM and disk tiers
     def __init__(self, parent, engine_settings: dict, sampling: dict, model_config=None, memory: int | None = None,
                  on_cuda: bool = False, server: str | None = None):
-        super().__init__(parent)
-        self.setWindowTitle("Settings")
+        super().__init__(parent, "Settings", "Context length and memory saving apply without reloading the model; "
+                                             "the weights' format reloads it.")
         self.model_config, self.memory = model_config, memory
         # what auto chose for the loaded model (measured on the CPU), while auto is what it was loaded with
         self.auto_chose = getattr(model_config, "kvchat_weights", None) \
@@ -47,7 +56,6 @@ class SettingsDialog(QDialog):
         # the form scrolls where the screen is too short for it: squeezed into the dialog, its
         # wrapped help lines lost their first and last lines
         self.body = QWidget()
-        form = QFormLayout(self.body)
         self.model = QLineEdit(engine_settings.get("model", "starter"))
         self.model.setToolTip("'starter', a model folder, a .gguf file, or a hub id (org/name)")
         self.context = QSpinBox(minimum=256, maximum=1 << 20, singleStep=1024,
@@ -93,26 +101,36 @@ class SettingsDialog(QDialog):
         self.warning = QLabel()
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet("color: #c2410c;")
-        rows = [("Model", self.model), ("Context length", self.context), ("Memory saving", self.precision),
-                ("Model weights", self.weights), ("Memory kept free", self.headroom), ("RAM cache", self.ram_cache),
-                ("Disk cache", self.disk_cache), ("", self.clear_button),
-                ("Temperature", self.temperature), ("Top-p", self.top_p), ("Top-k (0: off)", self.top_k),
-                ("Min-p", self.min_p), ("Repetition penalty", self.repetition), ("Max new tokens", self.max_new),
-                ("Seed", self.seed), ("Speculation", self.speculate), ("Estimate", self.estimate), ("", self.warning)]
-        for label, widget in rows:
-            form.addRow(label, widget)
-            if label in HELP:
-                help_line = QLabel(HELP[label], wordWrap=True, objectName="help")
-                help_line.setProperty("help", True)  # the style sheet's small muted text
-                form.addRow("", help_line)
-        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
+        widgets = {"Model": self.model, "Context length": self.context, "Memory saving": self.precision,
+                   "Model weights": self.weights, "Memory kept free": self.headroom, "RAM cache": self.ram_cache,
+                   "Disk cache": self.disk_cache, "": self.clear_button, "Temperature": self.temperature,
+                   "Top-p": self.top_p, "Top-k (0: off)": self.top_k, "Min-p": self.min_p,
+                   "Repetition penalty": self.repetition, "Max new tokens": self.max_new, "Seed": self.seed,
+                   "Speculation": self.speculate}
+        column = QVBoxLayout(self.body)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(10)
+        for section, labels in SECTIONS.items():
+            card = QFrame(objectName="sheetCard")
+            form = QFormLayout(card)
+            form.setContentsMargins(14, 12, 14, 12)
+            form.addRow(QLabel(section, objectName="sheetSection"))
+            for label in labels:
+                form.addRow(label, widgets[label])
+                if label in HELP:
+                    help_line = QLabel(HELP[label], wordWrap=True, objectName="help")
+                    help_line.setProperty("help", True)  # the style sheet's small muted text
+                    form.addRow("", help_line)
+            column.addWidget(card)
+            if section == "The model and its memory":  # the estimate follows the rows it is made from
+                form.addRow("Estimate", self.estimate)
+                form.addRow("", self.warning)
+        self.button("Cancel", QDialogButtonBox.RejectRole, "plain")
+        self.save_button = self.button("Save", QDialogButtonBox.AcceptRole, "accent")
+        self.save_button.setDefault(True)
         scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.NoFrame)
         scroll.setWidget(self.body)
-        outer = QVBoxLayout(self)
-        outer.addWidget(scroll)
-        outer.addWidget(buttons)
+        self.content.addWidget(scroll)
         self.setMinimumWidth(MIN_WIDTH)
         for w in (self.context, self.headroom):
             w.valueChanged.connect(self.update_estimate)
@@ -126,7 +144,10 @@ class SettingsDialog(QDialog):
         screen = self.screen().availableGeometry().height() if self.screen() else 800
         width = max(self.width(), MIN_WIDTH)
         want = self.body.heightForWidth(width) if self.body.hasHeightForWidth() else self.body.sizeHint().height()
-        self.resize(width, min(want + 90, int(screen * 0.9)))  # 90: the buttons and the margins
+        margins = self.outer.contentsMargins()
+        chrome = (self.heading.sizeHint().height() + self.subtitle.heightForWidth(width - margins.left() - margins.right())
+                  + self.buttons.sizeHint().height() + margins.top() + margins.bottom() + 3 * self.outer.spacing())
+        self.resize(width, min(want + chrome + 4, int(screen * 0.9)))
         super().showEvent(event)
 
     def on_server(self, server: str) -> None:

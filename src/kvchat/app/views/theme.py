@@ -11,11 +11,11 @@ COLOURS = {
     False: {"bg": "#ffffff", "sidebar": "#f5f5f7", "panel": "#fafafa", "text": "#1f2328", "muted": "#6b7280",
             "border": "#e4e4e7", "accent": "#4f46e5", "accentText": "#ffffff", "userBubble": "#eef0fb",
             "codeBg": "#f6f8fa", "codeHeader": "#eaeef2", "hover": "#ececf1", "chip": "#f0f0f3",
-            "warm": "#15803d", "cold": "#6b7280", "danger": "#b91c1c"},
+            "warm": "#15803d", "cold": "#6b7280", "danger": "#b91c1c", "dangerText": "#ffffff"},
     True: {"bg": "#1e1f22", "sidebar": "#17181a", "panel": "#1b1c1f", "text": "#e6e6e6", "muted": "#9ca3af",
            "border": "#2f3136", "accent": "#8b87f5", "accentText": "#111111", "userBubble": "#2a2d38",
            "codeBg": "#131417", "codeHeader": "#26282d", "hover": "#2a2c31", "chip": "#27292e",
-           "warm": "#4ade80", "cold": "#9ca3af", "danger": "#f87171"},
+           "warm": "#4ade80", "cold": "#9ca3af", "danger": "#f87171", "dangerText": "#111111"},
 }
 
 STYLE_SHEET = """
@@ -44,6 +44,18 @@ QDialog QPushButton, QMessageBox QPushButton {{ background: {chip}; color: {text
 QDialog QPushButton:hover, QMessageBox QPushButton:hover {{ border-color: {accent}; }}
 QDialog QPushButton:default, QMessageBox QPushButton:default {{ background: {accent}; color: {accentText};
                                                                 border-color: {accent}; }}
+QDialog QPushButton[kind="accent"] {{ background: {accent}; color: {accentText}; border-color: {accent}; }}
+QDialog QPushButton[kind="danger"] {{ background: {danger}; color: {dangerText}; border-color: {danger}; }}
+QDialog QPushButton[kind="plain"] {{ background: {chip}; color: {text}; border-color: {border}; }}
+QDialog QPushButton[kind="plain"]:hover {{ border-color: {accent}; }}
+QLabel#sheetTitle {{ font-size: 20px; font-weight: 600; color: {text}; }}
+QLabel#sheetSubtitle {{ font-size: 13px; color: {muted}; }}
+QLabel#sheetText {{ font-size: 13px; color: {text}; }}
+QLabel#sheetSection {{ font-size: 13px; font-weight: 600; color: {text}; }}
+QFrame#sheetCard {{ background: {panel}; border: 1px solid {border}; border-radius: 12px; }}
+QFrame#sheetCard QLabel {{ background: transparent; }}
+QFrame#sheetCard QListWidget {{ background: {bg}; border: 1px solid {border}; border-radius: 8px; padding: 4px; }}
+QFrame#sheetCard QPlainTextEdit {{ background: {bg}; border: 1px solid {border}; border-radius: 8px; padding: 4px; }}
 QDialog QLineEdit, QInputDialog QLineEdit {{ border: 1px solid {border}; border-radius: 8px; padding: 5px 8px;
                                              background: {panel}; color: {text}; }}
 QDialog QLineEdit:focus {{ border-color: {accent}; }}
