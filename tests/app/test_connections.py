@@ -81,7 +81,7 @@ def test_a_connection_added_in_the_app_chats_stops_regenerates_and_edits(qtbot, 
     win, store, bridge, _ = app_parts
     dialog, editor = add_connection(qtbot, win, server)
     served = editor.model.itemText(1)
-    assert served.startswith("starter") and "1 model" in editor.status.text()
+    assert served == "SmolLM2-135M-Instruct" and "1 model" in editor.status.text()
     editor.model.setCurrentIndex(1)
     qtbot.mouseClick(editor.buttons.button(QDialogButtonBox.Save), Qt.LeftButton)
     assert not editor.isVisible() and Connections().get("lab") == Connection("lab", server, served)

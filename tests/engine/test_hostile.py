@@ -236,3 +236,13 @@ def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
     assert b"content-type: application/json" in head_part.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
+
+
+def test_the_model_id_is_one_word_a_client_can_pass_on(server):
+    """Issue 49 point 14: /v1/models said "starter (SmolLM2-135M-Instruct)", spaces and brackets
+    that a client pasting it into a URL or a command line broke on."""
+    url, _, _ = server
+    models = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+    one = httpx.get(f"{url}/v1/models/SmolLM2-135M-Instruct", headers=AUTH, timeout=30)
+    assert one.status_code == 200 and one.json()["id"] == "SmolLM2-135M-Instruct"

@@ -182,3 +182,12 @@ def test_the_gguf_header_reads_as_gguf_reader_does(tmp_path):
     foreign.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_header(foreign)
+
+
+def test_a_models_api_id_is_one_word():
+    from kvchat.core.model_source import ModelSource
+
+    ids = [ModelSource(kind, location).api_id for kind, location in (
+        ("starter", ""), ("hub", "Qwen/Qwen2.5-0.5B-Instruct"), ("gguf", "/home/ana/My Models/llama 3.Q4_K_M.gguf"),
+        ("folder", "/models/Mistral-7B-Instruct-v0.3/"))]
+    assert ids == ["SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "llama-3.Q4_K_M", "Mistral-7B-Instruct-v0.3"]

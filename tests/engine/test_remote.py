@@ -62,7 +62,7 @@ def send(backend, messages, **sampling) -> Finished:
 
 def test_it_is_a_backend_and_lists_the_servers_models(backend):
     assert isinstance(backend, Backend)
-    assert backend.models == [backend.model] and backend.model.startswith("starter")
+    assert backend.models == [backend.model] and backend.model == "SmolLM2-135M-Instruct"
 
 
 def test_it_announces_itself_and_stops_like_the_engine(backend):

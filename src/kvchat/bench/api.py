@@ -45,7 +45,7 @@ def _local_server(model: str, decode: str | None, clients: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(engine, engine.loaded.source.label, max_queue=64)
+    app = create_app(engine, engine.loaded.source.api_id, max_queue=64)
     server = uvicorn.Server(server_config(app, "127.0.0.1", port))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

