@@ -101,7 +101,7 @@ def test_settings_show_the_planner_live_and_apply_without_reload(qtbot, engine_p
     model = bridge.engine.loaded.model
     with qtbot.waitSignal(bridge.reconfigured, timeout=60000):
         win.models.apply_settings(dialog)
-    assert bridge.engine.precision.value == "int4" and bridge.engine.config.max_context == 4096
+    assert bridge.engine.session.precision.value == "int4" and bridge.engine.config.max_context == 4096
     assert bridge.engine.loaded.model is model and win.sampling.temperature == 0.0
     assert bridge.engine.config.headroom_bytes == 1 << 29
     assert store.setting("engine")["kv_precision"] == "int4" and store.setting("sampling")["temperature"] == 0.0

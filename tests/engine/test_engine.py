@@ -29,13 +29,13 @@ def test_events_stream_deltas_then_finished_with_stats(engine):
     events = list(handle)
     prefill = [i for i, e in enumerate(events) if isinstance(e, PrefillProgress)]
     assert prefill == list(range(len(prefill))) and (events[prefill[-1]].done, events[prefill[-1]].total) == (
-        len(engine.formatter.encode(HELLO).token_ids),) * 2  # the prompt read, then the tokens
+        len(engine.session.formatter.encode(HELLO).token_ids),) * 2  # the prompt read, then the tokens
     deltas, done = events[len(prefill):-1], events[-1]
     assert all(isinstance(e, TokenDelta) for e in deltas) and isinstance(done, Finished)
     assert "".join(d.text for d in deltas) == done.text
     assert [d.token_id for d in deltas if d.token_id >= 0] == done.token_ids
     s = done.stats
-    assert (s.prompt_tokens, s.generated_tokens, done.finish_reason) == (len(engine.formatter.encode(HELLO).token_ids),
+    assert (s.prompt_tokens, s.generated_tokens, done.finish_reason) == (len(engine.session.formatter.encode(HELLO).token_ids),
                                                                           12, "length")
     assert s.ttft_ms > 0 and s.decode_tok_s > 0
     assert no_leak(engine)

@@ -171,7 +171,7 @@ def test_reconfigure_while_a_load_is_queued_applies_to_the_new_model(engine):
     load = engine.load_model(small(max_context=256))
     change = engine.reconfigure(kv_precision="int4")
     assert load.result(timeout=120)["max_context"] == 256
-    assert change.result(timeout=60)["kv_precision"] == "int4" and engine.precision.value == "int4"
+    assert change.result(timeout=60)["kv_precision"] == "int4" and engine.session.precision.value == "int4"
 
 
 def test_cancel_resolves_and_stops_the_request(engine):
@@ -232,7 +232,7 @@ def test_a_rebuild_failing_at_any_stage_leaves_pool_and_config_as_they_were(engi
     monkeypatch.undo()
     assert any(isinstance(x, Notice) and "unchanged" in x.message for x in seen)
     assert engine.config == config and engine.kvpool.kv is kv and engine.kvpool.blocks.num_blocks == blocks
-    assert engine.precision.value == "fp16" and all(t is not None for t in kv.layers)
+    assert engine.session.precision.value == "fp16" and all(t is not None for t in kv.layers)
     again = engine.generate(PERSONA, max_new_tokens=8, temperature=0)
     assert again.token_ids == first.token_ids and again.stats.cached_tokens > 0 and no_leak(engine)
     assert engine.reconfigure(max_context=256, kv_precision="int8").result(timeout=60)["kv_precision"] == "int8"
@@ -299,7 +299,7 @@ def lighthouse_chat(e) -> tuple[list[dict], callable]:
     """The chat, answered, and how many of its blocks the pool has cached."""
     done = e.generate(LIGHTHOUSES, max_new_tokens=8, temperature=0)
     chat = LIGHTHOUSES + [{"role": "assistant", "content": done.text, "token_ids": done.token_ids}]
-    hashes = chat_blocks(e.formatter, e.kvpool.manager, chat)[1]
+    hashes = chat_blocks(e.session.formatter, e.kvpool.manager, chat)[1]
     return chat, lambda: sum(h in e.kvpool.blocks.cached for h in hashes)
 
 

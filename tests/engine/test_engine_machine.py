@@ -171,9 +171,9 @@ class EngineMachine(RuleBasedStateMachine):
             if m.token_ids:  # an interrupted reply may hold back half a character's bytes
                 decoded = tokenizer.decode(m.token_ids, skip_special_tokens=True)
                 assert decoded == m.content if complete else decoded.startswith(m.content)
-        if self.engine.formatter is not None and rows:
+        if self.engine.session is not None and rows:
             messages = [{"role": "system", "content": PERSONA}] + [m.for_engine() for m in rows]
-            encoded = self.engine.formatter.encode(messages, add_generation_prompt=False)
+            encoded = self.engine.session.formatter.encode(messages, add_generation_prompt=False)
             ends = encoded.message_starts[2:] + [len(encoded.token_ids)]
             for m, start, end in zip(rows, encoded.message_starts[1:], ends):
                 if m.role == "assistant" and not m.interrupted and m.token_ids:

@@ -28,7 +28,7 @@ def chat(e: Engine, question: str) -> list[dict]:
 
 def computed_blocks(e: Engine, messages: list[dict]) -> int:
     """Full blocks of prompt and reply, less the reply's last token (never computed)."""
-    return (len(e.formatter.encode(messages[:2]).token_ids) + len(messages[2]["token_ids"]) - 1) // 16
+    return (len(e.session.formatter.encode(messages[:2]).token_ids) + len(messages[2]["token_ids"]) - 1) // 16
 
 
 def where(e: Engine, hashes) -> dict:
@@ -42,9 +42,9 @@ def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_person
     try:
         doomed = chat(e, "Which book should I read first to learn about the history of Rome?")
         kept = chat(e, "How do I find a quiet place to study in a busy city?")
-        mine, theirs = (chat_blocks(e.formatter, e.kvpool.manager, m)[1] for m in (doomed, kept))
-        persona = e.formatter.encode([PERSONA, doomed[1]]).message_starts[1] // 16
-        persona_hashes = [h for _, h in e.kvpool.manager.chain(e.formatter.encode(doomed).token_ids, persona)]
+        mine, theirs = (chat_blocks(e.session.formatter, e.kvpool.manager, m)[1] for m in (doomed, kept))
+        persona = e.session.formatter.encode([PERSONA, doomed[1]]).message_starts[1] // 16
+        persona_hashes = [h for _, h in e.kvpool.manager.chain(e.session.formatter.encode(doomed).token_ids, persona)]
         before = where(e, mine)
         # in RAM after the other chat; on disk, every full block the chat computed
         assert before["ram"] > 0 and before["disk"] == computed_blocks(e, doomed) - persona >= 2
@@ -56,8 +56,8 @@ def test_deleting_a_chat_deletes_its_blocks_from_every_tier_and_keeps_the_person
     finally:
         e.close()
     # what it shares with the chat that stays, the persona and the template's "user" header, and nothing more
-    shared = next(i for i, (a, b) in enumerate(zip(e.formatter.encode(doomed[:2]).token_ids,
-                                                   e.formatter.encode(kept).token_ids)) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(e.session.formatter.encode(doomed[:2]).token_ids,
+                                                   e.session.formatter.encode(kept).token_ids)) if a != b)
     assert again.stats.cached_tokens == shared > persona * 16
     assert again.stats.ram_tokens == again.stats.disk_tokens == 0
 
@@ -76,5 +76,5 @@ def test_clear_cached_conversations_empties_ram_and_disk_and_keeps_pinned_person
         again = e.generate(first[:2], **GREEDY)
     finally:
         e.close()
-    persona = e.formatter.encode(first[:2]).message_starts[1] // 16
+    persona = e.session.formatter.encode(first[:2]).message_starts[1] // 16
     assert again.stats.cached_tokens == persona * 16 and len(pinned) == persona

@@ -48,8 +48,8 @@ def test_multi_turn_reuses_the_whole_history_and_matches_cold(short_starter, war
     first = warm.generate(messages, **GREEDY)
     messages += [reply(first), {"role": "user", "content": "And of Chile?"}]
     second = warm.generate(messages, **GREEDY)
-    prompt = warm.formatter.encode(messages).token_ids
-    history = warm.formatter.encode(messages[:3], add_generation_prompt=False).token_ids
+    prompt = warm.session.formatter.encode(messages).token_ids
+    history = warm.session.formatter.encode(messages[:3], add_generation_prompt=False).token_ids
     # every token the first turn computed: persona, question, the reply short of its last token,
     # its partly filled last block included
     assert second.stats.cached_tokens == first.stats.prompt_tokens + len(first.token_ids) - 1
@@ -64,7 +64,7 @@ def test_persona_switch_and_back_stays_warm(short_starter, warm):
     b1 = warm.generate([PERSONA_B, q], **GREEDY)
     a2 = warm.generate([PERSONA_A, {"role": "user", "content": "Another thing?"}], **GREEDY)
     b2 = warm.generate([PERSONA_B, {"role": "user", "content": "Another thing?"}], **GREEDY)
-    persona_blocks = len(warm.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
+    persona_blocks = len(warm.session.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
     assert a2.stats.cached_tokens >= persona_blocks * 16 and b2.stats.cached_tokens >= persona_blocks * 16
     assert b1.token_ids == cold(short_starter, [PERSONA_B, q]).token_ids
     assert a1.token_ids == cold(short_starter, [PERSONA_A, q]).token_ids
@@ -86,8 +86,8 @@ def test_edit_reuses_everything_before_the_edited_message(short_starter, warm):
     warm.generate(convo, **GREEDY)
     edited = base + [reply(first), {"role": "user", "content": "Where is it?"}]
     done = warm.generate(edited, **GREEDY)
-    before_edit = len(warm.formatter.encode(edited[:3], add_generation_prompt=False).token_ids)
-    old, new = (warm.formatter.encode(m).token_ids for m in (convo, edited))
+    before_edit = len(warm.session.formatter.encode(edited[:3], add_generation_prompt=False).token_ids)
+    old, new = (warm.session.formatter.encode(m).token_ids for m in (convo, edited))
     shared_tokens = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     # up to the first token the edit changed, in the middle of a cached block (copied) or not
     assert done.stats.cached_tokens == shared_tokens >= before_edit
@@ -96,8 +96,8 @@ def test_edit_reuses_everything_before_the_edited_message(short_starter, warm):
 
 def test_persona_blocks_are_pinned_after_use(warm):
     warm.generate([PERSONA_B, {"role": "user", "content": "Hi"}], **GREEDY)
-    n = len(warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids) // 16
-    ids = warm.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids
+    n = len(warm.session.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids) // 16
+    ids = warm.session.formatter.encode([PERSONA_B], add_generation_prompt=False).token_ids
     key = list(warm.kvpool.manager.chain(ids, n))[-1][1]  # the chained hash of its last full block
     pinned = [b for b, _ in warm.kvpool.personas.pinned[key]]
     assert len(pinned) == n and all(b.pinned and b.ref_cnt == 0 for b in pinned)
@@ -109,7 +109,7 @@ def test_restart_restores_the_persona_from_disk(short_starter, tmp_path):
     first = new_engine(short_starter, DiskTier(tmp_path))
     expected = first.generate(messages, **GREEDY)
     first.close()
-    persona = len(first.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
+    persona = len(first.session.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids)
     assert len(list(tmp_path.glob("*.pin"))) == persona // 16  # the persona's blocks, pinned in the disk tier
     assert DiskTier(tmp_path).clear() > 0 and len(list(tmp_path.glob("*.pin"))) == persona // 16  # the chat's went
     restarted = new_engine(short_starter, DiskTier(tmp_path))
@@ -391,5 +391,5 @@ def test_the_default_disk_tier_takes_the_place_of_the_old_persona_folder(short_s
         e.generate([PERSONA_A, {"role": "user", "content": "Hi"}], max_new_tokens=2, temperature=0)
     finally:
         e.close()
-    persona = len(e.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
+    persona = len(e.session.formatter.encode([PERSONA_A], add_generation_prompt=False).token_ids) // 16
     assert not old.exists() and len(list((tmp_path / "cache" / "kv-blocks").glob("*.pin"))) == persona

@@ -66,13 +66,13 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
     events = collect(e)
     first = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
-    assert e.precision.value == "fp16" and first.stats.cached_tokens == 0
+    assert e.session.precision.value == "fp16" and first.stats.cached_tokens == 0
     budget = e.kvpool.budget
     in_use = e.session.weights_bytes + e.session.activations + GiB
     probe.other = 8 * GiB - in_use - budget // 3  # the KV cache may keep a third of its bytes
     assert wait_for(lambda: any(isinstance(x, Notice) for x in events), timeout=6)
     notice = next(x for x in events if isinstance(x, Notice))
-    assert notice.kind == "downshift" and e.precision.value in ("int8", "k8v4", "int4")
+    assert notice.kind == "downshift" and e.session.precision.value in ("int8", "k8v4", "int4")
     assert e.kvpool.budget <= budget // 3
     again = e.generate([PERSONA, {"role": "user", "content": "Where should I hike?"}], max_new_tokens=8,
                        temperature=0)
@@ -83,7 +83,7 @@ def test_another_process_taking_memory_shrinks_and_downshifts_the_pool(short_sta
 
 def test_a_full_pool_steps_down_instead_of_failing(short_starter):
     e = engine(short_starter, max_context=1024, kv_precision="auto", kv_budget_bytes=256 * PER_TOKEN_FP32)
-    assert e.precision.value == "fp16" and e.kvpool.blocks.num_blocks == 16
+    assert e.session.precision.value == "fp16" and e.kvpool.blocks.num_blocks == 16
     handle = e.submit(Request(messages=[PERSONA, {"role": "user", "content": "Tell me about the Alps. " * 25}],
                               sampling=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
     events = list(handle)
@@ -162,7 +162,7 @@ def test_settings_change_without_reloading_and_the_cache_survives_a_downshift(sh
     e.generate(messages, max_new_tokens=4, temperature=0)
     result = e.reconfigure(kv_precision="int8", max_context=1024).result(timeout=60)
     assert result["kv_precision"] == "int8" and e.config.max_context == 1024
-    assert e.loaded.model is model and e.precision.value == "int8"
+    assert e.loaded.model is model and e.session.precision.value == "int8"
     done = e.generate(messages, max_new_tokens=4, temperature=0)
     assert done.stats.kv_precision == "int8" and done.stats.cached_tokens > 0
     back = e.reconfigure(kv_precision="fp16").result(timeout=60)
@@ -187,8 +187,8 @@ def test_a_long_chat_drops_its_oldest_messages_never_the_persona(short_starter):
     assert done.stats.trimmed_messages >= 2
     assert any(isinstance(x, Notice) and x.kind == "trim" for x in events)
     assert done.stats.prompt_tokens + 16 <= 256
-    persona = len(e.formatter.encode([PERSONA], add_generation_prompt=False).token_ids)
-    kept = e.formatter.encode([PERSONA] + messages[1 + done.stats.trimmed_messages:]).token_ids
-    assert kept[:persona] == e.formatter.encode([PERSONA], add_generation_prompt=False).token_ids
+    persona = len(e.session.formatter.encode([PERSONA], add_generation_prompt=False).token_ids)
+    kept = e.session.formatter.encode([PERSONA] + messages[1 + done.stats.trimmed_messages:]).token_ids
+    assert kept[:persona] == e.session.formatter.encode([PERSONA], add_generation_prompt=False).token_ids
     assert done.stats.prompt_tokens == len(kept)
     e.close()

@@ -293,3 +293,14 @@ def test_llama_server_as_the_remote(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_connection_saved_with_a_one_model_servers_old_model_id_still_connects(server):
+    """kvchat serve's id was "starter (SmolLM2-135M-Instruct)" before it became one word: a
+    connection saved then named a model the server no longer lists."""
+    b = RemoteBackend(server, api_key=KEY, model="starter (SmolLM2-135M-Instruct)", metrics_period=None)
+    try:
+        b.wait_ready(30)
+        assert b.model == "SmolLM2-135M-Instruct"
+    finally:
+        b.close()

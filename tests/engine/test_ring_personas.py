@@ -46,19 +46,19 @@ def ask(engine, question, new, persona=PERSONA):
     messages = [{"role": "system", "content": persona}, {"role": "user", "content": question}]
     done = engine.submit(Request(messages=messages, sampling=SamplingParams(
         max_new_tokens=new, temperature=0, ignore_eos=True))).result()
-    ids = engine.formatter.encode(messages).token_ids
+    ids = engine.session.formatter.encode(messages).token_ids
     return done, expected(engine.model, ids, new)
 
 
 def persona_tokens(engine, persona=PERSONA) -> int:
     """The persona's full blocks, in tokens: where its ring is copied."""
-    encoded = engine.formatter.encode([{"role": "system", "content": persona}, {"role": "user", "content": "."}])
+    encoded = engine.session.formatter.encode([{"role": "system", "content": persona}, {"role": "user", "content": "."}])
     return encoded.message_starts[1] // BS * BS
 
 
 def shared(engine, a, b) -> int:
     """Tokens the prompts of questions ``a`` and ``b`` (on ``PERSONA``) begin with alike."""
-    ids = [engine.formatter.encode([{"role": "system", "content": PERSONA}, {"role": "user", "content": q}]).token_ids
+    ids = [engine.session.formatter.encode([{"role": "system", "content": PERSONA}, {"role": "user", "content": q}]).token_ids
            for q in (a, b)]
     return next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
 
@@ -118,7 +118,7 @@ def test_persona_rings_go_after_the_kept_ones_and_the_least_used_of_five_goes(en
     assert ask(engine, "Hello there", 2)[0].stats.cached_tokens == p
     ask(engine, "Hi", 2, persona=others[-1])
     rings = engine.kvpool.rings
-    prefixes = [engine.formatter.encode([{"role": "system", "content": x}, {"role": "user", "content": "."}]).token_ids[:48]
+    prefixes = [engine.session.formatter.encode([{"role": "system", "content": x}, {"role": "user", "content": "."}]).token_ids[:48]
                 for x in [PERSONA, *others]]
     assert [prefixes.index(tokens[:48]) for tokens, _, _ in rings.personas] == [2, 3, 0, 4]  # others[0]'s went
     done, want = ask(engine, "Hi again", 4)

@@ -245,7 +245,7 @@ def test_more_long_requests_than_rings_wait_for_one_and_say_the_same(gemma3, tok
         for p, handle in zip(prompts, handles):
             assert handle.result().token_ids == expected(gemma3, p, 40)
         assert engine.scheduler.preempted >= 2  # two of the five waited for a ring
-        assert engine.precision == Precision.FP16  # Auto: a lower precision frees no ring
+        assert engine.session.precision == Precision.FP16  # Auto: a lower precision frees no ring
         assert engine.kvpool.rings.available() == RING * LOCAL_RINGS
     finally:
         engine.close()

@@ -108,7 +108,7 @@ def test_two_requests_with_the_same_persona_share_its_blocks(short_starter):
     e = engine(short_starter)
     handles = [e.submit(Request(messages=ask(q, persona=True), sampling=greedy(8))) for q in QUESTIONS[:2]]
     first, second = (h.result() for h in handles)
-    persona_len = e.formatter.encode([PERSONA, {"role": "user", "content": "x"}]).message_starts[1]
+    persona_len = e.session.formatter.encode([PERSONA, {"role": "user", "content": "x"}]).message_starts[1]
     e.close()
     assert first.stats.cached_tokens == 0
     assert second.stats.cached_tokens >= persona_len // 16 * 16 > 0

@@ -451,7 +451,7 @@ def test_a_page_origin_is_refused_before_the_key_is_looked_at(served):
 def test_a_completion_prompt_past_the_context_in_characters_is_refused_untokenized(served, base_url):
     _, engine, _ = served
     tokenized = []
-    tokenizer = engine.formatter.tokenizer
+    tokenizer = engine.session.formatter.tokenizer
     real = tokenizer.__call__
 
     class Spy(type(tokenizer)):
@@ -459,7 +459,7 @@ def test_a_completion_prompt_past_the_context_in_characters_is_refused_untokeniz
             tokenized.append(len(text))
             return real(text, *a, **kw)
 
-    cap = engine.formatter.max_chars(engine.session.context_limit())
+    cap = engine.session.formatter.max_chars(engine.session.context_limit())
     tokenizer.__class__ = Spy
     try:
         too_long = post(f"{base_url}/completions", {"prompt": "a" * (cap + 1), "max_tokens": 1})

@@ -210,6 +210,24 @@ def test_random_replies_with_proposals_leak_no_block_over_a_thousand_steps(short
         engine.close()
 
 
+class Stand:
+    """A pool as the gate sees it: something it can hold weakly."""
+
+
+def test_the_gate_lets_go_of_a_pool_it_measured():
+    """The scheduler outlives every session: a strong reference kept a closed model's KV cache
+    allocated while the next model measured what memory was free."""
+    import weakref
+
+    from kvchat.engine.speculation import CheckGate
+
+    gate, pool = CheckGate(), Stand()
+    gate.note(pool, 1, 1, 0.010)
+    kept = weakref.ref(pool)
+    del pool
+    assert kept() is None
+
+
 def test_a_step_checks_as_many_proposals_as_give_the_most_tokens_a_second():
     """Measured: a plain step of one sequence 10 ms, a check of 4 rows 40 ms (10 ms a row beside
     the first, as a quantized pool on the CPU costs): proposals kept half the time do not pay at
@@ -218,7 +236,7 @@ def test_a_step_checks_as_many_proposals_as_give_the_most_tokens_a_second():
     from kvchat.engine.speculation import CheckGate
 
     half, sure = (lambda k: 0.5 * k), (lambda k: 0.95 * k)
-    gate, pool = CheckGate(), object()
+    gate, pool = CheckGate(), Stand()
     assert gate.cap(pool, 1, [(half, 7)]) == 7  # nothing measured: run it and see
     gate.note(pool, 1, 1, 0.010)
     assert gate.cost(1, 8) == 0.010 + 7 * 0.002  # before any check: a fifth of a step a row
@@ -228,7 +246,7 @@ def test_a_step_checks_as_many_proposals_as_give_the_most_tokens_a_second():
     gate.seconds[(1, 4)] = 0.025
     assert gate.cap(pool, 1, [(sure, 3)]) == 3  # 3.85 tokens in 25 ms, against 1.95 in 15 and 1 in 10
     assert gate.cap(pool, 1, [(half, 3)]) == 0  # 2.5 in 25 ms, 1.5 in 15: no better than 1 in 10
-    assert gate.cap(object(), 1, [(half, 3)]) == 3 and gate.seconds == {}
+    assert gate.cap(Stand(), 1, [(half, 3)]) == 3 and gate.seconds == {}
 
 
 def test_a_proposal_not_checked_is_scored_by_the_tokens_that_came():

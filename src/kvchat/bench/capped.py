@@ -41,7 +41,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
     engine.wait_ready()
     base = _allocated(dev)
     result = {"device": str(dev), "shape": random_weights, "memory_gib": memory / GiB,
-              "precision": engine.precision.value, "pool_gib": engine.kvpool.kv.nbytes / GiB,
+              "precision": engine.session.precision.value, "pool_gib": engine.kvpool.kv.nbytes / GiB,
               "activations_reserve_gib": engine.session.activations / GiB, "phases": []}
     figure(result)
     vocab = lm.model.config.vocab_size
@@ -55,7 +55,7 @@ def bench_capped(random_weights: str, device: str = "auto", dtype: str = "auto",
     # the pool now holds the prompts' blocks as cached prefixes: converting it touches every one
     result["phases"].append(_phase("downshift to int8", dev, base,
                                    lambda: engine.reconfigure(kv_precision="int8").result()))
-    result["precision_after"] = engine.precision.value
+    result["precision_after"] = engine.session.precision.value
     engine.close()
     return result
 

@@ -153,7 +153,7 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
     while turn < max_turns:
         turn += 1
         messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)] + f" (question {turn})"})
-        prompt_len = len(engine.formatter.encode(messages).token_ids)
+        prompt_len = len(engine.session.formatter.encode(messages).token_ids)
         final = prompt_len + 48 + 100 >= target  # another exchange might not fit: end on a longer reply
         handle = engine.submit(Request(messages=messages, sampling=SamplingParams(
             max_new_tokens=max(1, target - prompt_len) if final else 48, temperature=0.7, seed=turn,
@@ -172,14 +172,14 @@ def bench_memory(model: str = "starter", pool_tokens: int = 320, growth: float =
         print(f"turn {turn}: {done.stats.prompt_tokens + done.stats.generated_tokens} tokens, "
               f"KV {done.stats.kv_precision}", file=sys.stderr, flush=True)
         if shifted:  # this reply is the first the converted pool served: score it there, now
-            prompt = engine.formatter.encode(messages).token_ids
-            shifts[-1].update(precision=engine.precision.value,
+            prompt = engine.session.formatter.encode(messages).token_ids
+            shifts[-1].update(precision=engine.session.precision.value,
                               reply_kl_mean=reply_kl(lm, engine.kvpool, prompt, last.token_ids)["kl_mean"])
         messages.append({"role": "assistant", "content": last.text, "token_ids": last.token_ids})
         if final:
             break
-    prompt = engine.formatter.encode(messages[:-1]).token_ids
-    final = engine.precision.value
+    prompt = engine.session.formatter.encode(messages[:-1]).token_ids
+    final = engine.session.precision.value
     reply = last.token_ids
     kl = reply_kl(lm, engine.kvpool, prompt, reply)  # the engine is idle: its pool is read as it is
     engine.close()

@@ -68,7 +68,7 @@ def bench_prefix(model: str = "starter", turns: int = 20) -> dict:
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)] + f" (question {turn})"})
         if turn in (2, turns):
-            theirs[turn] = _hf_ttft(hf, engine.formatter.encode(messages).token_ids)
+            theirs[turn] = _hf_ttft(hf, engine.session.formatter.encode(messages).token_ids)
         ttft, done = _ttft(engine, messages, max_new_tokens=40)
         ours[turn] = (ttft, done.stats)
         messages.append({"role": "assistant", "content": done.text, "token_ids": done.token_ids})
@@ -138,11 +138,11 @@ def bench_long_chat(model: str = "starter", lengths=(2, 200), repeats: int = 5, 
 def _encode_ms(engine, messages: list[dict]) -> float:
     """The prompt encoding's share of a turn (in TTFT), once the earlier messages were seen: best
     of 3. Run here while the engine is idle, on its own formatter."""
-    engine.formatter.encode(messages[:-1] + [{"role": "user", "content": "warm-up"}])
+    engine.session.formatter.encode(messages[:-1] + [{"role": "user", "content": "warm-up"}])
     times = []
     for _ in range(3):
         started = time.perf_counter()
-        engine.formatter.encode(messages)
+        engine.session.formatter.encode(messages)
         times.append((time.perf_counter() - started) * 1000)
     return min(times)
 

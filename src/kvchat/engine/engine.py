@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit,
                                   Tokenize, refuse)
-from kvchat.core.config import EngineConfig, Precision, SamplingParams
+from kvchat.core.config import EngineConfig, SamplingParams
 from kvchat.core.events import EngineError, Error, Finished, Request, RequestHandle
 from kvchat.engine.outbox import Outbox
 from kvchat.engine.prompt import PromptBuilder
@@ -140,9 +140,11 @@ class Engine:
 
     # -- what is loaded, read from the session (None while no model is) --
 
+    # (read once: the engine thread may set it to None between two reads)
     @property
     def config(self) -> EngineConfig:
-        return self.session.config if self.session is not None else self.host.config
+        s = self.session
+        return s.config if s is not None else self.host.config
 
     @property
     def load_error(self) -> str | None:
@@ -150,19 +152,13 @@ class Engine:
 
     @property
     def loaded(self) -> LoadedModel | None:
-        return self.session.loaded if self.session is not None else None
+        s = self.session
+        return s.loaded if s is not None else None
 
     @property
     def kvpool(self) -> KVPool | None:
-        return self.session.kvpool if self.session is not None else None
-
-    @property
-    def formatter(self):
-        return self.session.formatter if self.session is not None else None
-
-    @property
-    def precision(self) -> Precision:
-        return self.session.precision
+        s = self.session
+        return s.kvpool if s is not None else None
 
     def settings(self) -> dict:
         """The config as the GUI shows it, plain values only."""
@@ -195,10 +191,10 @@ class Engine:
                 if command is not None:
                     self._take(command)  # every queued command before the next step
                 elif busy:
-                    self._step()
+                    if self.scheduler.step(self.session):  # a token came
+                        self._between_steps(between_tokens=True)
                 else:
-                    self.host.prepare_decode(self.session)
-                    self.governor.tick(self.session)
+                    self._between_steps()
                 self._run_held()
         finally:  # even a bug here leaves no caller waiting
             with self._lock:
@@ -218,12 +214,16 @@ class Engine:
             return
         self._run(command)
 
-    def _step(self) -> None:
-        if self.scheduler.step(self.session):  # a token came
+    def _between_steps(self, between_tokens: bool = False) -> None:
+        """Memory and the decode step's compiles: after a first token, not before it (a compile
+        shares the GIL with the prefill: bench startup, warm, first token 5.9 s when the compile
+        started before the prefill), or in an idle moment. A failure here (a compile child that
+        cannot start) is logged; it must not end the engine thread."""
+        try:
             self.governor.tick(self.session, self.scheduler.live())
-            # after a first token, not before it: a compile shares the GIL with the prefill
-            # (bench startup, warm: first token 5.9 s when the compile started before the prefill)
-            self.host.prepare_decode(self.session, between_tokens=True)
+            self.host.prepare_decode(self.session, between_tokens)
+        except Exception:
+            log.exception("between two steps")
 
     def _run_held(self) -> None:
         while self._held and not _waits(self, self._held[0]):
@@ -248,6 +248,7 @@ class Engine:
                 self.scheduler.add(command.handle, self.session)  # its first token starts the compile
             else:
                 self.session = self.governor.control(self.session, command)
+                self.host.applied(self.session.config)
         except Exception as e:  # control resolves its own; this is a last resort
             log.exception("command failed")
             _fail(command, f"internal error: {type(e).__name__}: {e}")

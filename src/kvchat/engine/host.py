@@ -39,7 +39,7 @@ def preparing(expected: float | None) -> str:
 class ModelHost:
     def __init__(self, outbox, loads, config: EngineConfig, probe, disk_tier: DiskTier | bool | None = True):
         self.out, self.loads = outbox, loads
-        self.config = config  # the config last asked for: the engine's while no model is loaded
+        self.config = config  # the last one opened or asked for (capped): the engine's while no model is loaded
         self.given_probe = probe
         self.disk = disk_tier  # as given, True: kvchat's cache dir at the config's cap, None: off
         self.good: tuple[EngineConfig, LoadedModel | None] | None = None  # what a failed switch goes back to
@@ -68,6 +68,12 @@ class ModelHost:
         # out of the except block: its traceback no longer holds the failed load's tensors
         free_memory()
         return self.failed(command, reason)
+
+    def applied(self, config: EngineConfig) -> None:
+        """A settings change took: a failed switch later brings the model back with it."""
+        self.config = config
+        if self.good is not None:
+            self.good = (config, self.good[1])
 
     def failed(self, command: LoadModel, reason: str) -> Session | None:
         if self.loads.superseded(command.seq):
@@ -102,6 +108,7 @@ class ModelHost:
         why = self.loads.stop_reason(seq)
         if why:
             raise ModelError(why)
+        formatter, eos_ids = ChatFormatter(lm.tokenizer), frozenset(eos_token_ids(lm))  # before any child starts
         probe = self.given_probe or MemoryProbe(lm.device)
         weights_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
         activations = activations_bytes(lm.model.config, cfg.prefill_chunk, lm.dtype.itemsize, cfg.max_context)
@@ -114,8 +121,7 @@ class ModelHost:
         if loaded is None:  # a model handed in may have no source a child could load
             total, used = probe.totals()
             self.warmer = CacheWarmer.for_model(cfg, lm.device.type, total - used, weights_bytes)
-        return Session(cfg, lm, ChatFormatter(lm.tokenizer), frozenset(eos_token_ids(lm)), probe, weights_bytes,
-                       activations, size, size.policy(cfg), kvpool)
+        return Session(cfg, lm, formatter, eos_ids, probe, weights_bytes, activations, size, size.policy(cfg), kvpool)
 
     def disk_tier(self, cfg: EngineConfig) -> DiskTier | None:
         """The engine's disk tier (made once: the cache dir outlives models), or None when off."""
@@ -130,12 +136,13 @@ class ModelHost:
         expected = session.weights_bytes + session.kvpool.kv.nbytes
         ours = self.good is not None and self.good[1] is None  # not a model a caller still holds
         probe = session.probe
-        before = probe.own() if ours else 0
+        before = own_bytes(probe) if ours else None
         self.end_compiles()
-        session.kvpool = session.loaded = session.formatter = session.size = None  # the engine holds the shell
+        session.kvpool = session.loaded = session.formatter = session.size = None  # an empty shell is left
         free_memory()
-        if ours:
-            freed = before - probe.own()
+        after = own_bytes(probe) if before is not None else None
+        if after is not None:
+            freed = before - after
             if freed < expected // 2:
                 self.out.notice("memory", f"the previous model's memory did not all come back: "
                                           f"{freed / 2**20:.0f} of {expected / 2**20:.0f} MiB freed")
@@ -216,6 +223,15 @@ def load_failure(e: Exception) -> str:
         return str(e)
     log.exception("model load failed")
     return f"model load failed: {first_line(e)}"
+
+
+def own_bytes(probe) -> int | None:
+    """This process's bytes, or None where the probe fails (it must not stop a model switch)."""
+    try:
+        return probe.own()
+    except Exception:
+        log.exception("memory probe failed")
+        return None
 
 
 def free_memory() -> None:

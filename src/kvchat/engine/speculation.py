@@ -13,6 +13,8 @@ run. The sequence then ends at its last kept token, and what the rejected rows w
   rows it overwrites fell out of every window already. Its top moves to the newest block written.
 Blocks reserved past the end go back, but a ring's (they follow the sequence).
 """
+import weakref
+
 from kvchat.engine.kv.block_pool import PoolExhausted
 from kvchat.engine.lookup import Lookup
 
@@ -107,7 +109,7 @@ class CheckGate:
     EXPLORE = 32  # skipped steps before a check of one proposal runs anyway: a row's cost measured again
 
     def __init__(self):
-        self.pool = None
+        self.pool = lambda: None  # a weak reference: a closed session's pool must not outlive it
         self.seconds: dict[tuple[int, int], float] = {}
         self.skipped = 0
 
@@ -146,8 +148,8 @@ class CheckGate:
         self.seconds[shape] = seconds if old is None else old + self.WEIGHT * (seconds - old)
 
     def _same_pool(self, pool) -> None:
-        if pool is not self.pool:
-            self.pool, self.seconds = pool, {}
+        if pool is not self.pool():
+            self.pool, self.seconds = weakref.ref(pool), {}
 
 
 def plan_checks(manager, runner, jobs: list, gate: CheckGate) -> None:

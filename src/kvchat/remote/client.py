@@ -196,6 +196,10 @@ class RemoteBackend:
                 raise EngineError(f"{self.base_url} offers no model")
             if self.model is None:
                 self.model = self.models[0]
+            elif self.model not in self.models and len(self.models) == 1:
+                # a one-model server renamed its model (kvchat serve's id was "starter (...)" before
+                # 2026-12-08; llama-server names its file): the connection still means that model
+                self.model = self.models[0]
             elif self.model not in self.models:
                 raise EngineError(f"{self.base_url} has no model {self.model!r}; it offers {', '.join(self.models)}")
         except EngineError as e:

@@ -143,9 +143,10 @@ class SettingsDialog(Sheet):
         """As tall as the form wants, up to what the screen has room for; past that it scrolls."""
         screen = self.screen().availableGeometry().height() if self.screen() else 800
         width = max(self.width(), MIN_WIDTH)
-        want = self.body.heightForWidth(width) if self.body.hasHeightForWidth() else self.body.sizeHint().height()
         margins = self.outer.contentsMargins()
-        chrome = (self.heading.sizeHint().height() + self.subtitle.heightForWidth(width - margins.left() - margins.right())
+        inner = width - margins.left() - margins.right()
+        want = self.body.heightForWidth(inner) if self.body.hasHeightForWidth() else self.body.sizeHint().height()
+        chrome = (self.heading.sizeHint().height() + self.subtitle.heightForWidth(inner)
                   + self.buttons.sizeHint().height() + margins.top() + margins.bottom() + 3 * self.outer.spacing())
         self.resize(width, min(want + chrome + 4, int(screen * 0.9)))
         super().showEvent(event)

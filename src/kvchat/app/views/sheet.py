@@ -45,10 +45,11 @@ class Sheet(QDialog):
             mark(button, kind)
         return button
 
-    def exec(self) -> int:
-        result = super().exec()
-        give_keys_back(self.parentWidget())
-        return result
+    def done(self, result: int) -> None:
+        """Closed, by exec() or open(): the window it came from takes the keyboard again."""
+        parent = self.parentWidget()
+        super().done(result)
+        give_keys_back(parent)
 
 
 def mark(button: QPushButton, kind: str) -> None:
@@ -119,6 +120,5 @@ def tell_later(parent: QWidget | None, title: str, message: str) -> Sheet:
     text.setMinimumWidth(360)
     sheet.content.addWidget(text)
     sheet.button("OK", QDialogButtonBox.AcceptRole, "accent").setDefault(True)
-    sheet.finished.connect(lambda _result: give_keys_back(parent))
     sheet.open()
     return sheet
