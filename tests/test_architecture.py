@@ -54,14 +54,12 @@ def broken_rule(importer: str, imported: str) -> str | None:
     if mine == "core":
         if top(imported) in HEAVY + QT_HTTP:
             return "core imports no torch, Qt or HTTP"
-        if theirs not in (None, "core") and imported != "kvchat.kernels.layout":
-            return "core imports only core (and the KV layout's sizes, kernels/layout.py)"
-    if mine == "kernels" and theirs not in (None, "kernels"):
-        return "kernels import nothing of kvchat"
-    if mine == "kernels" and imported.startswith("kvchat.kernels") and importer == "kvchat.kernels.layout":
-        return "the KV layout's sizes import nothing (core reads them without torch)"
-    if importer == "kvchat.kernels.layout" and top(imported) in HEAVY:
-        return "the KV layout's sizes import no torch"
+        if theirs not in (None, "core"):
+            return "core imports only core"
+        if importer == "kvchat.core.kv_format" and theirs is not None:
+            return "the KV layout's sizes import nothing of kvchat (the kernels read them)"
+    if mine == "kernels" and theirs not in (None, "kernels") and imported != "kvchat.core.kv_format":
+        return "kernels import nothing of kvchat but the KV layout's sizes (core/kv_format.py)"
     if mine == "engine" and (top(imported) in QT_HTTP or theirs in ("app", "remote", "serve", "cli", "bench")):
         return "the engine imports no Qt, no HTTP, and no layer above it"
     if mine == "app" and (theirs in ("engine", "kernels", "serve", "cli", "bench") or top(imported) in HEAVY):
@@ -93,8 +91,10 @@ def test_the_rules_catch_what_they_forbid():
     assert broken_rule("kvchat.kernels.quant", "kvchat.core.config")
     assert broken_rule("kvchat.engine.engine", "PySide6.QtCore")
     assert broken_rule("kvchat.engine.engine", "kvchat.serve.server")
-    assert broken_rule("kvchat.kernels.layout", "torch")
-    assert broken_rule("kvchat.core.memory", "kvchat.kernels.layout") is None
+    assert broken_rule("kvchat.core.kv_format", "torch")
+    assert broken_rule("kvchat.core.kv_format", "kvchat.core.config")
+    assert broken_rule("kvchat.kernels.quant", "kvchat.core.kv_format") is None
+    assert broken_rule("kvchat.core.memory", "kvchat.core.kv_format") is None
     assert broken_rule("kvchat.app.views.main_window", "kvchat.remote.client") is None
 
 

@@ -3,7 +3,7 @@ each precision. No torch: the planner and the app's settings count with it befor
 from dataclasses import dataclass
 
 from kvchat.core.config import Precision, text_config
-from kvchat.kernels.layout import FORMATS, token_bytes
+from kvchat.core.kv_format import FORMATS, token_bytes
 
 SINK_CACHE_ENTRIES = 16  # distinct conversation openings whose full-precision sinks are kept
 SLICE_BLOCKS = 256  # blocks converted at a time in a rebuild

@@ -17,7 +17,7 @@ from kvchat.core.config import BLOCK_SIZE, ORDER, Precision
 from kvchat.core.kv_sizes import (SINK_CACHE_ENTRIES, SLICE_BLOCKS, KVShape, config_value, layer_block_bytes,
                                   pool_blocks, pool_bytes, pool_nbytes, quantizable, windowed_layers)
 from kvchat.core.memory_policy import MemoryPolicy
-from kvchat.kernels.layout import READ_SLICE, window_bytes
+from kvchat.core.kv_format import READ_SLICE, window_bytes
 
 GiB = 1 << 30
 PRECISIONS = ORDER  # best first

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import triton
 
-from kvchat.kernels.layout import FORMATS, SINKS, WINDOW
+from kvchat.core.kv_format import FORMATS, SINKS, WINDOW
 
 # the Triton the stages, tiles and register budgets were tuned on: another one allocates registers
 # otherwise, so there its counts are reported, not held to the budgets (spills are a fault anywhere)

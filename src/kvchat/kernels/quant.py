@@ -40,8 +40,8 @@ import torch
 
 from kvchat.kernels import int4
 from kvchat.kernels.int4 import dequantize_blocks, pack_int4, unpack_int4  # noqa: F401 (read through here)
-# the sizes, torch-free, live in layout.py; FORMATS and token_bytes are read through here too
-from kvchat.kernels.layout import (FORMATS, FP8_MAX, GROUP, SINKS, WINDOW, KVFormat, qmax,  # noqa: F401
+# the sizes, torch-free, live in core/kv_format.py; FORMATS and token_bytes are read through here too
+from kvchat.core.kv_format import (FORMATS, FP8_MAX, GROUP, SINKS, WINDOW, KVFormat, qmax,  # noqa: F401
                                    token_bytes, window_bytes)
 
 SCALE_DTYPE = torch.float16

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.kernels import quant
-from kvchat.kernels.layout import READ_SLICE
+from kvchat.core.kv_format import READ_SLICE
 from kvchat.kernels.quant import KVFormat
 
 write_kv = quant.write

@@ -1,5 +1,5 @@
 """The KV layout's sizes, without torch: how many bits each precision stores, the group and window
-sizes, and the bytes they take. quant.py is the layout as tensor code; this is the part the memory
+sizes, and the bytes they take. kernels/quant.py is the layout as tensor code; this is the part the memory
 planner (kvchat.core, which loads no torch) needs to count bytes before any model loads."""
 from dataclasses import dataclass
 
