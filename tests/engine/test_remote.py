@@ -65,6 +65,18 @@ def test_it_is_a_backend_and_lists_the_servers_models(backend):
     assert backend.models == [backend.model] and backend.model == "SmolLM2-135M-Instruct"
 
 
+def test_what_a_server_owns_it_says_in_its_capabilities_and_refuses_in_a_future(backend):
+    """The app asked hasattr(engine, "load_model") and "is there a server" in eleven places; a
+    backend now says what it lets the caller do, and the whole protocol is there to call."""
+    from kvchat.core.backend import LOCAL, SERVER
+    from kvchat.engine.engine import Engine
+
+    assert backend.capabilities == SERVER and Engine.capabilities == LOCAL
+    for future in (backend.load_model(None), backend.reconfigure(max_context=1024), backend.forget(None),
+                   backend.tokenize("Hi")):
+        assert isinstance(future.exception(timeout=1), EngineError) and str(future.exception())
+
+
 def test_it_announces_itself_and_stops_like_the_engine(backend):
     """What the app's bridge relies on: ModelReady replayed to a late listener, a request's listener,
     and stop through ``cancel(handle)``."""

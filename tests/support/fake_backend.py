@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import asdict
 
+from kvchat.core.backend import LOCAL
 from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Shutdown, Submit, Tokenize, refuse
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
 from kvchat.core.events import (EngineError, Finished, Notice, Request, RequestHandle)
@@ -27,6 +28,8 @@ SNAPSHOT_PERIOD = 1.0  # seconds between the idle engine's memory snapshots (eng
 
 
 class FakeBackend:
+    capabilities = LOCAL  # it stands in for the local engine
+
     def __init__(self, config: EngineConfig | None = None, disk: PersonaDisk | None = None,
                  converted: set | None = None):
         self.config = config or EngineConfig()
@@ -66,6 +69,12 @@ class FakeBackend:
 
     def tokenize(self, text: str) -> Future:
         return self._put(Tokenize(text))
+
+    def forget(self, messages=None) -> Future:
+        """It keeps no KV tiers: nothing to delete."""
+        done = Future()
+        done.set_result(0)
+        return done
 
     def cancel(self, handle: RequestHandle) -> Future:
         handle.cancel()

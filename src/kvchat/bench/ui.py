@@ -14,6 +14,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+from kvchat.core.backend import LOCAL
+
 MS_BAR, RATIO_BAR = 2.0, 1.2  # the desktop issue's bars: GUI-thread ms per token, and 200 messages against 10
 REPLY = ("Here is a small function that does it, followed by a short explanation of each step.\n\n"
          "```python\ndef word_counts(text: str) -> dict[str, int]:\n    counts = {}\n"
@@ -36,6 +38,7 @@ def tokens_of(text: str, n: int) -> list[str]:
 class CannedBackend:
     """A Backend (core/backend.py) whose replies are REPLY's pieces at a steady rate, from a thread:
     the window and the real EngineBridge get the events a model would give, at no model's cost."""
+    capabilities = LOCAL  # the window acts as on this computer's engine (it asks none of those methods here)
 
     def __init__(self, tokens: int, interval_s: float):
         from kvchat.core.config import EngineConfig

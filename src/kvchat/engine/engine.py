@@ -15,6 +15,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 
+from kvchat.core.backend import LOCAL
 from kvchat.core.commands import (Cancel, Command, Forget, LoadModel, PersonaQuery, Reconfigure, Shutdown, Submit,
                                   Tokenize, refuse)
 from kvchat.core.config import EngineConfig, SamplingParams
@@ -37,6 +38,7 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
 
 
 class Engine:
+    capabilities = LOCAL
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  probe=None, disk_tier: DiskTier | bool | None = True):
         self.session: Session | None = None  # what the model host loaded; the engine thread swaps it
@@ -140,10 +142,9 @@ class Engine:
 
     # -- what is loaded, read from the session (None while no model is) --
 
-    # (read once: the engine thread may set it to None between two reads)
     @property
     def config(self) -> EngineConfig:
-        s = self.session
+        s = self.session  # read once: the engine thread may set it to None between two reads
         return s.config if s is not None else self.host.config
 
     @property

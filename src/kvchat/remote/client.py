@@ -18,6 +18,7 @@ import httpcore
 import httpx
 from httpx_sse import connect_sse
 
+from kvchat.core.backend import SERVER
 from kvchat.core.connections import server_url
 from kvchat.core.events import EngineError, Error, Finished, LoadFailed, ModelReady, Request, RequestHandle, Stats, TokenDelta
 from kvchat.remote.metrics import ServerMemory, server_memory
@@ -110,6 +111,7 @@ class RemoteBackend:
     """A connection: base URL, optional API key, and a model from the server's /v1/models (the first
     one when none is named). ``ready`` / ``load_error`` / ``wait_ready`` behave as the Engine's."""
     kind = "remote"
+    capabilities = SERVER
 
     def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
                  metrics_period: float | None = METRICS_PERIOD):
@@ -172,6 +174,20 @@ class RemoteBackend:
 
     def cancel_load(self) -> None:
         pass  # nothing is loaded here
+
+    # what the server owns: asked of a connection, each is refused in its future (``capabilities``)
+
+    def load_model(self, config=None) -> Future:
+        return _refused(f"{self.base_url} serves its own model; choose another connection or this computer")
+
+    def reconfigure(self, max_context=None, kv_precision=None, headroom_bytes=None) -> Future:
+        return _refused(f"the context and the KV cache of {self.base_url} are the server's to set")
+
+    def forget(self, messages=None) -> Future:
+        return _refused(f"{self.base_url} keeps its own cache")
+
+    def tokenize(self, text: str) -> Future:
+        return _refused(f"the tokenizer of {self.base_url} is not reachable from here")
 
     def close(self) -> None:
         self._closed.set()
@@ -335,3 +351,9 @@ class RemoteBackend:
                 stats.decode_tok_s = (stats.generated_tokens - 1) / (end - first)
         reason = "cancelled" if handle.cancelled else state["finish"]
         return Finished("".join(text), [], reason, stats)
+
+
+def _refused(reason: str) -> Future:
+    future = Future()
+    future.set_exception(EngineError(reason))
+    return future

@@ -141,7 +141,7 @@ class EngineBridge(QObject):
         except ValueError as e:  # settings the engine refuses outright
             self.load_failed.emit(str(e))
             return
-        if self.server is not None or not hasattr(self.engine, "load_model"):
+        if not self.engine.capabilities.models:  # a server's model is its own: back on this computer
             self.use_local(settings)
             return
         self.switching = True
@@ -186,9 +186,8 @@ class EngineBridge(QObject):
     def forget(self, messages: list[dict] | None) -> None:
         """A deleted chat's KV, or (None) every cached conversation's, deleted by the local engine
         from its pool, RAM and disk; a server keeps its own cache."""
-        forget = getattr(self.engine, "forget", None)
-        if forget is not None and self.server is None:
-            forget(messages)
+        if self.engine.capabilities.forget:
+            self.engine.forget(messages)
 
     def send(self, messages: list[dict], sampling: SamplingParams) -> int | None:
         """A new reply; its key, or None (and ``failed``) while a model loads."""
@@ -230,7 +229,7 @@ class EngineBridge(QObject):
         """The tokens of ``text`` (a pasted document) as the model's tokenizer counts them, and
         whether it fits the context: ``tokens_counted``. The local engine's only: a server's
         tokenizer is not reachable, so its chips keep their estimate."""
-        if self.server is None and not self.loading:
+        if self.engine.capabilities.tokenize and not self.loading:
             self._answer(self.engine.tokenize(text), lambda f: self._on_counted(text, f))
 
     def _answer(self, future: Future, handle) -> None:

@@ -9,6 +9,7 @@ the engine's own."""
 import threading
 from concurrent.futures import Future
 
+from kvchat.core.backend import LOCAL
 from kvchat.core.config import EngineConfig
 from kvchat.core.events import LoadFailed, RequestHandle
 
@@ -16,6 +17,8 @@ STILL_STARTING = "the engine is still starting; send again once the model is rea
 
 
 class EngineStarter:
+    capabilities = LOCAL  # it stands in for the local engine
+
     def __init__(self, config: EngineConfig, make):
         """``make(config)`` makes the engine (the ``kvchat`` command's local_engine)."""
         self._config = config
@@ -101,6 +104,12 @@ class EngineStarter:
 
     def cancel(self, handle):
         return self._call("cancel", handle)
+
+    def forget(self, messages):
+        return self._call("forget", messages)
+
+    def tokenize(self, text: str):
+        return self._call("tokenize", text)
 
     def close(self, timeout: float = 2.0) -> bool:
         """Close the engine, or the one still being made as soon as it exists."""
