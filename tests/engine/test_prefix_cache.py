@@ -10,6 +10,7 @@ from kvchat.engine.engine import Engine
 from kvchat.core.events import Request
 from kvchat.engine.model.loading import LoadedModel
 from kvchat.engine.kv.disk_tier import DiskTier
+from kvchat.engine.kv.recent_window import RecentWindow
 
 from tiny_models import as_loaded, tiny_model
 
@@ -240,7 +241,7 @@ def test_quantized_prefill_split_equals_the_masked_path(monkeypatch, precision, 
     k, v = rows[0]
     recent = None
     if window:
-        ring = quant.RecentWindow(1, 3, 64, torch.float32, "cpu")
+        ring = RecentWindow(1, 3, 64, torch.float32, "cpu")
         ring.store(0, 0, k, v)
         recent = ring.rows(0, context)
     query, fresh = torch.randn(chunk, 9, 64), (k[-chunk:], v[-chunk:])
@@ -339,9 +340,8 @@ def test_the_next_turn_keeps_the_last_turns_full_precision_rows():
     (rewound to where they part), so the newest shared rows stay exact; another turn gets none."""
     from kvchat.engine.kv.block_pool import BlockPool
     from kvchat.engine.kv.manager import KVCacheManager, Sequence
-    from kvchat.kernels import quant
 
-    window = quant.RecentWindow(1, 1, 2, torch.float32, "cpu", size=8, sinks=2)
+    window = RecentWindow(1, 1, 2, torch.float32, "cpu", size=8, sinks=2)
     rows = torch.arange(20.0).view(20, 1, 1).expand(20, 1, 2)
     window.store(0, 0, rows, rows)  # positions 0..19: the ring holds 12..19
     manager = KVCacheManager(BlockPool(8), 4, "m")

@@ -131,7 +131,7 @@ def test_a_checks_rows_taken_back_leave_the_window_as_a_plain_decode_left_it():
     (19) and four proposals (20-23), which overwrite the rows of 11-15. Kept through 20, or dropped
     whole (a failed step: its own token too), the rows it gives for every later read are those of a
     window that wrote only what was kept."""
-    from kvchat.kernels.quant import RecentWindow
+    from kvchat.engine.kv.recent_window import RecentWindow
 
     gen = torch.Generator().manual_seed(0)
     rows = [(torch.randn(1, 1, 4, generator=gen), torch.randn(1, 1, 4, generator=gen)) for _ in range(24)]

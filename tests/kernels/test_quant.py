@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kvchat.kernels import int4, quant, reference
+from kvchat.engine.kv.recent_window import RecentWindow
 
 from test_reference import naive
 
@@ -81,7 +82,7 @@ def test_bytes_per_token_fractions():
 
 
 def test_recent_window_keeps_the_sinks_and_the_newest_positions_of_a_ring():
-    w = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
+    w = RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
     rows = lambda first, n: torch.arange(first, first + n, dtype=torch.float32)[:, None, None].expand(n, 1, 2)
     held = lambda layer, length: w.rows(layer, length)[2][:, 0, 0].tolist()
     w.store(0, 0, rows(0, 3), -rows(0, 3))
@@ -96,12 +97,12 @@ def test_recent_window_keeps_the_sinks_and_the_newest_positions_of_a_ring():
     w.store(0, 40, rows(40, 1), rows(40, 1))  # a gap (a new turn after cached blocks) restarts the ring
     assert w.rows(0, 41)[:2] == (2, 40) and held(0, 41) == [0, 1, 40]
     assert w.complete_sinks() is None  # layer 1 has none yet
-    fresh = quant.RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
+    fresh = RecentWindow(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", size=4, sinks=2)
     fresh.set_sinks(*(torch.stack([rows(0, 2)] * 2),) * 2)
     fresh.store(0, 30, rows(30, 2), rows(30, 2))
     assert fresh.rows(0, 32)[:2] == (2, 30) and fresh.rows(0, 32)[2][:, 0, 0].tolist() == [0, 1, 30, 31]
     assert fresh.complete_sinks()[0].shape == (2, 2, 1, 2)
-    assert quant.RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * (quant.SINKS + quant.WINDOW) * 3 * 64 * 2
+    assert RecentWindow.nbytes(30, 3, 64, 2) == 2 * 30 * (quant.SINKS + quant.WINDOW) * 3 * 64 * 2
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "k8v4", "int4"])
@@ -120,7 +121,7 @@ def test_the_window_makes_its_rows_exact(name):
         table = torch.randperm(10, generator=g)
         slots = table[torch.arange(length) // bs] * bs + torch.arange(length) % bs
         reference.write_kv(pool, fmt, k[:length], v[:length], slots, rot)
-        window = quant.RecentWindow(1, kv_heads, d, torch.float32, "cpu")
+        window = RecentWindow(1, kv_heads, d, torch.float32, "cpu")
         window.store(0, 0, quant.rotate(k[:length], rot), quant.rotate(v[:length], rot))
         exact = naive(q, k[:length], v[:length], d ** -0.5)
         plain = reference.paged_attention(q, pool, fmt, table, length, d ** -0.5, rotation=rot)
@@ -173,7 +174,7 @@ def test_a_block_written_token_by_token_is_the_block_written_at_once(with_window
     slots = torch.arange(16, 16 + n)  # blocks 1, 2 and half of 3
     once, stepped = (KVCache(shape, 4, 16, torch.float32, "cpu", "int4") for _ in range(2))
     once.write(0, k, v, slots)
-    window = quant.RecentWindow(1, 2, 64, torch.float32, "cpu") if with_window else None
+    window = RecentWindow(1, 2, 64, torch.float32, "cpu") if with_window else None
     for p in range(n):
         stepped.write(0, k[p:p + 1], v[p:p + 1], slots[p:p + 1], window, p)
     pool = stepped.layers[0]

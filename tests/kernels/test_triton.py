@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvchat.kernels import quant, reference, triton_decode, triton_kv
+from kvchat.engine.kv.recent_window import RecentWindow
 
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
@@ -278,7 +279,7 @@ def _window_case(fmt, head_dim, group, window_len, n, band=reference.PLAIN):
     pool, (table,), rot, center, cscale, g = scene(fmt, heads, kv_heads, head_dim, [n], seed=window_len + group)
     query = torch.randn(1, heads, head_dim, generator=g)
     sinks = min(4, n - window_len)  # with every position in the window, there is nothing to sink
-    recent = quant.RecentWindow(1, kv_heads, head_dim, torch.float32, "cpu", size=window_len, sinks=sinks)
+    recent = RecentWindow(1, kv_heads, head_dim, torch.float32, "cpu", size=window_len, sinks=sinks)
     recent.store(0, 0, torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g))
     s, first = recent.bounds(0, n)
     window = (on_device(recent.k[0]), on_device(recent.v[0]), sinks,

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kvchat.kernels import dispatch, quant, reference, triton_kv
+from kvchat.engine.kv.recent_window import RecentWindow
 
 from test_triton import DEVICE, on_device
 
@@ -71,7 +72,7 @@ def chunk_scene(fmt, table, heads: int, kv_heads: int, head_dim: int, context: i
     pool = quant.layer_tensors(fmt, 16, BS, kv_heads, head_dim, torch.float32, "cpu")
     rot = quant.hadamard(head_dim)
     center, cscale = torch.randn(kv_heads, head_dim, generator=g), torch.rand(kv_heads, head_dim, generator=g) + 0.5
-    recent = quant.RecentWindow(1, kv_heads, head_dim, dtype, DEVICE)
+    recent = RecentWindow(1, kv_heads, head_dim, dtype, DEVICE)
     k, v = torch.randn(context, kv_heads, head_dim, generator=g) * 2, torch.randn(context, kv_heads, head_dim, generator=g)
     slots = table[torch.arange(context) // BS] * BS + torch.arange(context) % BS
     kept = []

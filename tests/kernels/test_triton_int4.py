@@ -10,6 +10,7 @@ import torch
 from kvchat.core.kv_sizes import KVShape
 from kvchat.engine.kv.cache import KVCache
 from kvchat.kernels import dispatch, int4, quant, triton_int4
+from kvchat.engine.kv.recent_window import RecentWindow
 
 pytestmark = pytest.mark.gpu  # runs on CUDA where there is one: make gpu-check's kernel step
 
@@ -56,7 +57,7 @@ def test_decode_tokens_written_one_by_one_match_the_reference(window_from):
     for triton in (False, True):
         dev = DEVICE if triton else "cpu"
         kv = KVCache(shape, 4, 16, torch.float32, dev, "int4")
-        window = quant.RecentWindow(1, 2, 64, torch.float32, dev)
+        window = RecentWindow(1, 2, 64, torch.float32, dev)
         with mock.patch.object(dispatch, "use_triton", lambda *args, on=triton: on):
             for p in range(n):
                 kv.write(0, k[p:p + 1].to(dev), v[p:p + 1].to(dev), slots[p:p + 1].to(dev),

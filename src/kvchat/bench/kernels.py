@@ -24,6 +24,7 @@ import torch
 
 from kvchat.kernels import int4, quant
 from kvchat.kernels import reference
+from kvchat.engine.kv.recent_window import RecentWindow
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128)
 CONTEXTS = (2048, 8192, 32768)
@@ -152,7 +153,7 @@ def measure(device, precision: str, context: int) -> float:
     lens = torch.tensor([context], device=device, dtype=torch.int32)
     window = None
     if fmt.quantized:
-        recent = quant.RecentWindow(1, SHAPE["kv_heads"], SHAPE["head_dim"], torch.bfloat16, device)
+        recent = RecentWindow(1, SHAPE["kv_heads"], SHAPE["head_dim"], torch.bfloat16, device)
         rows = torch.randn(context, SHAPE["kv_heads"], SHAPE["head_dim"], device=device)
         recent.store(0, 0, rows, rows)
         s, first = recent.bounds(0, context)

@@ -41,7 +41,7 @@ def use_triton(t: torch.Tensor, tensors: dict | None = None, fmt=None) -> bool:
 
 def write_kv(tensors, fmt, key, value, slots, rotation=None, k_center=None, k_channel_scale=None,
              keep_rows=None, ring=None, prior=None) -> None:
-    """``keep_rows``: as in ``quant.write``. ``ring``, ``(quant.RecentWindow, layer, position,
+    """``keep_rows``: as in ``quant.write``. ``ring``, ``(recent_window.RecentWindow, layer, position,
     wmeta or None)`` for one new token: on CUDA the write kernel puts its row in the window in the
     same pass (past the sinks); otherwise ``keep_rows`` stores it. ``prior``: what gives
     ``quant.write``'s ``prior`` (int4 keys), called only where a kernel does not find those rows
@@ -91,14 +91,14 @@ def _step_tensor(name: str, values: tuple, device) -> torch.Tensor:
 
 def window_meta(recent, layer: int, length: int, device) -> torch.Tensor:
     """What the kernels read of a window after the step that makes it ``length`` long, as int32
-    ``[s, first, ring row of the newest, newest position]`` (``quant.RecentWindow.bounds``)."""
+    ``[s, first, ring row of the newest, newest position]`` (``engine.kv.recent_window.RecentWindow.bounds``)."""
     return _step_tensor("window", (*recent.bounds(layer, length), recent.ring_row(length - 1), length - 1), device)
 
 
 def paged_attention(query, tensors, fmt, block_table, context_len, scale, first_block=None, rotation=None,
                     k_channel_scale=None, window=None, context_lens=None, fresh=None, wmeta=None,
                     band: reference.Band = reference.PLAIN) -> torch.Tensor:
-    """``window``: ``(quant.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
+    """``window``: ``(recent_window.RecentWindow, layer)``. ``context_lens``, ``[1]`` int32 equal to
     ``context_len``, and ``wmeta`` (``window_meta``) let a captured CUDA step read the length and
     the window's bounds from tensors it updates in place; the block table may then be padded past
     the length. ``fresh`` and ``band``: as in ``reference.paged_attention``; one new token is in

@@ -58,7 +58,7 @@ def paged_attention(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tab
                     band: Band = PLAIN) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]``, the last T tokens of a sequence of
     ``context_len`` tokens whose K/V are already in the pool. ``window``, from
-    ``quant.RecentWindow.rows``, replaces the quantized rows it holds. ``fresh``, the query tokens'
+    ``engine.kv.recent_window.RecentWindow.rows``, replaces the quantized rows it holds. ``fresh``, the query tokens'
     own K/V as ``quant.write`` transformed them (before rounding), serves those T positions: a
     prefill chunk then attends to itself exactly and reads only the earlier context quantized, as
     vLLM's chunked prefill does. ``read_rows``: as in ``sequence_rows``. ``band``: the layer's
@@ -175,7 +175,7 @@ def read_positions(tensors: dict, fmt: KVFormat, name: str, block_table, first: 
 
 
 def _before(window: tuple, n: int) -> tuple:
-    """``window`` rows (``quant.RecentWindow.rows``) of the positions before ``n`` only."""
+    """``window`` rows (``engine.kv.recent_window.RecentWindow.rows``) of the positions before ``n`` only."""
     s, first, wk, wv = window
     keep, sinks = max(0, n - first), min(s, n)
     rows = lambda w: torch.cat([w[:sinks], w[s:s + keep]])

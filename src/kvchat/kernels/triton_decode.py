@@ -338,7 +338,7 @@ def paged_decode(query: torch.Tensor, tensors: dict, fmt: KVFormat, block_tables
     The context is split over ``splits`` programs per KV head (default: ``decode_splits`` for
     this device and the table's width), merged by their log-sum-exp in ``_merge_kernel``.
     ``window`` (B = 1): ``(K, V, sinks, wmeta)``, a layer's full-precision rows
-    (``quant.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``)
+    (``engine.kv.recent_window.RecentWindow``: ``sinks`` sink rows then a ring of the newest, ``[rows, kv_heads, D]``)
     holding positions ``0 .. s`` and ``first ..``, with ``wmeta`` int32 ``[s, first, ring row]``; the
     kernel reads the pool only between them. ``band``: the layer's sliding window and soft cap, as
     in ``reference.paged_attention``."""

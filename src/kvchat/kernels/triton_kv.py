@@ -92,7 +92,7 @@ def _quantize_write_kernel(x_ptr, slot_ptr, center_ptr, cscale_ptr, rot_ptr, dat
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
     """One program per (BLOCK_T tokens, KV head); rows past ``n`` and padding slots (-1) are
     masked out of every store. With RING (one token, row 0), its transformed row, before rounding,
-    also goes to the window's ring (``quant.RecentWindow``) at the row ``wmeta[2]`` names (-1:
+    also goes to the window's ring (``engine.kv.recent_window.RecentWindow``) at the row ``wmeta[2]`` names (-1:
     none). Read from a tensor, so that a captured step can replay it."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)

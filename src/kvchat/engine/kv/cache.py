@@ -9,6 +9,7 @@ from kvchat.kernels.reference import PLAIN, Band
 from kvchat.core.config import Precision
 from kvchat.engine.kv.calibration import CALIBRATION_ID, FP8_TARGET
 from kvchat.core.kv_sizes import SINK_CACHE_ENTRIES, KVShape, ring_blocks
+from kvchat.engine.kv.recent_window import RecentWindow, WindowStorage
 
 MAX_COPY_RUNS = 8  # a ring copied in more pieces than this goes by index
 
@@ -30,7 +31,7 @@ class KVCache:
         self.sink_cache: OrderedDict[tuple, tuple] = OrderedDict()  # first token ids -> full-precision sinks
         # the full-precision rows each new sequence's window takes over once the last one's
         # sequence ended: a captured CUDA graph reads them, so a new reply replays the graphs it has
-        self.window_storage: quant.WindowStorage | None = None
+        self.window_storage: WindowStorage | None = None
 
     def ringed(self, local_blocks: int, device) -> None:
         """With ``local_blocks``, the windowed layers hold that many blocks, the sequences' rings
@@ -142,7 +143,7 @@ class KVCache:
                 index = torch.tensor(block_ids, device=t.device)
                 t.index_copy_(0, index, tensors[name][layer_idx].to(t.device))
 
-    def new_window(self, precision: Precision | None = None, take: bool = True) -> quant.RecentWindow | None:
+    def new_window(self, precision: Precision | None = None, take: bool = True) -> RecentWindow | None:
         """A sequence's full-precision window of newest tokens, on the pool's window storage (it
         takes the rows over unless told not to: a capture borrows them); rows of its own while a
         running sequence's window holds the pool's (a batch). The fp16 mode needs none."""
@@ -150,11 +151,11 @@ class KVCache:
             return None
         device = next(iter(self.layers[0].values())).device
         if self.window_storage is None:
-            self.window_storage = quant.WindowStorage(self.shape.num_layers, quant.SINKS + quant.WINDOW,
+            self.window_storage = WindowStorage(self.shape.num_layers, quant.SINKS + quant.WINDOW,
                                                       self.shape.num_kv_heads, self.shape.head_dim, self.dtype, device)
         holder = self.window_storage.holder()
         storage = self.window_storage if holder is None or holder.released or not take else None
-        return quant.RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
+        return RecentWindow(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
                                   device, storage=storage, take=take)
 
     def move_blocks(self, moves: dict[int, int]) -> None:
@@ -169,7 +170,7 @@ class KVCache:
         if self.block_map is not None:  # a ring's rows stay where they are: the new id points at them
             self.block_map.index_copy_(0, new, self.block_map.index_select(0, old))
 
-    def window_for(self, token_ids: list[int], computed: int) -> quant.RecentWindow | None:
+    def window_for(self, token_ids: list[int], computed: int) -> RecentWindow | None:
         """A new window for a sequence of which ``computed`` tokens are already in the pool (a prefix
         hit): its sinks come from the sink cache when an earlier sequence began the same way."""
         window = self.new_window()
@@ -186,7 +187,7 @@ class KVCache:
         while len(self.sink_cache) > SINK_CACHE_ENTRIES:
             self.sink_cache.popitem(last=False)
 
-    def remember_sinks(self, token_ids: list[int], window: quant.RecentWindow) -> None:
+    def remember_sinks(self, token_ids: list[int], window: RecentWindow) -> None:
         key = tuple(token_ids[:window.sinks])
         if key in self.sink_cache:
             self.sink_cache.move_to_end(key)
@@ -198,7 +199,7 @@ class KVCache:
                 self.sink_cache.popitem(last=False)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              window: quant.RecentWindow | None = None, first_pos: int = 0,
+              window: RecentWindow | None = None, first_pos: int = 0,
               window_meta: torch.Tensor | None = None) -> tuple | None:
         """Store the new tokens' K/V; in the quantized modes, return them as transformed before
         rounding (``attend``'s ``fresh``) when there are several (a prefill chunk)."""
@@ -242,7 +243,7 @@ class KVCache:
                 quant.rotate(value.float(), self.rotation))
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, context_len: int,
-               scale: float, first_block: int | None = None, window: quant.RecentWindow | None = None,
+               scale: float, first_block: int | None = None, window: RecentWindow | None = None,
                context_lens: torch.Tensor | None = None, fresh: tuple | None = None,
                window_meta: torch.Tensor | None = None, band: Band = PLAIN) -> torch.Tensor:
         if layer in self.local:  # the ring blocks, in the order of the sequence's blocks

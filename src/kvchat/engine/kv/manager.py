@@ -1,7 +1,7 @@
 """Per-sequence block tables on top of the block pool: prefix matching, growth, caching, release."""
 from dataclasses import dataclass, field
 
-from kvchat.kernels.quant import RecentWindow
+from kvchat.engine.kv.recent_window import RecentWindow
 
 from kvchat.engine.kv.block_pool import Block, BlockPool, PoolExhausted, block_hash
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvchat.kernels import cpu_attention, traced
-from kvchat.kernels.quant import RecentWindow
+from kvchat.engine.kv.recent_window import RecentWindow
 from kvchat.kernels.reference import PLAIN, Band
 
 from kvchat.engine.kv.cache import KVCache
