@@ -95,22 +95,41 @@ def test_a_greedy_reply_is_the_reply_without_speculation_and_leaks_no_block(shor
     assert not leaked
 
 
-def test_a_prediction_of_the_reply_is_kept_whole(short_starter, every_check):
-    """OpenAI's Predicted Outputs: the expected text, proposed from the reply's start."""
-    plain, _ = run(config(speculate=False), short_starter, OPEN, n=32)
-    engine = Engine(config(), loaded=short_starter, disk_tier=None)
+def predicted_reply(lm, prediction: str, n: int = 32, **config_overrides):
+    engine = Engine(config(**config_overrides), loaded=lm, disk_tier=None)
     try:
         engine.wait_ready(60)
-        params = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0)
-        done = engine.submit(Request(messages=OPEN, sampling=params, prediction=plain.text)).result()
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0)
+        done = engine.submit(Request(messages=OPEN, sampling=params, prediction=prediction)).result()
+        pool = engine.kvpool.blocks
+        return done, pool.num_free != pool.num_blocks or any(b.ref_cnt for b in pool.blocks)
     finally:
         engine.close()
-    assert done.token_ids == plain.token_ids
+
+
+def test_a_prediction_of_the_reply_is_kept_whole(short_starter, every_check):
+    """OpenAI's Predicted Outputs: the expected text, proposed from the reply's start. Its first
+    15 tokens ride in the prompt's last chunk, checked with the prompt's end in one forward: 16
+    tokens come from it (the 15 and the model's own after them), 16 from the next step's check of
+    15, so 30 of the 32 are kept proposals (the prompt's chunk gave 1 token and the checks began at
+    the next step: 29 of 31 could be kept)."""
+    plain, _ = run(config(speculate=False), short_starter, OPEN, n=32)
+    done, leaked = predicted_reply(short_starter, plain.text)
+    assert done.token_ids == plain.token_ids and not leaked
     stats = done.stats
-    # the first token comes from the prompt's chunk, and each check's last row is the step's own
-    # token (2 checks: 16 + 1, then 13 + 1), so 29 of the other 31 can be kept
-    assert stats.accepted_prediction_tokens >= 0.9 * 31
-    assert stats.rejected_prediction_tokens <= 2
+    assert stats.accepted_prediction_tokens == 30 and stats.rejected_prediction_tokens == 0
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_wrong_prediction_changes_nothing_in_the_reply(short_starter, precision, every_check):
+    """A prediction that is not the reply: the prompt's chunk checks its first tokens (fp16) or the
+    decode batch does (int8, whose full-precision window the prompt's chunk must not overwrite);
+    the reply is the one without a prediction, and every block comes back."""
+    plain, _ = run(config(speculate=False, kv_precision=precision), short_starter, OPEN, n=32)
+    wrong = "Because of the way the ocean reflects it, said nobody who studied optics in any detail at all."
+    done, leaked = predicted_reply(short_starter, wrong, kv_precision=precision)
+    assert done.token_ids == plain.token_ids and not leaked
+    assert done.stats.rejected_prediction_tokens > 0
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8", "k8v4", "int4"])

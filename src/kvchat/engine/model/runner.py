@@ -78,6 +78,8 @@ class ModelRunner:
             return None
         if want_logits == "all":
             return lm_logits(self.model, hidden[0])
+        if want_logits is not True:  # the last rows: a prompt's end and the tokens proposed after it
+            return lm_logits(self.model, hidden[0, -want_logits:])
         return lm_logits(self.model, hidden[0, -1:])[0]
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ class Chunk:
     prompt's last chunk, whose first token is sampled)."""
     seq: Sequence
     end: int
-    want_logits: bool | str  # "all": every row's (evaluation)
+    want_logits: bool | str | int  # "all": every row's (evaluation); n: the last n rows' (a check)
 
 
 @dataclass(frozen=True)
