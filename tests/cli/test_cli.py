@@ -71,7 +71,7 @@ def test_connections_add_list_remove_keep_the_key_in_the_keyring(tmp_path):
     ring = tmp_path / "keyring.json"
     env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home"), "KVCHAT_TEST_KEYRING": str(ring),
            "PYTHON_KEYRING_BACKEND": "fake_keyring.FileKeyring",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "engine"), os.environ.get("PYTHONPATH", "")])}
 
     def run(*args, stdin=None):
         return subprocess.run([KVCHAT, "connections", *args], input=stdin, capture_output=True, text=True,
