@@ -35,6 +35,17 @@ def tokens_of(text: str, n: int) -> list[str]:
     return (pieces * (n // len(pieces) + 1))[:n]
 
 
+def _done(result=None, error: str | None = None) -> Future:
+    future = Future()
+    if error:
+        from kvchat.core.events import EngineError
+
+        future.set_exception(EngineError(error))
+    else:
+        future.set_result(result)
+    return future
+
+
 class CannedBackend:
     """A Backend (core/backend.py) whose replies are REPLY's pieces at a steady rate, from a thread:
     the window and the real EngineBridge get the events a model would give, at no model's cost."""
@@ -86,6 +97,20 @@ class CannedBackend:
 
     def wait_ready(self, timeout=None) -> None:
         pass
+
+    # what a window may ask of this computer's engine, refused or answered at once: nothing is loaded
+
+    def load_model(self, config=None, loaded=None) -> Future:
+        return _done(error="bench ui's canned backend loads no model")
+
+    def reconfigure(self, max_context=None, kv_precision=None, headroom_bytes=None) -> Future:
+        return _done(error="bench ui's canned backend has no KV cache to change")
+
+    def forget(self, messages=None) -> Future:
+        return _done(0)
+
+    def tokenize(self, text: str) -> Future:
+        return _done(error="bench ui's canned backend has no tokenizer")
 
     def cancel_load(self) -> None:
         pass

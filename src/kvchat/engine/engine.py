@@ -39,6 +39,7 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the current step to end
 
 class Engine:
     capabilities = LOCAL
+
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  probe=None, disk_tier: DiskTier | bool | None = True):
         self.session: Session | None = None  # what the model host loaded; the engine thread swaps it
@@ -216,10 +217,9 @@ class Engine:
         self._run(command)
 
     def _between_steps(self, between_tokens: bool = False) -> None:
-        """Memory and the decode step's compiles: after a first token, not before it (a compile
-        shares the GIL with the prefill: bench startup, warm, first token 5.9 s when the compile
-        started before the prefill), or in an idle moment. A failure here (a compile child that
-        cannot start) is logged; it must not end the engine thread."""
+        """Memory and the decode step's compiles: after a first token, not before it (a compile shares
+        the GIL with the prefill: first token 5.9 s in bench startup when it started first), or when
+        idle. A failure here (a compile child that cannot start) is logged: the engine thread goes on."""
         try:
             self.governor.tick(self.session, self.scheduler.live())
             self.host.prepare_decode(self.session, between_tokens)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from kvchat.core.backend import LOCAL
 from kvchat.core.config import EngineConfig
-from kvchat.core.events import LoadFailed, RequestHandle
+from kvchat.core.events import EngineError, LoadFailed, RequestHandle
 
 STILL_STARTING = "the engine is still starting; send again once the model is ready"
 
@@ -73,7 +73,10 @@ class EngineStarter:
         if engine is None:  # it could not be made: nothing to ask
             if name == "add_listener":
                 args[0](LoadFailed(self._failure))
-            return None
+                return None
+            refused = Future()
+            refused.set_exception(EngineError(self._failure))
+            return refused
         return getattr(engine, name)(*args)
 
     # -- the engine's interface, as the bridge and the window use it --

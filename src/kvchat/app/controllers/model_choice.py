@@ -103,8 +103,8 @@ class ModelController(QObject):
             return
         self.store.set_setting("sampling", dialog.sampling())
         self.win.sampling_from_model = False
-        if not self.bridge.engine.capabilities.memory:  # the server's model, context and precision are its own
-            return
+        if not self.bridge.engine.capabilities.memory and self.bridge.server is not None:
+            return  # the server's model, context and precision are its own (a failed connection's are ours)
         wanted, now = dialog.engine_settings(), self.engine_settings()
         failed = self.bridge.load_error is not None
         if (wanted["model"], wanted["weights"]) != (now["model"], now["weights"]) or failed:

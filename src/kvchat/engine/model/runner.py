@@ -48,7 +48,7 @@ class ModelRunner:
         return self.batch.compiled_rows(self.kv, want)
 
     @torch.inference_mode()
-    def forward(self, seq: Sequence, end: int, want_logits: bool | str) -> torch.Tensor | None:
+    def forward(self, seq: Sequence, end: int, want_logits: bool | str | int) -> torch.Tensor | None:
         """Compute tokens ``seq.num_computed .. end`` (blocks must be reserved) and return the
         fp32 logits of the last one when asked. Only evaluation asks for ``"all"`` rows of a chunk;
         generation never builds a ``[T, vocab]`` matrix. One token with its logits wanted is a
