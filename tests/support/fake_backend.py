@@ -6,16 +6,16 @@ same order as engine/engine.py, with canned replies and no model (fake_model.py)
 What a test controls: ``pace`` (how far a reply may stream: free, held, or in lockstep with the
 window), ``warm_up()`` (the first reply waits for a decode step being compiled), ``model.forward``
 (replace it to fail a request as a device would), ``PersonaDisk`` (personas' KV kept across fakes)."""
-import logging
 import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict
 
 from kvchat.core.backend import LOCAL
+from kvchat.engine.outbox import Outbox
 from kvchat.core.commands import Cancel, Command, LoadModel, Reconfigure, Shutdown, Submit, Tokenize, refuse
 from kvchat.core.config import EngineConfig, Precision, SamplingParams
-from kvchat.core.events import (EngineError, Finished, Notice, Request, RequestHandle)
+from kvchat.core.events import EngineError, Finished, Request, RequestHandle
 from kvchat.engine.load_order import LoadOrder
 
 from support import fake_host
@@ -45,8 +45,8 @@ class FakeBackend:
         self.load_error: str | None = None
         self.handle: RequestHandle | None = None
         self.commands_seen: list = []  # every command the actor ran, in order
-        self._listeners: list = []
-        self._status = None
+        # the engine's own listeners, notices and replayed load status (engine/outbox.py)
+        self.out = Outbox(lambda: [self.handle] if self.handle is not None else [])
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -105,11 +105,7 @@ class FakeBackend:
         self.loads.cancel()
 
     def add_listener(self, callback, replay: bool = False) -> None:
-        with self._lock:
-            self._listeners.append(callback)
-            status = self._status if replay else None
-        if status is not None:
-            callback(status)
+        self.out.add_listener(callback, replay)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self.ready.wait(timeout):
@@ -237,24 +233,15 @@ class FakeBackend:
     # -- events --
 
     def notice(self, kind: str, message: str) -> None:
-        notice = Notice(kind, message)
-        if self.handle is not None:
-            self.handle.put(notice)
-        self.emit(notice)
+        self.out.notice(kind, message)
 
     def _snapshot(self, in_use: int = 0) -> None:
         if self.model is not None:
             self.emit(snapshot(self.model, self.config, self.precision, self.cache.tokens(), in_use))
 
     def announce(self, status) -> None:
-        with self._lock:
-            self._status = status
-        self.emit(status)
+        self.out.announce(status)
 
     def emit(self, event) -> None:
-        for callback in list(self._listeners):
-            try:
-                callback(event)
-            except Exception:  # a listener's bug must not stop the actor, as in the engine
-                logging.getLogger("kvchat.fake").exception("a listener failed")
+        self.out.emit(event)
 

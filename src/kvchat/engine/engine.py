@@ -51,9 +51,9 @@ class Engine:
         self.governor = MemoryGovernor(self.out)
         stopping, loads = self._stopping, self.loads  # not self: no part holds the engine
         switching = lambda: stopping.is_set() or loads.switching()  # a request taken now is cancelled at once
-        self.scheduler = Scheduler(self.out.notice, PromptBuilder(self.out.notice), switching)
+        self.prompts = PromptBuilder(self.out.notice)
+        self.scheduler = Scheduler(self.out.notice, self.prompts, switching)
         self.out.handles = self.scheduler.handles
-        # the actor's own bookkeeping
         self._commands: queue.Queue = queue.Queue()
         self._held: deque[Command] = deque()  # taken, waiting for no request to run (and what came after)
         self._lock = threading.Lock()  # orders _closed against puts, so no command is queued after the drain
@@ -243,7 +243,7 @@ class Engine:
         if self.session is None:
             return refuse(command, self.load_error or "no model is loaded")
         if isinstance(command, Tokenize):
-            return self.scheduler.prompts.tokenize(self.session, command)
+            return self.prompts.tokenize(self.session, command)
         try:
             if isinstance(command, Submit):
                 self.scheduler.add(command.handle, self.session)  # its first token starts the compile

@@ -54,7 +54,7 @@ def predicted(kvpool, job) -> int:
     no rings, whose rows a rejected token would overwrite (there the first check comes a step later,
     in the decode batch, which saves and restores them)."""
     spec = job.spec
-    if spec is None or spec.lookup.prediction is None or kvpool.kv.format.quantized or kvpool.rings is not None:
+    if spec is None or not spec.predicted or kvpool.kv.format.quantized or kvpool.rings is not None:
         return 0
     proposed = speculation.propose(job, speculation.STEPS[-1])
     if proposed:

@@ -46,6 +46,11 @@ class Speculator:
         self.hits, self.misses = (9.0, 1.0) if prediction else (1.0, 1.0)
         self.unchecked: tuple[list[int], int] | None = None  # a proposal not checked, scored by what came
 
+    @property
+    def predicted(self) -> bool:
+        """A client's prediction was given: its tokens are proposed first."""
+        return self.lookup.prediction is not None
+
     def propose(self, token_ids: list[int], generated: int, room: int) -> list[int]:
         if self.unchecked is not None:
             self._score_unchecked(token_ids)

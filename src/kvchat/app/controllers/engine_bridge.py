@@ -119,6 +119,8 @@ class EngineBridge(QObject):
         server's there); None on the local engine. From the backend's ModelReady settings."""
         return self.settings.get("server")
 
+    capabilities = property(lambda self: self.engine.capabilities)  # what the backend lets the app do
+
     def start(self) -> None:
         """Kept for the window: the first load's outcome arrives as a queued signal, so slots
         connected before the event loop runs see it however fast the model loads or fails."""

@@ -45,5 +45,5 @@ class MemoryTally(QObject):
         return None
 
     def show(self) -> None:
-        context = self.bridge.settings.get("max_context") if self.bridge.engine.capabilities.memory else None
+        context = self.bridge.settings.get("max_context") if self.bridge.capabilities.memory else None
         self.win.memory_panel.show_chat(self.conversation_tokens(), context, self.saved_today())

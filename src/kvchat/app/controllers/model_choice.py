@@ -27,7 +27,7 @@ PENDING = "Applies after this reply: "  # the notice while a live setting waits 
 
 def loaded_model(models: "ModelController") -> list[str]:
     """The loaded model as the library can find it: its setting and, for the starter, its file."""
-    if not models.bridge.engine.capabilities.models or models.config is None:
+    if not models.bridge.capabilities.models or models.config is None:
         return []
     model = models.engine_settings().get("model", "starter")
     if model == "starter":
@@ -81,7 +81,7 @@ class ModelController(QObject):
     # -- settings --
 
     def settings_dialog(self) -> SettingsDialog:
-        ours = self.bridge.engine.capabilities.memory
+        ours = self.bridge.capabilities.memory
         current = self.engine_settings() if ours else self.store.setting("engine") or {}
         return SettingsDialog(self.win, current, vars(self.win.sampling), self.config, self.memory(),
                               on_cuda=self.on_cuda(), server=self.bridge.server)
@@ -103,7 +103,7 @@ class ModelController(QObject):
             return
         self.store.set_setting("sampling", dialog.sampling())
         self.win.sampling_from_model = False
-        if not self.bridge.engine.capabilities.memory and self.bridge.server is not None:
+        if not self.bridge.capabilities.memory and self.bridge.server is not None:
             return  # the server's model, context and precision are its own (a failed connection's are ours)
         wanted, now = dialog.engine_settings(), self.engine_settings()
         failed = self.bridge.load_error is not None
@@ -140,7 +140,7 @@ class ModelController(QObject):
         app comes back to this computer with that model."""
         if not self.reply_may_stop(f"Loading {path}"):
             return
-        if not self.bridge.engine.capabilities.models:  # back on this computer, with this model
+        if not self.bridge.capabilities.models:  # back on this computer, with this model
             self.use_connection(None, {**(self.store.setting("engine") or {}), "model": path})
             return
         now = self.engine_settings()
@@ -211,7 +211,7 @@ class ModelController(QObject):
 
     def update_chips(self) -> None:
         win, bridge = self.win, self.bridge
-        win.top_bar.allow(win.context_chip, bridge.engine.capabilities.memory)
+        win.top_bar.allow(win.context_chip, bridge.capabilities.memory)
         if bridge.server is not None:  # the model and its cache are the server's: the chip names them
             win.model_chip.setText(model_name(bridge.settings["model"]))
             win.model_chip.setToolTip(f"{bridge.settings['model']} at {bridge.server}, the connection's model")
@@ -270,7 +270,7 @@ class ModelController(QObject):
         win.precision_label.setText(f"KV {snapshot['precision']}{where}")
         win.precision_label.setToolTip(f"Memory saving: {saving(snapshot['precision'])} (the KV cache's precision "
                                        f"is {snapshot['precision']})")
-        if self.bridge.engine.capabilities.memory:
+        if self.bridge.capabilities.memory:
             show_saving(win, self.engine_settings()["kv_precision"], snapshot["precision"])
         if self.config is not None:  # set with the engine's settings (ModelReady), headroom included
             p = plan(self.config, snapshot["total"] - snapshot["other_processes"], 4096,
